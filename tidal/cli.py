@@ -1,0 +1,132 @@
+"""The `tidal` command (also `python -m tidal`).
+
+    tidal train --config NAME [--help] [--print-config] [--section.field VALUE ...]
+    tidal fetch shakespeare [--cache-dir DIR]
+    tidal configs | tidal models
+    tidal store serve|ls ...
+
+Environment variables are read here and nowhere below: TIDAL_CACHE_DIR sets the default of
+`data.cache_dir` for `tidal train` and `tidal fetch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    from tidal.train.config_parse import apply_overrides, help_text, to_json
+    from tidal.train.configs import CONFIGS, get_config
+
+    parser = argparse.ArgumentParser(
+        prog="tidal train",
+        add_help=False,
+        description="Train a model. Any field can be overridden with --section.field VALUE; "
+        "`tidal train --config NAME --help` lists them all.",
+    )
+    parser.add_argument("--config", default="debug", help=f"one of {sorted(CONFIGS)}")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as JSON and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="list every config field")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = get_config(args.config)
+        if os.environ.get("TIDAL_CACHE_DIR"):
+            overrides = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *overrides]
+        if args.help:
+            parser.print_help()
+            print()
+            print(help_text(apply_overrides(cfg, overrides), args.config))
+            return 0
+        cfg = apply_overrides(cfg, overrides)
+    except ValueError as e:
+        print(f"tidal train: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(to_json(cfg))
+        return 0
+
+    from tidal.train.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tidal train: error: {e}", file=sys.stderr)
+        return 2
+    last = trainer.train()
+    return 130 if last.get("interrupted") else 0
+
+
+def _fetch(argv: list[str]) -> int:
+    from tidal.train.data.fetch import add_fetch_arguments, run_fetch
+
+    parser = argparse.ArgumentParser(
+        prog="tidal fetch", description="Download a built-in corpus into tidal's cache "
+        "(done once at set-up; training never downloads)."
+    )
+    add_fetch_arguments(parser)
+    if os.environ.get("TIDAL_CACHE_DIR"):
+        parser.set_defaults(cache_dir=os.environ["TIDAL_CACHE_DIR"])
+    return run_fetch(parser.parse_args(argv))
+
+
+def _configs(argv: list[str]) -> int:
+    from tidal.train.configs import CONFIGS
+
+    for name, fn in sorted(CONFIGS.items()):
+        doc = (fn.__doc__ or "").strip().splitlines()
+        print(f"{name:14s} {doc[0] if doc else ''}")
+    return 0
+
+
+def _models(argv: list[str]) -> int:
+    import torch
+
+    from tidal.models import FLAVORS, Transformer
+
+    print(f"{'flavor':14s} {'params':>14s} {'dim':>5s} {'layers':>6s} {'heads':>5s} "
+          f"{'kv':>3s} {'vocab':>7s}")
+    for name, a in FLAVORS.items():
+        with torch.device("meta"):
+            n = sum(p.numel() for p in Transformer(a).parameters())
+        print(f"{name:14s} {n:>14,d} {a.dim:>5d} {a.n_layers:>6d} {a.n_heads:>5d} "
+              f"{a.n_kv_heads:>3d} {a.vocab_size:>7d}")
+    return 0
+
+
+COMMANDS = {
+    "train": (_train, "train a model from a named config"),
+    "fetch": (_fetch, "download a built-in corpus into the cache"),
+    "configs": (_configs, "list the named training configs"),
+    "models": (_models, "list the model flavors and their parameter counts"),
+}
+
+
+def _store(argv: list[str]) -> int:
+    from tidal.store.cli import main as store_main
+
+    return store_main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = dict(COMMANDS)
+    if _has_store_cli():
+        commands["store"] = (_store, "run or inspect a tidal.store service")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: tidal COMMAND [ARGS]\n\ncommands:")
+        for name, (_, doc) in commands.items():
+            print(f"  {name:8s} {doc}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\ntidal: error: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    return commands[argv[0]][0](argv[1:])
+
+
+def _has_store_cli() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tidal.store.cli") is not None

@@ -1,0 +1,207 @@
+"""Typed configuration of a training job: one dataclass per component.
+
+A job's config is a `Config`; named configs are functions in tidal/train/configs.py, and the
+command line overrides any field with `--section.field value` (tidal/train/config_parse.py).
+Every field carries its documentation as the string under it; `tidal train --help` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tidal.models.flavors import FLAVORS
+from tidal.train.data.config import DataConfig
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """Where the job writes and what it runs on."""
+
+    name: str = "debug"
+    """Name of the run, printed in logs."""
+    output_dir: str = "outputs/debug"
+    """Directory for metrics.jsonl, TensorBoard events and samples; created if missing."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device to train on; auto picks cuda when available, else cpu."""
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda"),
+               f"job.device must be one of auto, cpu, cuda; got {self.device!r}")
+        _check(bool(self.output_dir), "job.output_dir must be a non-empty path")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Which architecture to build."""
+
+    flavor: str = "debug"
+    """Named model shape from tidal/models/flavors.py (see `tidal models`)."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """sdpa: causal scaled_dot_product_attention (flash on GPU). flex: flex attention with
+    document-causal masking, so packed documents do not attend to each other."""
+    vocab_size: int | None = None
+    """Override the flavor's vocabulary size (e.g. to match a small tokenizer); None keeps it."""
+
+    def __post_init__(self) -> None:
+        _check(self.flavor in FLAVORS,
+               f"model.flavor {self.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
+        _check(self.attention in ("sdpa", "flex"),
+               f"model.attention must be one of sdpa, flex; got {self.attention!r}")
+        _check(self.vocab_size is None or self.vocab_size > 0,
+               f"model.vocab_size must be positive or none, got {self.vocab_size}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The optimisation loop."""
+
+    steps: int = 1000
+    """Optimizer steps to run."""
+    batch_size: int = 8
+    """Sequences per micro-batch on each device."""
+    seq_len: int = 256
+    """Tokens per sequence; must not exceed the model's max_seq_len."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (loss normalised by all their tokens)."""
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute precision: bf16 autocast with fp32 master weights, or plain fp32. auto is bf16
+    on CUDA and fp32 on CPU."""
+    compile: bool = False
+    """torch.compile each transformer block and the loss."""
+    seed: int = 0
+    """Seed for weight init, data order and sampling."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower); with a fixed seed, two runs match bitwise."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+            _check(getattr(self, name) > 0,
+                   f"training.{name} must be positive, got {getattr(self, name)}")
+        _check(self.max_norm >= 0, f"training.max_norm must be >= 0, got {self.max_norm}")
+        _check(self.mixed_precision in ("auto", "bf16", "fp32"),
+               f"training.mixed_precision must be one of auto, bf16, fp32; "
+               f"got {self.mixed_precision!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay."""
+
+    lr: float = 3e-4
+    """Peak learning rate (reached after warmup)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices; embeddings, norms and 1-D parameters get none."""
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """AdamW kernel: auto picks fused where the device supports it, else foreach."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optimizer.lr must be positive, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1,
+                   f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        _check(self.eps > 0, f"optimizer.eps must be positive, got {self.eps}")
+        _check(self.weight_decay >= 0,
+               f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        choices = ("auto", "fused", "foreach", "for_loop")
+        _check(self.implementation in choices,
+               f"optimizer.implementation must be one of {', '.join(choices)}; "
+               f"got {self.implementation!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """Warmup-stable-decay learning-rate schedule."""
+
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to the peak learning rate."""
+    decay_fraction: float = 0.2
+    """Fraction of all steps spent decaying at the end (0: constant after warmup)."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
+    """Shape of the final decay."""
+    min_lr_ratio: float = 0.0
+    """Learning rate at the end, as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0,
+               f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0 <= self.decay_fraction <= 1,
+               f"lr_scheduler.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        _check(self.decay_type in ("linear", "cosine", "sqrt"),
+               f"lr_scheduler.decay_type must be one of linear, cosine, sqrt; "
+               f"got {self.decay_type!r}")
+        _check(0 <= self.min_lr_ratio <= 1,
+               f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """What is measured and where it goes."""
+
+    log_every: int = 10
+    """Log loss, throughput and memory every this many steps (and at the last step)."""
+    val_every: int = 100
+    """Run validation every this many steps (and at the end); 0 disables it."""
+    val_batches: int = 8
+    """Validation micro-batches per evaluation."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to <output_dir>/tb (needs the tensorboard package)."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_every > 0, f"metrics.log_every must be positive, got {self.log_every}")
+        _check(self.val_every >= 0, f"metrics.val_every must be >= 0, got {self.val_every}")
+        _check(self.val_batches > 0,
+               f"metrics.val_batches must be positive, got {self.val_batches}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SampleConfig:
+    """Text generated with the trained model at the end of the run."""
+
+    prompt: str = "ROMEO:"
+    """Prompt for the final sample."""
+    max_new_tokens: int = 0
+    """Tokens to generate after training; 0 skips sampling."""
+    temperature: float = 0.8
+    """Sampling temperature; 0 is greedy."""
+    top_k: int = 50
+    """Sample among the k most likely tokens; 0 disables the cut."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 0,
+               f"sample.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        _check(self.temperature >= 0, f"sample.temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"sample.top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole training job."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def __post_init__(self) -> None:
+        max_len = FLAVORS[self.model.flavor].max_seq_len
+        _check(self.training.seq_len <= max_len,
+               f"training.seq_len={self.training.seq_len} exceeds the max_seq_len={max_len} of "
+               f"model.flavor {self.model.flavor!r}")

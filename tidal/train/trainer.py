@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
@@ -31,6 +30,7 @@ from tidal.train.metrics import (
     peak_flops,
     peak_memory_gib,
 )
+from tidal.train.loss import cross_entropy_sum
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
 from tidal.train.sample import generate
 
@@ -69,13 +69,6 @@ def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer
     return model
 
 
-def token_loss_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross entropies over labels that are not -100 (computed in fp32)."""
-    return F.cross_entropy(
-        logits_BTV.flatten(0, 1).float(), labels_BT.flatten(), ignore_index=-100, reduction="sum"
-    )
-
-
 @dataclass
 class StepResult:
     loss: torch.Tensor  # mean token loss of the step (a 0-dim tensor, not synced)
@@ -84,7 +77,9 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, log=print):
+    def __init__(self, cfg: Config, *, data: DataBundle | None = None, log=print):
+        """Build everything for `cfg`; `data` replaces the configured data pipeline (tests,
+        benchmarks on synthetic tokens)."""
         self.cfg, self.log = cfg, log
         t = cfg.training
         self.device = resolve_device(cfg.job.device)
@@ -97,7 +92,7 @@ class Trainer:
             precision = "bf16" if self.device.type == "cuda" else "fp32"
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
 
-        self.data: DataBundle = build_data(
+        self.data = data or build_data(
             cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, log=log
         )
         self.args = model_args_for(cfg)
@@ -115,11 +110,11 @@ class Trainer:
 
         self.model = build_model(self.args, self.device, seed=t.seed)
         self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.loss_fn = token_loss_sum
         if t.compile:
+            # Per-block compile: one graph reused by every layer, quick to build. The loss
+            # is already a memory-lean custom kernel sequence (tidal/train/loss.py).
             for block in self.model.layers.values():
                 block.compile()
-            self.loss_fn = torch.compile(token_loss_sum)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.flops_per_token = flops_per_token(self.model, t.seq_len)
         self.peak_flops = peak_flops(self.device)
@@ -150,7 +145,7 @@ class Trainer:
         doc_ids = batch.document_ids if self.args.attention == "flex" else None
         with self.autocast():
             logits = self.model(batch.input_ids, document_ids=doc_ids)
-        return self.loss_fn(logits, batch.labels)
+        return cross_entropy_sum(logits, batch.labels)
 
     def train_step(self, batches: list[Batch]) -> StepResult:
         """One optimizer step: loss = sum of token losses / number of valid tokens in the step."""
@@ -175,9 +170,7 @@ class Trainer:
             return None
         self.model.eval()
         loss_sum, n = 0.0, 0
-        for i, batch in enumerate(self.data.val):
-            if i == self.cfg.metrics.val_batches:
-                break
+        for batch in self.data.val.iter_epoch(0, max_batches=self.cfg.metrics.val_batches):
             batch = batch.to(self.device)
             loss_sum += float(self.forward_loss(batch))
             n += int((batch.labels != -100).sum())

@@ -33,7 +33,12 @@ def run_tidal(args, mode: str) -> dict:
     import numpy as np
 
     from tidal.train.config import (
-        Config, JobConfig, MetricsConfig, ModelConfig, SampleConfig, SchedulerConfig,
+        Config,
+        JobConfig,
+        MetricsConfig,
+        ModelConfig,
+        SampleConfig,
+        SchedulerConfig,
         TrainingConfig,
     )
     from tidal.train.data import DataBundle, PackedLoader
@@ -43,8 +48,13 @@ def run_tidal(args, mode: str) -> dict:
     cfg = Config(
         job=JobConfig(name=f"bench_{mode}", output_dir=out, device=args.device),
         model=ModelConfig(flavor=args.flavor),
-        training=TrainingConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq,
-                                compile=mode == "compile", max_norm=1.0),
+        training=TrainingConfig(
+            steps=args.steps,
+            batch_size=args.batch,
+            seq_len=args.seq,
+            compile=mode == "compile",
+            max_norm=1.0,
+        ),
         lr_scheduler=SchedulerConfig(warmup_steps=5),
         metrics=MetricsConfig(log_every=args.log_every, val_every=0),
         sample=SampleConfig(max_new_tokens=0),
@@ -55,18 +65,23 @@ def run_tidal(args, mode: str) -> dict:
     rng = np.random.default_rng(0)
     n_tokens = (args.steps + 2) * args.batch * args.seq + 1
     tokens = rng.integers(0, vocab, n_tokens, dtype=np.int64)
-    loader = PackedLoader(tokens, np.array([0]), seq_len=args.seq, batch_size=args.batch,
-                          seed=0)
-    data = DataBundle(tokenizer=SimpleNamespace(vocab_size=vocab, bos_id=0, eos_id=1),
-                      train=loader, val=None)
+    loader = PackedLoader(tokens, np.array([0]), seq_len=args.seq, batch_size=args.batch, seed=0)
+    data = DataBundle(
+        tokenizer=SimpleNamespace(vocab_size=vocab, bos_id=0, eos_id=1), train=loader, val=None
+    )
     Trainer(cfg, data=data).train()
     records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     steady = [r for r in records if r["step"] > args.warmup] or records[-1:]
     mean = lambda k: sum(r[k] for r in steady) / len(steady) if steady[0][k] is not None else None  # noqa: E731
     return {
-        "system": "tidal", "mode": mode, "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
-        "tflops": mean("tflops"), "peak_memory_gib": max(r["peak_memory_gib"] for r in records),
-        "final_loss": records[-1]["loss"], "steps_measured": [r["step"] for r in steady],
+        "system": "tidal",
+        "mode": mode,
+        "tokens_per_s": mean("tokens_per_s"),
+        "mfu": mean("mfu"),
+        "tflops": mean("tflops"),
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in records),
+        "final_loss": records[-1]["loss"],
+        "steps_measured": [r["step"] for r in steady],
     }
 
 
@@ -87,9 +102,12 @@ def parse_torchtitan(log: str, warmup: int) -> dict | None:
     steady = [r for r in rows if r[0] > warmup] or rows[-1:]
     n = len(steady)
     return {
-        "tokens_per_s": sum(r[3] for r in steady) / n, "mfu": sum(r[5] for r in steady) / n / 100,
-        "tflops": sum(r[4] for r in steady) / n, "peak_memory_gib": max(r[2] for r in rows),
-        "final_loss": rows[-1][1], "steps_measured": [int(r[0]) for r in steady],
+        "tokens_per_s": sum(r[3] for r in steady) / n,
+        "mfu": sum(r[5] for r in steady) / n / 100,
+        "tflops": sum(r[4] for r in steady) / n,
+        "peak_memory_gib": max(r[2] for r in rows),
+        "final_loss": rows[-1][1],
+        "steps_measured": [int(r[0]) for r in steady],
     }
 
 
@@ -116,12 +134,16 @@ def fmt(r: dict) -> str:
     if "error" in r:
         return f"{r['system']:10s} {r['mode']:8s} error: {r['error']}"
     mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "  n/a"
-    return (f"{r['system']:10s} {r['mode']:8s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {mfu}  "
-            f"peak {r['peak_memory_gib']:6.2f} GiB  final loss {r['final_loss']:.3f}")
+    return (
+        f"{r['system']:10s} {r['mode']:8s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {mfu}  "
+        f"peak {r['peak_memory_gib']:6.2f} GiB  final loss {r['final_loss']:.3f}"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--flavor", default="llama3_1b")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
@@ -142,7 +164,8 @@ def main() -> None:
     results = []
     for mode in args.modes:
         cmd = [sys.executable, __file__, "--worker", mode] + [
-            a for a in sys.argv[1:] if not a.startswith("--torchtitan") and a != args.torchtitan]
+            a for a in sys.argv[1:] if not a.startswith("--torchtitan") and a != args.torchtitan
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -160,8 +183,10 @@ def main() -> None:
         for mode in args.modes:
             a, b = by.get(("tidal", mode)), by.get(("torchtitan", mode))
             if a and b and "error" not in a and "error" not in b:
-                print(f"  {mode:8s} tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.3f}x   "
-                      f"peak memory {a['peak_memory_gib'] / b['peak_memory_gib']:.3f}x")
+                print(
+                    f"  {mode:8s} tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.3f}x   "
+                    f"peak memory {a['peak_memory_gib'] / b['peak_memory_gib']:.3f}x"
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

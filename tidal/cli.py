@@ -27,8 +27,9 @@ def _train(argv: list[str]) -> int:
         "`tidal train --config NAME --help` lists them all.",
     )
     parser.add_argument("--config", default="debug", help=f"one of {sorted(CONFIGS)}")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as JSON and exit")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as JSON and exit"
+    )
     parser.add_argument("-h", "--help", action="store_true", help="list every config field")
     args, overrides = parser.parse_known_args(argv)
     try:
@@ -63,8 +64,9 @@ def _fetch(argv: list[str]) -> int:
     from tidal.train.data.fetch import add_fetch_arguments, run_fetch
 
     parser = argparse.ArgumentParser(
-        prog="tidal fetch", description="Download a built-in corpus into tidal's cache "
-        "(done once at set-up; training never downloads)."
+        prog="tidal fetch",
+        description="Download a built-in corpus into tidal's cache "
+        "(done once at set-up; training never downloads).",
     )
     add_fetch_arguments(parser)
     if os.environ.get("TIDAL_CACHE_DIR"):
@@ -86,13 +88,17 @@ def _models(argv: list[str]) -> int:
 
     from tidal.models import FLAVORS, Transformer
 
-    print(f"{'flavor':14s} {'params':>14s} {'dim':>5s} {'layers':>6s} {'heads':>5s} "
-          f"{'kv':>3s} {'vocab':>7s}")
+    print(
+        f"{'flavor':14s} {'params':>14s} {'dim':>5s} {'layers':>6s} {'heads':>5s} "
+        f"{'kv':>3s} {'vocab':>7s}"
+    )
     for name, a in FLAVORS.items():
         with torch.device("meta"):
             n = sum(p.numel() for p in Transformer(a).parameters())
-        print(f"{name:14s} {n:>14,d} {a.dim:>5d} {a.n_layers:>6d} {a.n_heads:>5d} "
-              f"{a.n_kv_heads:>3d} {a.vocab_size:>7d}")
+        print(
+            f"{name:14s} {n:>14,d} {a.dim:>5d} {a.n_layers:>6d} {a.n_heads:>5d} "
+            f"{a.n_kv_heads:>3d} {a.vocab_size:>7d}"
+        )
     return 0
 
 

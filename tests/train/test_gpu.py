@@ -1,4 +1,4 @@
-"""GPU-only checks: bf16 training on CUDA, compile, flex attention backward. Skipped without CUDA."""
+"""GPU-only checks: bf16 training, compile, flex attention backward. Skipped without CUDA."""
 
 import pytest
 import torch

@@ -31,8 +31,10 @@ class JobConfig:
     """Device to train on; auto picks cuda when available, else cpu."""
 
     def __post_init__(self) -> None:
-        _check(self.device in ("auto", "cpu", "cuda"),
-               f"job.device must be one of auto, cpu, cuda; got {self.device!r}")
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"job.device must be one of auto, cpu, cuda; got {self.device!r}",
+        )
         _check(bool(self.output_dir), "job.output_dir must be a non-empty path")
 
 
@@ -49,12 +51,18 @@ class ModelConfig:
     """Override the flavor's vocabulary size (e.g. to match a small tokenizer); None keeps it."""
 
     def __post_init__(self) -> None:
-        _check(self.flavor in FLAVORS,
-               f"model.flavor {self.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
-        _check(self.attention in ("sdpa", "flex"),
-               f"model.attention must be one of sdpa, flex; got {self.attention!r}")
-        _check(self.vocab_size is None or self.vocab_size > 0,
-               f"model.vocab_size must be positive or none, got {self.vocab_size}")
+        _check(
+            self.flavor in FLAVORS,
+            f"model.flavor {self.flavor!r} is unknown; choose one of {sorted(FLAVORS)}",
+        )
+        _check(
+            self.attention in ("sdpa", "flex"),
+            f"model.attention must be one of sdpa, flex; got {self.attention!r}",
+        )
+        _check(
+            self.vocab_size is None or self.vocab_size > 0,
+            f"model.vocab_size must be positive or none, got {self.vocab_size}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,12 +91,16 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
-            _check(getattr(self, name) > 0,
-                   f"training.{name} must be positive, got {getattr(self, name)}")
+            _check(
+                getattr(self, name) > 0,
+                f"training.{name} must be positive, got {getattr(self, name)}",
+            )
         _check(self.max_norm >= 0, f"training.max_norm must be >= 0, got {self.max_norm}")
-        _check(self.mixed_precision in ("auto", "bf16", "fp32"),
-               f"training.mixed_precision must be one of auto, bf16, fp32; "
-               f"got {self.mixed_precision!r}")
+        _check(
+            self.mixed_precision in ("auto", "bf16", "fp32"),
+            f"training.mixed_precision must be one of auto, bf16, fp32; "
+            f"got {self.mixed_precision!r}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,15 +123,20 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"optimizer.lr must be positive, got {self.lr}")
         for name in ("beta1", "beta2"):
-            _check(0 <= getattr(self, name) < 1,
-                   f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+            _check(
+                0 <= getattr(self, name) < 1,
+                f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}",
+            )
         _check(self.eps > 0, f"optimizer.eps must be positive, got {self.eps}")
-        _check(self.weight_decay >= 0,
-               f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(
+            self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}"
+        )
         choices = ("auto", "fused", "foreach", "for_loop")
-        _check(self.implementation in choices,
-               f"optimizer.implementation must be one of {', '.join(choices)}; "
-               f"got {self.implementation!r}")
+        _check(
+            self.implementation in choices,
+            f"optimizer.implementation must be one of {', '.join(choices)}; "
+            f"got {self.implementation!r}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,15 +153,22 @@ class SchedulerConfig:
     """Learning rate at the end, as a fraction of the peak."""
 
     def __post_init__(self) -> None:
-        _check(self.warmup_steps >= 0,
-               f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _check(0 <= self.decay_fraction <= 1,
-               f"lr_scheduler.decay_fraction must be in [0, 1], got {self.decay_fraction}")
-        _check(self.decay_type in ("linear", "cosine", "sqrt"),
-               f"lr_scheduler.decay_type must be one of linear, cosine, sqrt; "
-               f"got {self.decay_type!r}")
-        _check(0 <= self.min_lr_ratio <= 1,
-               f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(
+            self.warmup_steps >= 0,
+            f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}",
+        )
+        _check(
+            0 <= self.decay_fraction <= 1,
+            f"lr_scheduler.decay_fraction must be in [0, 1], got {self.decay_fraction}",
+        )
+        _check(
+            self.decay_type in ("linear", "cosine", "sqrt"),
+            f"lr_scheduler.decay_type must be one of linear, cosine, sqrt; got {self.decay_type!r}",
+        )
+        _check(
+            0 <= self.min_lr_ratio <= 1,
+            f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -163,8 +187,9 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         _check(self.log_every > 0, f"metrics.log_every must be positive, got {self.log_every}")
         _check(self.val_every >= 0, f"metrics.val_every must be >= 0, got {self.val_every}")
-        _check(self.val_batches > 0,
-               f"metrics.val_batches must be positive, got {self.val_batches}")
+        _check(
+            self.val_batches > 0, f"metrics.val_batches must be positive, got {self.val_batches}"
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,8 +206,10 @@ class SampleConfig:
     """Sample among the k most likely tokens; 0 disables the cut."""
 
     def __post_init__(self) -> None:
-        _check(self.max_new_tokens >= 0,
-               f"sample.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        _check(
+            self.max_new_tokens >= 0,
+            f"sample.max_new_tokens must be >= 0, got {self.max_new_tokens}",
+        )
         _check(self.temperature >= 0, f"sample.temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"sample.top_k must be >= 0, got {self.top_k}")
 
@@ -202,6 +229,8 @@ class Config:
 
     def __post_init__(self) -> None:
         max_len = FLAVORS[self.model.flavor].max_seq_len
-        _check(self.training.seq_len <= max_len,
-               f"training.seq_len={self.training.seq_len} exceeds the max_seq_len={max_len} of "
-               f"model.flavor {self.model.flavor!r}")
+        _check(
+            self.training.seq_len <= max_len,
+            f"training.seq_len={self.training.seq_len} exceeds the max_seq_len={max_len} of "
+            f"model.flavor {self.model.flavor!r}",
+        )

@@ -29,9 +29,13 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -98,7 +102,9 @@ def split_overrides(argv: list[str]) -> dict[str, str]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
+            raise ValueError(
+                f"unexpected argument {arg!r}; overrides look like --section.field VALUE"
+            )
         key = arg[2:]
         if "=" in key:
             key, value = key.split("=", 1)
@@ -122,9 +128,7 @@ def apply_overrides(config, argv: list[str]):
         sec_cls = type(getattr(config, section))
         hints = _hints(sec_cls)
         if name not in hints:
-            raise ValueError(
-                f"unknown field --{key}; {section} has {', '.join(sorted(hints))}"
-            )
+            raise ValueError(f"unknown field --{key}; {section} has {', '.join(sorted(hints))}")
         values[section][name] = parse_value(raw, hints[name], f"--{key}")
     return build(type(config), values)
 

@@ -8,8 +8,9 @@ from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float, top_k: int,
-                generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(
+    logits_BV: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None
+) -> torch.Tensor:
     """One token per row from the last-position logits: greedy at temperature 0."""
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
@@ -35,7 +36,7 @@ def generate(
     """Continue one prompt by up to `max_new_tokens` tokens; returns the new token ids."""
     device = model.rope.device
     capacity = min(model.args.max_seq_len, len(prompt_ids) + max_new_tokens)
-    prompt_ids = prompt_ids[-(capacity - max_new_tokens):] if capacity > max_new_tokens else []
+    prompt_ids = prompt_ids[-(capacity - max_new_tokens) :] if capacity > max_new_tokens else []
     if not prompt_ids:
         raise ValueError("prompt is empty or leaves no room for max_new_tokens")
     dtype = next(model.parameters()).dtype

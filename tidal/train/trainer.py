@@ -23,6 +23,7 @@ from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.train.config import Config
 from tidal.train.data import Batch, DataBundle, build_data
+from tidal.train.loss import cross_entropy_sum
 from tidal.train.metrics import (
     MetricsLogger,
     Stopwatch,
@@ -30,16 +31,17 @@ from tidal.train.metrics import (
     peak_flops,
     peak_memory_gib,
 )
-from tidal.train.loss import cross_entropy_sum
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
 from tidal.train.sample import generate
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("job.device=cuda but no CUDA device is available")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("job.device=cuda but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
@@ -183,9 +185,15 @@ class Trainer:
         prompt = [tok.bos_id] + tok.encode(s.prompt)
         self.model.eval()
         with self.autocast():
-            new = generate(self.model, prompt, max_new_tokens=s.max_new_tokens,
-                           temperature=s.temperature, top_k=s.top_k, stop_id=tok.eos_id,
-                           seed=self.cfg.training.seed)
+            new = generate(
+                self.model,
+                prompt,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                stop_id=tok.eos_id,
+                seed=self.cfg.training.seed,
+            )
         self.model.train()
         return s.prompt + tok.decode(new)
 
@@ -210,8 +218,9 @@ class Trainer:
                 window_tokens += result.tokens
                 window_steps += 1
                 if self.step % m.log_every == 0 or self.step == total_steps:
-                    last = self._log_step(logger, result, lr, window_tokens, window_steps,
-                                          watch, start)
+                    last = self._log_step(
+                        logger, result, lr, window_tokens, window_steps, watch, start
+                    )
                     window_tokens, window_steps = 0, 0
                 if m.val_every and (self.step % m.val_every == 0 or self.step == total_steps):
                     self._log_validation(logger)

@@ -1,0 +1,150 @@
+"""Model math: shapes, causality, KV cache, parameter counts, attention kernels."""
+
+import pytest
+import torch
+
+from tidal.models import FLAVORS, KVCache, Transformer, get_flavor
+
+
+def tiny(**kw):
+    args = get_flavor(
+        "debug",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        vocab_size=97,
+        max_seq_len=64,
+        **kw,
+    )
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    return model.eval()
+
+
+@pytest.fixture(params=["debug", "debug_qwen3"])
+def model(request):
+    args = get_flavor(
+        request.param,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        vocab_size=97,
+        max_seq_len=64,
+    )
+    if args.head_dim is not None:
+        from dataclasses import replace
+
+        args = replace(args, head_dim=24)
+    with torch.device("meta"):
+        m = Transformer(args)
+    m.to_empty(device="cpu")
+    m.init_weights(seed=0)
+    return m.eval()
+
+
+def test_shapes_and_meta_init(model):
+    tokens = torch.randint(0, 97, (3, 17))
+    logits = model(tokens)
+    assert logits.shape == (3, 17, 97)
+    assert torch.isfinite(logits).all()
+    assert model(tokens, return_hidden=True).shape == (3, 17, 64)
+
+
+def test_init_is_seeded(model):
+    other = Transformer(model.args)
+    other.init_weights(seed=0)
+    for (n, p), q in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(p, q), n
+
+
+def test_causal(model):
+    tokens = torch.randint(0, 97, (2, 20))
+    changed = tokens.clone()
+    changed[:, 12:] = (changed[:, 12:] + 1) % 97
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_kv_cache_matches_full_forward(model):
+    tokens = torch.randint(0, 97, (2, 24))
+    full = model(tokens)
+    cache = KVCache.for_model(model, batch_size=2, capacity=32)
+    steps = [model(tokens[:, :10], cache=cache)]  # prefill
+    cache.advance(10)
+    for t in range(10, 24):  # one token at a time
+        steps.append(model(tokens[:, t : t + 1], cache=cache))
+        cache.advance(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_positions_argument(model):
+    tokens = torch.randint(0, 97, (1, 8))
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8)), model(tokens))
+    # RoPE sees relative distances only: a constant shift changes nothing, a gap does.
+    torch.testing.assert_close(model(tokens, positions=torch.arange(8)[None] + 5), model(tokens))
+    gap = torch.tensor([[0, 1, 2, 3, 10, 11, 12, 13]])
+    assert not torch.allclose(model(tokens, positions=gap), model(tokens))
+
+
+def test_tied_embeddings_share_storage():
+    m = tiny(tie_embeddings=True)
+    assert m.output is None
+    names = [n for n, _ in m.named_parameters()]
+    assert "tok_embeddings.weight" in names and not any(n.startswith("output") for n in names)
+
+
+def test_sequence_longer_than_max_raises():
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        tiny()(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", [n for n, a in FLAVORS.items() if "published_params" in a.extra])
+def test_parameter_counts_match_published(name):
+    args = FLAVORS[name]
+    with torch.device("meta"):
+        m = Transformer(args)
+    assert sum(p.numel() for p in m.parameters()) == args.extra["published_params"]
+
+
+def test_flex_single_document_matches_sdpa():
+    sdpa = tiny()
+    flex = Transformer(get_flavor("debug", **{**_tiny_kw(), "attention": "flex"}))
+    flex.load_state_dict(sdpa.state_dict())
+    flex.eval()
+    tokens = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(flex(tokens), sdpa(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_document_mask_isolates_documents():
+    flex = Transformer(get_flavor("debug", **{**_tiny_kw(), "attention": "flex"}))
+    flex.init_weights(seed=1)
+    flex.eval()
+    a, b = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 10))
+    packed = torch.cat([a, b], dim=1)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10], dtype=torch.int32)
+    # Positions restart per document, as if each were fed alone.
+    positions = torch.cat([torch.arange(6), torch.arange(10)])[None]
+    with torch.no_grad():
+        out = flex(packed, document_ids=doc_ids, positions=positions)
+        torch.testing.assert_close(out[:, :6], flex(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[:, 6:], flex(b), atol=1e-5, rtol=1e-5)
+
+
+def _tiny_kw():
+    return dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=64
+    )
+
+
+def test_bad_args():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        get_flavor("debug", n_heads=8, n_kv_heads=3)
+    with pytest.raises(ValueError, match="unknown model flavor"):
+        get_flavor("llama9")

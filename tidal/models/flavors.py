@@ -1,0 +1,131 @@
+"""Named model shapes. `published_params` is the count from the model card / checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tidal.models.transformer import ModelArgs, RopeScaling
+
+LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+
+
+def _llama3(**kw) -> ModelArgs:
+    base = dict(
+        family="llama3",
+        n_kv_heads=8,
+        vocab_size=128256,
+        norm_eps=1e-5,
+        rope_theta=500_000.0,
+        max_seq_len=8192,
+    )
+    return ModelArgs(**(base | kw))
+
+
+def _qwen3(**kw) -> ModelArgs:
+    base = dict(
+        family="qwen3",
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        qk_norm=True,
+        max_seq_len=40960,
+    )
+    return ModelArgs(**(base | kw))
+
+
+FLAVORS: dict[str, ModelArgs] = {
+    # A few million parameters: trains on CPU in minutes. The vocabulary follows the tokenizer.
+    "debug": ModelArgs(
+        family="llama3",
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=768,
+        vocab_size=4096,
+        rope_theta=10_000.0,
+        max_seq_len=2048,
+    ),
+    "debug_qwen3": ModelArgs(
+        family="qwen3",
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=48,
+        ffn_dim=768,
+        vocab_size=4096,
+        norm_eps=1e-6,
+        rope_theta=10_000.0,
+        qk_norm=True,
+        tie_embeddings=True,
+        max_seq_len=2048,
+    ),
+    # torchtitan's "1B" Llama 3 shape (untied output: 1.50B parameters with the 128k vocab).
+    "llama3_1b": _llama3(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        ffn_dim=8192,
+        rope_scaling=LLAMA32_SCALING,
+        extra={"published_params": 1_498_482_688},
+    ),
+    # Llama 3.2 1B as released: the same blocks with tied embeddings.
+    "llama3_2_1b": _llama3(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        ffn_dim=8192,
+        tie_embeddings=True,
+        rope_scaling=LLAMA32_SCALING,
+        max_seq_len=131072,
+        extra={"published_params": 1_235_814_400},
+    ),
+    "llama3_8b": _llama3(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        ffn_dim=14336,
+        rope_scaling=LLAMA31_SCALING,
+        max_seq_len=131072,
+        extra={"published_params": 8_030_261_248},
+    ),
+    "llama3_70b": _llama3(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        ffn_dim=28672,
+        rope_scaling=LLAMA31_SCALING,
+        max_seq_len=131072,
+        extra={"published_params": 70_553_706_496},
+    ),
+    "qwen3_0_6b": _qwen3(
+        dim=1024,
+        n_layers=28,
+        n_heads=16,
+        ffn_dim=3072,
+        tie_embeddings=True,
+        extra={"published_params": 596_049_920},
+    ),
+    "qwen3_1_7b": _qwen3(
+        dim=2048,
+        n_layers=28,
+        n_heads=16,
+        ffn_dim=6144,
+        tie_embeddings=True,
+        extra={"published_params": 1_720_574_976},
+    ),
+    "qwen3_8b": _qwen3(
+        dim=4096, n_layers=36, n_heads=32, ffn_dim=12288, extra={"published_params": 8_190_735_360}
+    ),
+}
+
+
+def get_flavor(name: str, **overrides) -> ModelArgs:
+    """The ModelArgs of a named flavor, with optional field overrides."""
+    if name not in FLAVORS:
+        raise ValueError(f"unknown model flavor {name!r}; choose one of {sorted(FLAVORS)}")
+    return replace(FLAVORS[name], **overrides) if overrides else FLAVORS[name]

@@ -1,0 +1,357 @@
+"""Llama 3 and Qwen 3 decoder-only transformers, in one file.
+
+Both families share one block structure; the differences are flags on `ModelArgs`:
+
+- Token embedding, then `n_layers` pre-norm blocks, a final RMSNorm and an output projection.
+- Attention: grouped-query attention (GQA, `n_kv_heads` <= `n_heads`), rotary position
+  embeddings in the rotate-half layout that Hugging Face checkpoints use (so weights load
+  without a permutation), no biases. Llama 3.1 frequency scaling (`rope_scaling`) for the
+  Llama flavors that have it. Qwen 3 adds a per-head RMSNorm on queries and keys (QK-norm)
+  and a head dim that need not equal dim / n_heads.
+- MLP: SwiGLU, `w2(silu(w1 x) * w3 x)`.
+- Norms: RMSNorm everywhere (eps 1e-5 for Llama, 1e-6 for Qwen).
+- Output: a separate projection, or tied to the embedding (`tie_embeddings`, small Qwen 3).
+- Attention kernels: `scaled_dot_product_attention` (causal) by default; flex attention with
+  a document-causal block mask for packed sequences when `attention="flex"`.
+- Generation: `forward` takes an optional `KVCache` and explicit positions, so sampling runs
+  this same module (see tidal/models/kv_cache.py).
+
+The model knows nothing of devices, ranks or precision: build it on the meta device, move it
+with `to_empty(device=...)`, then call `init_weights()` once.
+
+Shape legend: B batch, T query time, S key time (cache length), D model dim, H query heads,
+G key/value heads, K head dim, F MLP hidden dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.models.kv_cache import KVCache
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (long-context extension of the base frequencies)."""
+
+    factor: float = 8.0
+    """How much the low frequencies are stretched."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above original_max_seq_len / low_freq_factor are fully scaled."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below original_max_seq_len / high_freq_factor are left alone."""
+    original_max_seq_len: int = 8192
+    """Context length the base frequencies were trained for."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelArgs:
+    """Architecture of one decoder. Named flavors live in tidal/models/flavors.py."""
+
+    family: Literal["llama3", "qwen3"] = "llama3"
+    """Model family; selects nothing by itself but names the checkpoint format."""
+    dim: int = 256
+    """Model (residual stream) width D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Query heads H."""
+    n_kv_heads: int = 4
+    """Key/value heads G; must divide n_heads (GQA)."""
+    head_dim: int | None = None
+    """Head dim K; derived as dim // n_heads when None."""
+    ffn_dim: int = 768
+    """SwiGLU hidden width F."""
+    vocab_size: int = 4096
+    """Vocabulary size V (rows of the embedding)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 500_000.0
+    """RoPE base frequency."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1 frequency scaling, or None."""
+    qk_norm: bool = False
+    """RMSNorm on each query and key head before RoPE (Qwen 3)."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output projection."""
+    max_seq_len: int = 2048
+    """Longest sequence (prompt plus generation) the RoPE tables cover."""
+    attention: Literal["sdpa", "flex"] = "sdpa"
+    """Attention kernel: causal SDPA, or flex attention with document-causal masking."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Free-form notes (e.g. the published parameter count); not used by the math."""
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.k % 2:
+            raise ValueError(f"head dim {self.k} must be even for RoPE")
+        if self.attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {self.attention!r}")
+
+    @property
+    def k(self) -> int:
+        """Head dim K."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+
+def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [K/2] in fp32, with Llama 3.1 scaling applied when configured."""
+    k = args.k
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, k, 2, device=device).float() / k))
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_wavelen = s.original_max_seq_len / s.high_freq_factor
+    # Between the two wavelengths, interpolate smoothly between scaled and unscaled.
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(middle, interpolated, out)
+
+
+def rope_tables(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """cos and sin for every position, stacked as [2, max_seq_len, K] (rotate-half layout)."""
+    inv_freq = rope_frequencies(args, device)
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    angles_TK = torch.outer(t, inv_freq).repeat(1, 2)  # both halves share the frequencies
+    return torch.stack([angles_TK.cos(), angles_TK.sin()])
+
+
+def apply_rope(x_BTHK: torch.Tensor, cos_BTK: torch.Tensor, sin_BTK: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + K/2) of each head by the angle of its position."""
+    x1, x2 = x_BTHK.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos_BTK.unsqueeze(2), sin_BTK.unsqueeze(2)  # broadcast over heads
+    return (x_BTHK.float() * cos + rotated.float() * sin).type_as(x_BTHK)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.k
+        self.kind = args.attention
+        self.wq = nn.Linear(args.dim, args.n_heads * args.k, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.k, args.dim, bias=False)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(args.k, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(args.k, eps=args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        cache: KVCache | None,
+        layer: int,
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # -1 instead of the head count keeps the views valid when TP shards the heads.
+        q_BTHK = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k_BTGK = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v_BTGK = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
+        q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
+
+        # Kernels want heads before time.
+        q_BHTK, k_BGSK, v_BGSK = (t.transpose(1, 2) for t in (q_BTHK, k_BTGK, v_BTGK))
+        if cache is not None:
+            k_BGSK, v_BGSK = cache.update(layer, k_BGSK, v_BGSK)
+        o_BHTK = mask.attend(q_BHTK, k_BGSK, v_BGSK)
+        return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x_BTD, rope, mask, cache=None):
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), rope, mask, cache, self.layer_id)
+        return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
+
+
+class AttentionMask:
+    """How queries may see keys in one forward pass, shared by every layer.
+
+    - causal: plain causal SDPA (training, or a prefill into an empty cache);
+    - offset: queries start at absolute position `offset` of a cache holding S keys;
+    - document: flex attention restricted to the same document (packed sequences).
+    """
+
+    def __init__(self, kind: str, *, offset: int = 0, block_mask=None):
+        self.kind, self.offset, self.block_mask = kind, offset, block_mask
+
+    def attend(self, q_BHTK, k_BGSK, v_BGSK) -> torch.Tensor:
+        if self.kind == "document":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(
+                q_BHTK, k_BGSK, v_BGSK, block_mask=self.block_mask, enable_gqa=True
+            )
+        if self.kind == "causal":
+            return F.scaled_dot_product_attention(
+                q_BHTK, k_BGSK, v_BGSK, is_causal=True, enable_gqa=True
+            )
+        T, S = q_BHTK.shape[2], k_BGSK.shape[2]
+        q_pos = torch.arange(T, device=q_BHTK.device) + self.offset
+        visible_TS = torch.arange(S, device=q_BHTK.device)[None, :] <= q_pos[:, None]
+        return F.scaled_dot_product_attention(
+            q_BHTK, k_BGSK, v_BGSK, attn_mask=visible_TS, enable_gqa=True
+        )
+
+
+def document_block_mask(document_ids_BT: torch.Tensor):
+    """Flex-attention block mask: causal, and only within the same document."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = document_ids_BT.shape
+
+    def same_doc_causal(b, h, q, kv):
+        return (q >= kv) & (document_ids_BT[b, q] == document_ids_BT[b, kv])
+
+    return create_block_mask(same_doc_causal, B, None, T, T, device=document_ids_BT.device)
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model. See the module docstring for the architecture."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Tied embeddings reuse tok_embeddings.weight in forward (no second parameter object,
+        # so to_empty and FSDP never see a shared parameter).
+        self.output = (
+            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        )
+        # cos/sin tables are derived, not learned: left out of state dicts.
+        self.register_buffer("rope", rope_tables(args), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter and buffer in place (after `to_empty`).
+
+        Linear weights are truncated normals with std 0.02, the residual-branch outputs (wo,
+        w2) scaled down with depth, the output projection with std dim**-0.5, norms at one.
+        """
+        gen = None
+        device = self.rope.device
+        if seed is not None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+        self.rope.copy_(rope_tables(self.args, device=device))
+        emb_std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
+        _normal(self.tok_embeddings.weight, emb_std, gen)
+        for block in self.layers.values():
+            depth_std = 0.02 / math.sqrt(2 * (block.layer_id + 1))
+            attn, ffn = block.attention, block.feed_forward
+            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+                _normal(lin.weight, 0.02, gen)
+            for lin in (attn.wo, ffn.w2):
+                _normal(lin.weight, depth_std, gen)
+        if not self.args.tie_embeddings:
+            _normal(self.output.weight, self.args.dim**-0.5, gen)
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] for the given tokens.
+
+        Args:
+            tokens_BT: token ids.
+            positions: absolute positions [B, T] or [T] for RoPE; defaults to
+                cache.length + arange(T) (0 + arange(T) without a cache).
+            cache: a KVCache; the new keys/values are appended and attention covers the
+                whole cached prefix. The caller advances `cache.length` afterwards.
+            document_ids: [B, T] document index of each token, for document-causal masking
+                with flex attention (ignored by the SDPA path, which is plainly causal).
+            return_hidden: return the final normed hidden states [B, T, D] instead of logits
+                (for a loss that fuses the output projection).
+        """
+        B, T = tokens_BT.shape
+        offset = cache.length if cache is not None else 0
+        if offset + T > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence of {offset + T} tokens exceeds max_seq_len={self.args.max_seq_len}"
+            )
+        if positions is None:
+            positions = torch.arange(offset, offset + T, device=tokens_BT.device)
+        cos, sin = self.rope[0][positions], self.rope[1][positions]
+        if cos.dim() == 2:  # one position vector shared by the batch
+            cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
+
+        if cache is not None and offset > 0:
+            mask = AttentionMask("offset", offset=offset)
+        elif self.args.attention == "flex" and cache is None:
+            if document_ids is None:
+                document_ids = torch.zeros_like(tokens_BT, dtype=torch.int32)
+            mask = AttentionMask("document", block_mask=document_block_mask(document_ids))
+        else:
+            mask = AttentionMask("causal")
+
+        h_BTD = self.tok_embeddings(tokens_BT)
+        for block in self.layers.values():
+            h_BTD = block(h_BTD, (cos, sin), mask, cache)
+        h_BTD = self.norm(h_BTD)
+        if return_hidden:
+            return h_BTD
+        return self.logits(h_BTD)
+
+    def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """Output projection of final hidden states: [..., D] -> [..., V]."""
+        if self.output is None:
+            return F.linear(h_BTD, self.tok_embeddings.weight)
+        return self.output(h_BTD)
+
+
+def _normal(w: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
+    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)

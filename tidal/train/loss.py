@@ -3,42 +3,64 @@
 `cross_entropy_sum(logits, labels)` returns the sum of token losses over labels != -100, like
 `F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=-100)`. The plain form
 keeps an fp32 copy of the logits and fp32 log-probabilities alive for backward (for a 128k
-vocabulary at 4 x 4096 tokens that is 2 x 8.4 GB). Here the forward walks the rows in chunks,
-computes each chunk's log-sum-exp in fp32 and writes d(loss)/d(logits) = softmax - onehot
-straight into a buffer of the logits' dtype, which is all backward needs (it only scales it by
-the incoming gradient). The logits can be freed as soon as the loss is computed.
+vocabulary at 4 x 4096 tokens that is 2 x 8.4 GB) and spends a dozen memory passes over them.
+Here the forward walks the rows in chunks; for each chunk it computes the log-sum-exp in fp32
+and writes d(loss)/d(logits) = softmax - onehot straight into a buffer of the logits' dtype,
+which is all backward needs (it only scales it by the incoming gradient). The logits can be
+freed as soon as the loss is computed.
+
+On CUDA the per-chunk math is compiled by inductor into two fused kernels (one reduction, one
+pointwise pass): in benchmarks/train_throughput.py on an H200 this took the loss of Llama 3 1B
+at batch 4 x 4096 from about 35 ms to a few ms per step. On CPU it runs eagerly.
 
 Precondition: backward runs at most once per forward (it scales the saved buffer in place).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 IGNORE_INDEX = -100
+
+
+def _chunk_loss_and_grad(x_CV: torch.Tensor, labels_C: torch.Tensor, want_grad: bool):
+    """Summed loss of one chunk of rows and, if wanted, softmax - onehot in x_CV's dtype."""
+    xf_CV = x_CV.float()
+    valid_C = labels_C != IGNORE_INDEX
+    safe_C = labels_C.clamp(min=0)
+    lse_C = torch.logsumexp(xf_CV, dim=-1)
+    target_C = xf_CV.gather(1, safe_C[:, None]).squeeze(1)
+    loss = ((lse_C - target_C) * valid_C).sum()
+    if not want_grad:
+        return loss, None
+    vocab_V = torch.arange(x_CV.shape[1], device=x_CV.device)
+    onehot_CV = (vocab_V[None, :] == safe_C[:, None]).float()
+    grad_CV = (torch.exp(xf_CV - lse_C[:, None]) - onehot_CV) * valid_C[:, None]
+    return loss, grad_CV.to(x_CV.dtype)
+
+
+@functools.cache
+def _compiled_chunk():
+    return torch.compile(_chunk_loss_and_grad, dynamic=False)
 
 
 class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV: torch.Tensor, labels_N: torch.Tensor, chunk: int):
         N = logits_NV.shape[0]
+        want_grad = logits_NV.requires_grad
+        chunk_fn = _compiled_chunk() if logits_NV.is_cuda else _chunk_loss_and_grad
         loss = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
-        grad_NV = torch.empty_like(logits_NV) if logits_NV.requires_grad else None
+        grad_NV = torch.empty_like(logits_NV) if want_grad else None
         for start in range(0, N, chunk):
-            x_CV = logits_NV[start : start + chunk].float()
-            labels_C = labels_N[start : start + chunk]
-            valid_C = labels_C != IGNORE_INDEX
-            safe_C = labels_C.clamp(min=0)[:, None]
-            lse_C = torch.logsumexp(x_CV, dim=-1)
-            target_C = x_CV.gather(1, safe_C).squeeze(1)
-            loss += ((lse_C - target_C) * valid_C).sum()
-            if grad_NV is not None:
-                # softmax - onehot, zero on ignored rows; computed in place in x_CV.
-                x_CV.sub_(lse_C[:, None]).exp_()
-                x_CV.scatter_add_(1, safe_C, -torch.ones_like(safe_C, dtype=x_CV.dtype))
-                x_CV.mul_(valid_C[:, None])
-                grad_NV[start : start + chunk] = x_CV
-        if grad_NV is not None:
+            end = min(N, start + chunk)
+            chunk_loss, chunk_grad = chunk_fn(logits_NV[start:end], labels_N[start:end], want_grad)
+            loss += chunk_loss
+            if want_grad:
+                grad_NV[start:end] = chunk_grad
+        if want_grad:
             ctx.save_for_backward(grad_NV)
         return loss
 

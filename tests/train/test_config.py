@@ -5,8 +5,8 @@ import json
 import pytest
 
 from tidal.cli import main
-from tidal.train.config_parse import apply_overrides, field_docs, help_text, to_dict
 from tidal.train.config import TrainingConfig
+from tidal.train.config_parse import apply_overrides, field_docs, help_text, to_dict
 from tidal.train.configs import CONFIGS, get_config
 
 

@@ -86,7 +86,7 @@ def tiny_trainer(tmp_path, *extra):
 
 def test_overfits_a_fixed_batch(tmp_path):
     trainer = tiny_trainer(tmp_path)
-    first = float(trainer.train_step(trainer.next_batches()[0]).loss)
+    first = float(trainer.train_step(*trainer.next_batches()[:2]).loss)
     last = trainer.train()
     assert first > 3.5  # about ln(64) at init
     assert last["loss"] < 0.1 * first
@@ -98,7 +98,7 @@ def test_same_seed_gives_bitwise_identical_runs(tmp_path):
         t = tiny_trainer(
             tmp_path / str(run), "--training.steps", "5", "--training.deterministic", "true"
         )
-        losses.append([float(t.train_step(t.next_batches()[0]).loss) for _ in range(5)])
+        losses.append([float(t.train_step(*t.next_batches()[:2]).loss) for _ in range(5)])
     assert losses[0] == losses[1]
 
 
@@ -117,7 +117,7 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
         )
         for i in (0, 2)
     ]
-    r_big, r_acc = big.train_step([batch]), acc.train_step(halves)
+    r_big, r_acc = big.train_step([batch], 128), acc.train_step(halves, 128)
     torch.testing.assert_close(r_acc.loss, r_big.loss)
     torch.testing.assert_close(r_acc.grad_norm, r_big.grad_norm)
     # One AdamW step (lr 3e-3) later the weights agree to a few percent of an update: Adam's
@@ -130,10 +130,10 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     trainer = tiny_trainer(tmp_path, "--metrics.log_every", "1")
     real_step = trainer.train_step
 
-    def step(batches):
+    def step(batches, n_tokens):
         if trainer.step == 3:
             raise KeyboardInterrupt
-        return real_step(batches)
+        return real_step(batches, n_tokens)
 
     trainer.train_step = step
     last = trainer.train()

@@ -26,6 +26,7 @@ G key/value heads, K head dim, F MLP hidden dim, V vocabulary.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -274,31 +275,35 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_tables(args), persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter and buffer in place (after `to_empty`).
 
         Linear weights are truncated normals with std 0.02, the residual-branch outputs (wo,
         w2) scaled down with depth, the output projection with std dim**-0.5, norms at one.
+        Each parameter draws from its own generator seeded by (seed, parameter name), so a
+        parameter gets the same values whichever other parameters exist in this process (a
+        pipeline stage) and however it is sharded.
         """
-        gen = None
         device = self.rope.device
-        if seed is not None:
-            gen = torch.Generator(device=device).manual_seed(seed)
         self.rope.copy_(rope_tables(self.args, device=device))
-        emb_std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
-        _normal(self.tok_embeddings.weight, emb_std, gen)
-        for block in self.layers.values():
-            depth_std = 0.02 / math.sqrt(2 * (block.layer_id + 1))
-            attn, ffn = block.attention, block.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                _normal(lin.weight, 0.02, gen)
-            for lin in (attn.wo, ffn.w2):
-                _normal(lin.weight, depth_std, gen)
-        if not self.args.tie_embeddings:
-            _normal(self.output.weight, self.args.dim**-0.5, gen)
-        for module in self.modules():
-            if isinstance(module, nn.RMSNorm):
-                module.reset_parameters()
+        for name, param in self.named_parameters():
+            std = self._init_std(name)
+            if std is None:
+                param.fill_(1.0)  # RMSNorm scales
+            else:
+                _normal(param, std, _generator(seed, name, param))
+
+    def _init_std(self, name: str) -> float | None:
+        if name == "tok_embeddings.weight":
+            return self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
+        if name == "output.weight":
+            return self.args.dim**-0.5
+        if "norm" in name.rsplit(".", 2)[-2]:
+            return None
+        if name.endswith(("wo.weight", "w2.weight")):
+            layer_id = int(name.split(".")[1])
+            return 0.02 / math.sqrt(2 * (layer_id + 1))
+        return 0.02
 
     def forward(
         self,
@@ -312,7 +317,9 @@ class Transformer(nn.Module):
         """Logits [B, T, V] for the given tokens.
 
         Args:
-            tokens_BT: token ids.
+            tokens_BT: token ids; hidden states [B, T, D] on pipeline stages that have no
+                embedding (their `tok_embeddings` is None; stages without `norm` return
+                hidden states).
             positions: absolute positions [B, T] or [T] for RoPE; defaults to
                 cache.length + arange(T) (0 + arange(T) without a cache).
             cache: a KVCache; the new keys/values are appended and attention covers the
@@ -322,7 +329,7 @@ class Transformer(nn.Module):
             return_hidden: return the final normed hidden states [B, T, D] instead of logits
                 (for a loss that fuses the output projection).
         """
-        B, T = tokens_BT.shape
+        B, T = tokens_BT.shape[:2]
         offset = cache.length if cache is not None else 0
         if offset + T > self.args.max_seq_len:
             raise ValueError(
@@ -338,14 +345,17 @@ class Transformer(nn.Module):
             mask = AttentionMask("offset", offset=offset)
         elif self.args.attention == "flex" and cache is None:
             if document_ids is None:
-                document_ids = torch.zeros_like(tokens_BT, dtype=torch.int32)
+                document_ids = torch.zeros(B, T, dtype=torch.int32, device=tokens_BT.device)
             mask = AttentionMask("document", block_mask=document_block_mask(document_ids))
         else:
             mask = AttentionMask("causal")
 
-        h_BTD = self.tok_embeddings(tokens_BT)
+        # Pipeline stages after the first have no embedding and receive hidden states.
+        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
         for block in self.layers.values():
             h_BTD = block(h_BTD, (cos, sin), mask, cache)
+        if self.norm is None:  # a pipeline stage before the last
+            return h_BTD
         h_BTD = self.norm(h_BTD)
         if return_hidden:
             return h_BTD
@@ -358,5 +368,24 @@ class Transformer(nn.Module):
         return self.output(h_BTD)
 
 
+def _generator(seed: int, name: str, param: torch.Tensor) -> torch.Generator:
+    from torch.distributed.tensor import DTensor
+
+    device = param.to_local().device if isinstance(param, DTensor) else param.device
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
 def _normal(w: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
-    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+    """Truncated normal init. A sharded (DTensor) weight gets its slice of the full tensor
+    drawn from the same generator, so every layout initializes the same values as one
+    process with the same seed."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(w, DTensor):
+        nn.init.trunc_normal_(w, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+        return
+    full = torch.empty(w.shape, dtype=w.dtype, device=w.to_local().device)
+    nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+    # src_data_rank=None: every rank already holds the full tensor; slice, don't scatter.
+    local = distribute_tensor(full, w.device_mesh, w.placements, src_data_rank=None).to_local()
+    w.to_local().copy_(local)

@@ -25,20 +25,20 @@ import torch
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_and_grad(x_CV: torch.Tensor, labels_C: torch.Tensor, want_grad: bool):
-    """Summed loss of one chunk of rows and, if wanted, softmax - onehot in x_CV's dtype."""
+def _chunk_loss_and_grad(x_CV: torch.Tensor, labels_C: torch.Tensor, grad_CV: torch.Tensor | None):
+    """Summed loss of one chunk of rows; writes softmax - onehot into `grad_CV` if given."""
     xf_CV = x_CV.float()
     valid_C = labels_C != IGNORE_INDEX
     safe_C = labels_C.clamp(min=0)
     lse_C = torch.logsumexp(xf_CV, dim=-1)
     target_C = xf_CV.gather(1, safe_C[:, None]).squeeze(1)
     loss = ((lse_C - target_C) * valid_C).sum()
-    if not want_grad:
-        return loss, None
-    vocab_V = torch.arange(x_CV.shape[1], device=x_CV.device)
-    onehot_CV = (vocab_V[None, :] == safe_C[:, None]).float()
-    grad_CV = (torch.exp(xf_CV - lse_C[:, None]) - onehot_CV) * valid_C[:, None]
-    return loss, grad_CV.to(x_CV.dtype)
+    if grad_CV is not None:
+        vocab_V = torch.arange(x_CV.shape[1], device=x_CV.device)
+        onehot_CV = (vocab_V[None, :] == safe_C[:, None]).float()
+        # Written in place: under compile the fused kernel stores straight into the buffer.
+        grad_CV.copy_((torch.exp(xf_CV - lse_C[:, None]) - onehot_CV) * valid_C[:, None])
+    return loss
 
 
 @functools.cache
@@ -56,10 +56,8 @@ class _CrossEntropySum(torch.autograd.Function):
         grad_NV = torch.empty_like(logits_NV) if want_grad else None
         for start in range(0, N, chunk):
             end = min(N, start + chunk)
-            chunk_loss, chunk_grad = chunk_fn(logits_NV[start:end], labels_N[start:end], want_grad)
-            loss += chunk_loss
-            if want_grad:
-                grad_NV[start:end] = chunk_grad
+            grad_CV = grad_NV[start:end] if want_grad else None
+            loss += chunk_fn(logits_NV[start:end], labels_N[start:end], grad_CV)
         if want_grad:
             ctx.save_for_backward(grad_NV)
         return loss

@@ -22,7 +22,7 @@ import torch
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.train.config import Config
-from tidal.train.data import Batch, DataBundle, build_data
+from tidal.train.data import IGNORE_INDEX, Batch, DataBundle, build_data
 from tidal.train.loss import cross_entropy_sum
 from tidal.train.metrics import (
     MetricsLogger,
@@ -133,14 +133,14 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def next_batches(self) -> tuple[list[Batch], float]:
-        """The micro-batches of one optimizer step, on device, and the seconds spent waiting."""
+    def next_batches(self) -> tuple[list[Batch], int, float]:
+        """The micro-batches of one optimizer step on device, their count of valid labels
+        (counted on the host, so the step needs no device sync), and the seconds spent."""
         start = time.perf_counter()
-        batches = [
-            next(self.train_iter).to(self.device, non_blocking=True)
-            for _ in range(self.cfg.training.grad_accum_steps)
-        ]
-        return batches, time.perf_counter() - start
+        host = [next(self.train_iter) for _ in range(self.cfg.training.grad_accum_steps)]
+        n_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in host)
+        batches = [b.to(self.device, non_blocking=True) for b in host]
+        return batches, n_tokens, time.perf_counter() - start
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed token loss of one micro-batch."""
@@ -149,9 +149,8 @@ class Trainer:
             logits = self.model(batch.input_ids, document_ids=doc_ids)
         return cross_entropy_sum(logits, batch.labels)
 
-    def train_step(self, batches: list[Batch]) -> StepResult:
+    def train_step(self, batches: list[Batch], n_tokens: int) -> StepResult:
         """One optimizer step: loss = sum of token losses / number of valid tokens in the step."""
-        n_tokens = sum(int((b.labels != -100).sum()) for b in batches)
         total = torch.zeros((), device=self.device)
         for batch in batches:
             loss = self.forward_loss(batch) / n_tokens
@@ -212,9 +211,9 @@ class Trainer:
                 self.step += 1
                 lr = cfg.optimizer.lr * wsd_multiplier(self.step, total_steps, cfg.lr_scheduler)
                 set_lr(self.optimizer, lr)
-                batches, wait = self.next_batches()
+                batches, n_tokens, wait = self.next_batches()
                 watch.add("data_wait", wait)
-                result = self.train_step(batches)
+                result = self.train_step(batches, n_tokens)
                 window_tokens += result.tokens
                 window_steps += 1
                 if self.step % m.log_every == 0 or self.step == total_steps:

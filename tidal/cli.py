@@ -31,6 +31,17 @@ def _train(argv: list[str]) -> int:
         "--print-config", action="store_true", help="print the resolved config as JSON and exit"
     )
     parser.add_argument("-h", "--help", action="store_true", help="list every config field")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="spawn this many local ranks through torchrun"
+    )
+    parser.add_argument(
+        "--dry-run",
+        type=int,
+        default=0,
+        metavar="WORLD_SIZE",
+        help="validate the parallel layout for WORLD_SIZE ranks in this one "
+        "process (fake process group, meta-device model) and exit",
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = get_config(args.config)
@@ -48,16 +59,57 @@ def _train(argv: list[str]) -> int:
     if args.print_config:
         print(to_json(cfg))
         return 0
+    if args.nproc > 1:
+        return _exec_torchrun(args.nproc, argv)
+    if args.dry_run:
+        from tidal.parallel.dry_run import dry_run
 
+        try:
+            dry_run(cfg, args.dry_run)
+        except ValueError as e:
+            print(f"tidal train: error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    from tidal.parallel.launch import DistInfo
     from tidal.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, dist_info=DistInfo.from_env())
     except (ValueError, FileNotFoundError) as e:
         print(f"tidal train: error: {e}", file=sys.stderr)
         return 2
-    last = trainer.train()
+    try:
+        last = trainer.train()
+    finally:
+        trainer.close()
     return 130 if last.get("interrupted") else 0
+
+
+def _exec_torchrun(nproc: int, argv: list[str]) -> int:
+    """Replace this process with torchrun running `tidal train` on `nproc` local ranks."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "tidal",
+        "train",
+        *rest,
+    ]
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
 
 
 def _fetch(argv: list[str]) -> int:

@@ -49,6 +49,18 @@ FLAVORS: dict[str, ModelArgs] = {
         rope_theta=10_000.0,
         max_seq_len=2048,
     ),
+    # For parity tests of every parallel layout: 4 layers, heads divisible by 2 and 4.
+    "tiny": ModelArgs(
+        family="llama3",
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=192,
+        vocab_size=512,
+        rope_theta=10_000.0,
+        max_seq_len=512,
+    ),
     "debug_qwen3": ModelArgs(
         family="qwen3",
         dim=256,

@@ -287,6 +287,9 @@ class Transformer(nn.Module):
         device = self.rope.device
         self.rope.copy_(rope_tables(self.args, device=device))
         for name, param in self.named_parameters():
+            # Names as in the state dict: wrappers (activation checkpointing, compile) that a
+            # parallelize step may have put around blocks add segments that are not saved.
+            name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
             std = self._init_std(name)
             if std is None:
                 param.fill_(1.0)  # RMSNorm scales

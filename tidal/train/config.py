@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal.models.flavors import FLAVORS
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
 from tidal.train.data.config import DataConfig
 
 
@@ -224,6 +225,10 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
 

@@ -10,13 +10,16 @@ from torch import nn
 from tidal.train.config import OptimizerConfig, SchedulerConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device: torch.device):
-    """AdamW over `model`'s parameters; matrices decay, embeddings and 1-D tensors do not."""
+def build_optimizer(
+    modules: nn.Module | list[nn.Module], cfg: OptimizerConfig, device: torch.device
+):
+    """AdamW over the modules' parameters (one model, or this rank's pipeline stages);
+    matrices decay, embeddings and 1-D tensors do not."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 and "embeddings" not in name else no_decay).append(p)
+    for module in modules if isinstance(modules, list) else [modules]:
+        for name, p in module.named_parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 and "embeddings" not in name else no_decay).append(p)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -1,11 +1,18 @@
 """The training loop: build data, model and optimizer from a Config, then step.
 
-Lifecycle (one process per device): `Trainer(cfg)` resolves the device, seeds, builds the data
-pipeline (tokenizer first, so the model's vocabulary can be checked before anything is
-allocated), builds the model on the meta device, materializes and initializes it, and builds
-AdamW. `train()` runs `training.steps` optimizer steps, each over `grad_accum_steps`
-micro-batches, logging every `metrics.log_every` steps and validating every
-`metrics.val_every`; Ctrl-C ends the loop after the current step and still logs it.
+Lifecycle (one process per device, launched by torchrun for several): `Trainer(cfg, dist)`
+resolves the device, joins the process group, validates the parallel layout against the world
+size and the model, builds the mesh and the data pipeline (tokenizer first, so the model's
+vocabulary is checked before anything is allocated), builds the model (or this rank's pipeline
+stages) on the meta device, parallelizes it (tidal/parallel), materializes and initializes it,
+and builds AdamW. `train()` runs `training.steps` optimizer steps, each over
+`grad_accum_steps` micro-batches, logging every `metrics.log_every` steps (rank 0 only) and
+validating every `metrics.val_every`; Ctrl-C ends the loop after the current step and still
+logs it.
+
+Loss normalization: each step's loss is the sum of token losses over every micro-batch,
+data-parallel rank and context-parallel shard, divided by the global number of valid labels.
+FSDP averages gradients over its ranks, so the backward loss is scaled by that count.
 """
 
 from __future__ import annotations
@@ -18,9 +25,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
+from tidal.parallel.dims import ParallelDims
+from tidal.parallel.grad_norm import clip_grad_norm
+from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
+from tidal.parallel.parallelize import parallelize
+from tidal.parallel.pipeline import PipelineRunner, build_stages, check_pipeline
 from tidal.train.config import Config
 from tidal.train.data import IGNORE_INDEX, Batch, DataBundle, build_data
 from tidal.train.loss import cross_entropy_sum
@@ -35,13 +49,13 @@ from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
 from tidal.train.sample import generate
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("job.device=cuda but no CUDA device is available")
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device(name)
 
 
@@ -62,40 +76,77 @@ def model_args_for(cfg: Config) -> ModelArgs:
     return get_flavor(cfg.model.flavor, **overrides)
 
 
-def build_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
-    """Meta-device build, then allocate on `device` and initialize once."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights(seed=seed)
-    return model
+def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
+    """The layout of `cfg` checked against the world size and the model (no process group
+    needed)."""
+    p, t = cfg.parallelism, cfg.training
+    dims = ParallelDims(
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        world_size=world_size,
+    )
+    args = model_args_for(cfg)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, t.seq_len)
+    if dims.pp > 1:
+        check_pipeline(p, args.n_layers, t.batch_size, args)
+    if dims.tp > 1 and args.tie_embeddings:
+        raise ValueError(
+            f"tensor parallel needs untied embeddings; model.flavor {cfg.model.flavor!r} ties them"
+        )
+    return dims
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A loss-parallel loss is a replicated DTensor; every rank holds the whole value."""
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # mean token loss of the step (a 0-dim tensor, not synced)
+    loss: torch.Tensor  # mean token loss of the step over all ranks (0-dim, not synced)
     grad_norm: torch.Tensor
-    tokens: int
+    tokens: int  # token positions processed by all data-parallel ranks
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, data: DataBundle | None = None, log=print):
-        """Build everything for `cfg`; `data` replaces the configured data pipeline (tests,
-        benchmarks on synthetic tokens)."""
-        self.cfg, self.log = cfg, log
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        data: DataBundle | None = None,
+        dist_info: DistInfo | None = None,
+        log=print,
+    ):
+        """Build everything for `cfg`. `data` replaces the configured data pipeline (tests,
+        benchmarks on synthetic tokens); `dist_info` describes this rank (torchrun's
+        environment, read by the CLI); without it the trainer runs as one process."""
+        self.cfg = cfg
+        self.dist = dist_info or DistInfo()
+        self.log = log if self.dist.is_main else (lambda *a, **k: None)
         t = cfg.training
-        self.device = resolve_device(cfg.job.device)
-        seed_everything(t.seed, t.deterministic)
+        self.dims = parallel_dims(cfg, self.dist.world_size)  # fails before any comms
+        self.device = resolve_device(cfg.job.device, self.dist.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
-        precision = t.mixed_precision
-        if precision == "auto":
-            precision = "bf16" if self.device.type == "cuda" else "fp32"
-        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        init_process_group(self.dist, self.device)
+        seed_everything(t.seed, t.deterministic)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.dist.world_size > 1 else None
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
 
         self.data = data or build_data(
-            cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed, log=log
+            cfg.data,
+            seq_len=t.seq_len,
+            batch_size=t.batch_size,
+            seed=t.seed,
+            dp_rank=dp_rank,
+            dp_world=self.dims.dp,
+            log=self.log,
         )
         self.args = model_args_for(cfg)
         vocab = self.data.tokenizer.vocab_size
@@ -105,33 +156,100 @@ class Trainer:
                 f"only {self.args.vocab_size}; set --model.vocab_size {vocab} or a smaller "
                 f"--data.vocab_size"
             )
-        if t.seq_len > self.args.max_seq_len:
-            raise ValueError(
-                f"training.seq_len={t.seq_len} exceeds model max_seq_len={self.args.max_seq_len}"
-            )
 
-        self.model = build_model(self.args, self.device, seed=t.seed)
-        self.n_params = sum(p.numel() for p in self.model.parameters())
-        if t.compile:
-            # Per-block compile: one graph reused by every layer, quick to build. The loss
-            # is already a memory-lean custom kernel sequence (tidal/train/loss.py).
-            for block in self.model.layers.values():
-                block.compile()
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
-        self.flops_per_token = flops_per_token(self.model, t.seq_len)
+        precision = t.mixed_precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        bf16 = precision == "bf16"
+        fsdp = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
+        # FSDP casts parameters itself (MixedPrecisionPolicy); without it, autocast does.
+        self.autocast_dtype = torch.bfloat16 if bf16 and not fsdp else None
+        self.grad_scale = self.dims.dp * self.dims.cp if fsdp else 1  # undo FSDP's averaging
+        self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.loss_parallel
+
+        with torch.device("meta"):
+            full = Transformer(self.args)
+        self.n_params = sum(p.numel() for p in full.parameters())
+        self.flops_per_token = flops_per_token(full, t.seq_len)
+        self.pipeline = None
+        if self.dims.pp > 1:
+            stages = build_stages(self.args, cfg.parallelism, self.mesh["pp"].get_local_rank())
+            self.modules = stages.modules
+        else:
+            self.modules = [full]
+        for module in self.modules:
+            parallelize(
+                module,
+                self.mesh,
+                self.dims,
+                cfg.parallelism,
+                cfg.activation_checkpoint,
+                compile=t.compile,
+                param_dtype=torch.bfloat16 if bf16 else None,
+            )
+            module.to_empty(device=self.device)
+            module.init_weights(seed=t.seed)
+            module.train()
+        self.model = self.modules[0]
+        if self.dims.pp > 1:
+            n_micro = check_pipeline(cfg.parallelism, self.args.n_layers, t.batch_size, self.args)
+            self.pipeline = PipelineRunner(
+                stages,
+                self.mesh["pp"].get_group(),
+                self.device,
+                cfg.parallelism.pp_schedule,
+                n_micro,
+                self._pp_loss,
+            )
+        self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
         self.step = 0
+        self._pp_norm = torch.ones((), device=self.device)
         self.train_iter = iter(self.data.train)
-        log(
+        layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
+        self.log(
             f"model {cfg.model.flavor}: {self.n_params / 1e6:.1f}M parameters, "
             f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
-            f"compile {t.compile}"
+            f"compile {t.compile}, world {self.dist.world_size} ({layout})"
         )
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _reduce(self, x: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
+        """Sum over a mesh dimension (identity on one process)."""
+        if self.mesh is not None and self.mesh[dim].size() > 1:
+            dist.all_reduce(x, group=self.mesh[dim].get_group())
+        return x
 
     def autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def loss_context(self):
+        """Loss-parallel cross entropy on vocabulary-sharded logits (TP), else nothing."""
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.loss_parallel:  # a DTensor sharded over the vocabulary
+            return F.cross_entropy(
+                logits.flatten(0, 1).float(),
+                labels.flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+        return cross_entropy_sum(logits, labels)
+
+    def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Called by the pipeline schedule per micro-batch on the last stage.
+        with self.loss_context():
+            return self.token_loss_sum(logits, labels) * self._pp_norm
+
+    # -- one step ------------------------------------------------------------------------
 
     def next_batches(self) -> tuple[list[Batch], int, float]:
         """The micro-batches of one optimizer step on device, their count of valid labels
@@ -143,40 +261,60 @@ class Trainer:
         return batches, n_tokens, time.perf_counter() - start
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
-        """Summed token loss of one micro-batch."""
+        """Summed token loss of one micro-batch (no pipeline)."""
         doc_ids = batch.document_ids if self.args.attention == "flex" else None
         with self.autocast():
             logits = self.model(batch.input_ids, document_ids=doc_ids)
-        return cross_entropy_sum(logits, batch.labels)
+        with self.loss_context():
+            return self.token_loss_sum(logits, batch.labels)
 
     def train_step(self, batches: list[Batch], n_tokens: int) -> StepResult:
-        """One optimizer step: loss = sum of token losses / number of valid tokens in the step."""
+        """One optimizer step: loss = sum of token losses / number of valid tokens, both
+        summed over micro-batches and ranks."""
+        global_tokens = self._reduce(torch.tensor(float(n_tokens), device=self.device))
+        scale = self.grad_scale / global_tokens
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            loss = self.forward_loss(batch) / n_tokens
-            loss.backward()
-            total += loss.detach()
+            if self.pipeline is not None:
+                self._pp_norm = scale
+                loss = self.pipeline.step(batch.input_ids, batch.labels)
+                if loss is not None:
+                    total += _plain(loss.detach()) / self.grad_scale
+                continue
+            loss = self.forward_loss(batch) * scale
+            with self.loss_context():
+                loss.backward()
+            total += _plain(loss.detach()) / self.grad_scale
+        if self.pipeline is not None:
+            total = self._reduce(total, "pp")  # only the last stage holds the loss
+        total = self._reduce(total)
         max_norm = self.cfg.training.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), max_norm if max_norm > 0 else math.inf, foreach=True
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        params = [p for m in self.modules for p in m.parameters()]
+        grad_norm = clip_grad_norm(
+            params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(total, grad_norm, n_tokens)
+        tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
+        return StepResult(total, grad_norm, tokens)
 
     @torch.no_grad()
     def validate(self) -> float | None:
-        """Mean token loss over the first `metrics.val_batches` validation batches."""
-        if self.data.val is None:
+        """Mean token loss over the first `metrics.val_batches` validation batches of every
+        data-parallel rank (None without a validation split, or under pipeline parallel,
+        which has no forward-only schedule here yet)."""
+        if self.data.val is None or self.pipeline is not None:
             return None
         self.model.eval()
-        loss_sum, n = 0.0, 0
+        loss_sum = torch.zeros((), device=self.device)
+        n = 0
         for batch in self.data.val.iter_epoch(0, max_batches=self.cfg.metrics.val_batches):
-            batch = batch.to(self.device)
-            loss_sum += float(self.forward_loss(batch))
-            n += int((batch.labels != -100).sum())
+            n += int((batch.labels != IGNORE_INDEX).sum())
+            loss_sum += _plain(self.forward_loss(batch.to(self.device))).float()
         self.model.train()
-        return loss_sum / max(n, 1)
+        totals = self._reduce(torch.stack([loss_sum, torch.tensor(float(n), device=self.device)]))
+        return float(totals[0] / totals[1].clamp(min=1))
 
     def sample(self) -> str:
         s = self.cfg.sample
@@ -200,7 +338,11 @@ class Trainer:
         """Run the configured number of steps; returns the last logged record."""
         cfg = self.cfg
         total_steps, m = cfg.training.steps, cfg.metrics
-        logger = MetricsLogger(cfg.job.output_dir, tensorboard=m.tensorboard)
+        logger = (
+            MetricsLogger(cfg.job.output_dir, tensorboard=m.tensorboard)
+            if self.dist.is_main
+            else None
+        )
         watch, last = Stopwatch(), {}
         window_tokens, window_steps, start = 0, 0, time.perf_counter()
         self.model.train()
@@ -227,36 +369,46 @@ class Trainer:
             self.log(f"interrupted at step {self.step}/{total_steps}; stopping cleanly")
             last["interrupted"] = True
         finally:
-            logger.close()
+            if logger is not None:
+                logger.close()
         if cfg.sample.max_new_tokens and not last.get("interrupted"):
-            text = self.sample()
-            self.log("sample:\n" + text)
-            (logger.dir / "sample.txt").write_text(text + "\n")
+            if self.dist.world_size > 1:
+                self.log("sample: skipped (end-of-run sampling runs in single-process jobs)")
+            else:
+                text = self.sample()
+                self.log("sample:\n" + text)
+                (logger.dir / "sample.txt").write_text(text + "\n")
         return last
 
     def _log_step(self, logger, result: StepResult, lr, tokens, steps, watch, start) -> dict:
         loss = float(result.loss)  # syncs the device: timing below covers all queued work
+        grad_norm = float(result.grad_norm)
         elapsed = watch.reset()
         tps = tokens / elapsed
-        tflops = tps * self.flops_per_token / 1e12
+        tps_device = tps / self.dist.world_size
+        tflops = tps_device * self.flops_per_token / 1e12
         record = {
             "step": self.step,
             "loss": loss,
-            "grad_norm": float(result.grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps_device,
             "tflops": tflops,
             "mfu": tflops * 1e12 / self.peak_flops if self.peak_flops else None,
             "peak_memory_gib": peak_memory_gib(self.device),
             "data_wait_s": watch.totals.get("data_wait", 0.0) / steps,
             "elapsed_s": time.perf_counter() - start,
         }
+        if logger is None:
+            return record
         done = self.step / self.cfg.training.steps
         eta = record["elapsed_s"] * (1 - done) / done
         mfu = f" mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
+        per_device = f" ({tps_device:,.0f}/device)" if self.dist.world_size > 1 else ""
         line = (
             f"step {self.step:>6}/{self.cfg.training.steps} loss {loss:7.4f} "
-            f"gnorm {record['grad_norm']:6.3f} lr {lr:.2e} tok/s {tps:,.0f} "
+            f"gnorm {grad_norm:6.3f} lr {lr:.2e} tok/s {tps:,.0f}{per_device} "
             f"tflops {tflops:.1f}{mfu} mem {record['peak_memory_gib']:.2f}GiB "
             f"data {1000 * record['data_wait_s']:.1f}ms eta {eta:.0f}s"
         )
@@ -265,7 +417,11 @@ class Trainer:
 
     def _log_validation(self, logger) -> None:
         val = self.validate()
-        if val is None:
+        if val is None or logger is None:
             return
         record = {"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50))}
         logger.log(record, f"step {self.step:>6} val_loss {val:.4f} ppl {record['val_ppl']:.1f}")
+
+    def close(self) -> None:
+        """Leave the process group (multi-rank runs)."""
+        destroy_process_group()

@@ -1,0 +1,87 @@
+"""Validate a large layout in one CPU process: fake process group, meta-device model.
+
+`dry_run(cfg, world_size)` checks the config against the world size, joins a fake process
+group as rank 0 of `world_size`, builds the named mesh, cuts pipeline stages, applies the full
+`parallelize` (TP, activation checkpointing, FSDP; compile is skipped) to meta-device models
+and reports, per pipeline stage, what one rank holds: parameters, and the bytes of parameters,
+gradients and AdamW state. No tensor is allocated and no math runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tidal.models.transformer import Transformer
+from tidal.parallel.parallelize import parallelize
+from tidal.parallel.pipeline import build_stages
+
+GIB = 2**30
+
+
+def local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def dry_run(cfg, world_size: int, log=print) -> list[dict]:
+    """Report per-rank parameter counts and memory for each pipeline stage of `cfg`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tidal.train.trainer import model_args_for, parallel_dims
+
+    dims = parallel_dims(cfg, world_size)  # all validation, before any process group
+    args = model_args_for(cfg)
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            full = Transformer(args)
+        total = sum(p.numel() for p in full.parameters())
+        if dims.pp > 1:
+            stage_sets = [build_stages(args, cfg.parallelism, r) for r in range(dims.pp)]
+            per_rank = [(r, s.ids, s.modules) for r, s in enumerate(stage_sets)]
+        else:
+            per_rank = [(0, [0], [full])]
+        bf16 = cfg.training.mixed_precision != "fp32"
+        reports = []
+        for pp_rank, ids, modules in per_rank:
+            n = 0
+            for m in modules:
+                parallelize(
+                    m,
+                    mesh,
+                    dims,
+                    cfg.parallelism,
+                    cfg.activation_checkpoint,
+                    compile=False,
+                    param_dtype=torch.bfloat16 if bf16 else None,
+                )
+                n += sum(local_numel(p) for p in m.parameters())
+            # fp32 master weights + fp32 grads + AdamW exp_avg and exp_avg_sq.
+            state_gib = n * 4 * 4 / GIB
+            reports.append(
+                {
+                    "pp_rank": pp_rank,
+                    "stages": ids,
+                    "params_per_rank": n,
+                    "param_state_gib": state_gib,
+                }
+            )
+        layout = ", ".join(f"{k}={v}" for k, v in dims.degrees.items())
+        log(
+            f"dry run: {cfg.model.flavor} ({total / 1e9:.2f}B parameters) on {world_size} "
+            f"ranks: {layout}"
+        )
+        for r in reports:
+            log(
+                f"  pp rank {r['pp_rank']} (stages {r['stages']}): "
+                f"{r['params_per_rank'] / 1e6:,.1f}M parameters per rank, "
+                f"{r['param_state_gib']:.2f} GiB for weights + grads + AdamW state"
+            )
+        log("layout OK: meshes built and every stage sharded on the meta device")
+        return reports
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""Process-group set-up for multi-rank runs.
+
+Lifecycle: `torchrun --nproc_per_node N -m tidal train ...` (or `tidal train --nproc N`, which
+execs torchrun) starts N processes with RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT in
+their environment. The CLI reads them once with `DistInfo.from_env()` and hands the result to
+the Trainer, which calls `init_process_group` (NCCL on CUDA, gloo on CPU) and tears it down
+at the end. A single process without those variables runs with no process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> DistInfo:
+        """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE (single process when unset)."""
+        env = os.environ if env is None else env
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_process_group(info: DistInfo, device: torch.device) -> None:
+    """Join the default process group (if world_size > 1 and not already joined)."""
+    if info.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, **kwargs)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,176 @@
+"""Spread a tidal Transformer over a DeviceMesh, from outside the model.
+
+`parallelize(model, mesh, dims, ...)` applies, in this order:
+
+1. tensor parallel with sequence parallel (declarative plans below; loss-parallel output when
+   asked), on the `tp` mesh dimension;
+2. activation checkpointing (none, full, per-op selective, or every N blocks);
+3. per-block `torch.compile`;
+4. FSDP2 `fully_shard` per block and at the root over `dp_shard_cp` (HSDP when
+   `dp_replicate > 1`: a 2-D (dp_replicate, dp_shard_cp) mesh), with a MixedPrecisionPolicy.
+
+It works on a meta-device model: call it before `to_empty` and `init_weights`. Context
+parallelism is applied per step around forward and backward (tidal/parallel/context.py), and
+pipeline stages are cut before this runs (tidal/parallel/pipeline.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
+from tidal.parallel.dims import ParallelDims
+
+
+def tp_plan_root(loss_parallel: bool) -> dict:
+    """Embedding, final norm and output projection. Activations between blocks are sharded
+    over the sequence (Shard(1)); the output is vocabulary-sharded for a loss-parallel loss."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def tp_plan_block() -> dict:
+    """One transformer block: norms sequence-parallel, q/k/v and w1/w3 column-wise (heads and
+    hidden units split), wo and w2 row-wise back to sequence-sharded activations."""
+    gather_input = PrepareModuleInput(
+        input_layouts=(Shard(1), None, None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None, None),
+    )
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": gather_input,
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    root = {k: v for k, v in tp_plan_root(loss_parallel).items() if getattr(model, k) is not None}
+    if model.args.tie_embeddings:
+        raise ValueError(
+            "tensor parallel with tied embeddings is not supported: the embedding is sharded "
+            "row-wise and the output column-wise; use a flavor with tie_embeddings=False"
+        )
+    parallelize_module(model, tp_mesh, root)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, tp_plan_block())
+
+
+def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
+    """Wrap blocks in activation checkpointing according to `cfg`."""
+    if cfg.mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    every = int(cfg.selective) if cfg.mode == "selective" and cfg.selective != "op" else 1
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if i % every:
+            continue
+        if cfg.mode == "selective" and cfg.selective == "op":
+            wrapped = checkpoint_wrapper(
+                block, context_fn=_selective_op_context, preserve_rng_state=False
+            )
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.layers[name] = wrapped
+
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_op_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _SAVE_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block on its own: one graph shape reused by every layer."""
+    for block in model.layers.values():
+        block.compile()  # in place: parameter names and state-dict keys stay the same
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None,
+    reshard_after_forward: str,
+) -> None:
+    """FSDP2 per block, then the root (embedding, norm, output) in one more group."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        if reshard_after_forward == "default":
+            # The last block's parameters are needed again right away by backward.
+            reshard = i < len(blocks) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always"
+    )
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    cfg: ParallelismConfig,
+    ac: ActivationCheckpointConfig,
+    *,
+    compile: bool,
+    param_dtype: torch.dtype | None,
+) -> nn.Module:
+    """Apply TP/SP, activation checkpointing, compile and FSDP2 to `model` in place."""
+    if dims.tp > 1:
+        apply_tp(model, mesh["tp"], cfg.loss_parallel)
+    apply_ac(model, ac)
+    if compile:
+        apply_compile(model)
+    if dims.fsdp_enabled or dims.dp_replicate > 1:
+        dp_mesh = (
+            mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else (mesh["dp_shard_cp"])
+        )
+        apply_fsdp(
+            model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=cfg.reshard_after_forward
+        )
+    return model

@@ -1,0 +1,173 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`.
+
+The model is cut by layers into `pp x stages_per_rank` stages. Each stage is a Transformer
+built on the meta device with the layers it does not own deleted: the first stage keeps the
+embedding, the last keeps the final norm and output projection, the others pass hidden states.
+Layer names keep their global index (`layers.7` stays `layers.7`), so state dicts of stages
+line up with the full model's.
+
+Stage placement on pipeline ranks: one stage per rank for GPipe and 1F1B; a loop
+(rank r holds stages r, r + pp, ...) for Interleaved1F1B, LoopedBFS and
+InterleavedZeroBubble; a V (rank r holds stages r and 2 pp - 1 - r) for ZBVZeroBubble.
+
+Lifecycle: every pipeline rank calls `build_stages`, parallelizes each stage module like a
+whole model (TP, AC, compile, FSDP), materializes and initializes it, then `build_schedule`.
+Each training step calls `PipelineRunner.step`, which feeds the batch on the rank holding the
+first stage and the labels on the rank holding the last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as pp_schedules
+
+from tidal.models.transformer import ModelArgs, Transformer
+from tidal.parallel.config import ParallelismConfig
+
+SCHEDULE_CLASSES = {
+    "GPipe": pp_schedules.ScheduleGPipe,
+    "1F1B": pp_schedules.Schedule1F1B,
+    "Interleaved1F1B": pp_schedules.ScheduleInterleaved1F1B,
+    "LoopedBFS": pp_schedules.ScheduleLoopedBFS,
+    "InterleavedZeroBubble": pp_schedules.ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": pp_schedules.ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE = ("GPipe", "1F1B")
+
+
+def stage_layers(n_layers: int, n_stages: int, split: str = "") -> list[list[int]]:
+    """Layer indices of each stage: an even split, or explicit first-layer indices."""
+    if split:
+        cuts = [int(x) for x in split.split(",")]
+        if len(cuts) != n_stages - 1 or cuts[-1] >= n_layers:
+            raise ValueError(
+                f"parallelism.pp_split={split!r} must list {n_stages - 1} increasing layer "
+                f"indices below {n_layers} (the first layer of stages 2..{n_stages})"
+            )
+        bounds = [0, *cuts, n_layers]
+    else:
+        if n_stages > n_layers:
+            raise ValueError(f"{n_stages} pipeline stages exceed the {n_layers} layers")
+        base, extra = divmod(n_layers, n_stages)
+        bounds = [0]
+        for s in range(n_stages):
+            bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    if schedule == "ZBVZeroBubble":
+        if stages_per_rank != 2:
+            raise ValueError("ZBVZeroBubble places exactly 2 stages on each pipeline rank")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(stages_per_rank)]
+
+
+def check_pipeline(cfg: ParallelismConfig, n_layers: int, batch_size: int, args: ModelArgs):
+    """Validate the pipeline settings before any process-group work; returns the number of
+    micro-batches."""
+    spr = cfg.stages_per_rank
+    if cfg.pp_schedule in SINGLE_STAGE and spr != 1:
+        raise ValueError(
+            f"pp_schedule {cfg.pp_schedule} runs one stage per rank, got pp_stages_per_rank={spr}"
+        )
+    if cfg.pp_schedule not in SINGLE_STAGE and spr < 2:
+        raise ValueError(f"pp_schedule {cfg.pp_schedule} needs pp_stages_per_rank >= 2")
+    n_stages = cfg.pp * spr
+    stage_layers(n_layers, n_stages, cfg.pp_split)  # raises on a bad split
+    n_micro = cfg.pp_microbatches or n_stages
+    if batch_size % n_micro:
+        raise ValueError(
+            f"training.batch_size={batch_size} must be divisible by the {n_micro} pipeline "
+            f"micro-batches (parallelism.pp_microbatches)"
+        )
+    if cfg.pp_schedule != "GPipe" and n_micro < cfg.pp:
+        raise ValueError(
+            f"pp_schedule {cfg.pp_schedule} needs at least pp={cfg.pp} micro-batches, got "
+            f"{n_micro}; raise parallelism.pp_microbatches (and training.batch_size)"
+        )
+    if cfg.pp_schedule not in SINGLE_STAGE and n_micro % cfg.pp:
+        raise ValueError(
+            f"pp_schedule {cfg.pp_schedule} needs the micro-batch count ({n_micro}) to be a "
+            f"multiple of pp={cfg.pp}"
+        )
+    if args.tie_embeddings:
+        raise ValueError(
+            "pipeline parallel needs untied embeddings (the first and last "
+            "stages would share a weight); use a flavor with tie_embeddings=False"
+        )
+    if args.attention == "flex":
+        raise ValueError(
+            "pipeline parallel runs the sdpa attention path only; set --model.attention sdpa"
+        )
+    return n_micro
+
+
+def build_stage_model(args: ModelArgs, layers: list[int], first: bool, last: bool) -> Transformer:
+    """A meta-device Transformer holding only `layers` (and the ends it owns)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    for name in list(model.layers.keys()):
+        if int(name) not in layers:
+            del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+@dataclass
+class StageModels:
+    ids: list[int]
+    modules: list[nn.Module]
+    n_stages: int
+
+
+def build_stages(args: ModelArgs, cfg: ParallelismConfig, pp_rank: int) -> StageModels:
+    spr = cfg.stages_per_rank
+    n_stages = cfg.pp * spr
+    layers = stage_layers(args.n_layers, n_stages, cfg.pp_split)
+    ids = stage_ids_for_rank(pp_rank, cfg.pp, spr, cfg.pp_schedule)
+    modules = [build_stage_model(args, layers[s], s == 0, s == n_stages - 1) for s in ids]
+    return StageModels(ids=ids, modules=modules, n_stages=n_stages)
+
+
+class PipelineRunner:
+    """Runs one training step through the schedule on this pipeline rank."""
+
+    def __init__(
+        self,
+        stages: StageModels,
+        pp_group,
+        device: torch.device,
+        schedule: str,
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ):
+        self.stage_objs = [
+            PipelineStage(m, sid, stages.n_stages, device, group=pp_group)
+            for sid, m in zip(stages.ids, stages.modules, strict=True)
+        ]
+        self.has_first = 0 in stages.ids
+        self.has_last = stages.n_stages - 1 in stages.ids
+        cls = SCHEDULE_CLASSES[schedule]
+        stage_arg = self.stage_objs[0] if schedule in SINGLE_STAGE else self.stage_objs
+        self.schedule = cls(
+            stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch; the summed micro-batch losses on the rank that
+        holds the last stage, None elsewhere."""
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        return torch.stack(losses).sum() if self.has_last else None

@@ -315,6 +315,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
+        attention=None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, V] for the given tokens.
@@ -329,6 +330,9 @@ class Transformer(nn.Module):
                 whole cached prefix. The caller advances `cache.length` afterwards.
             document_ids: [B, T] document index of each token, for document-causal masking
                 with flex attention (ignored by the SDPA path, which is plainly causal).
+            attention: an object with `attend(q_BHTK, k_BGTK, v_BGTK)` that replaces the
+                built-in masking for this call (context parallelism supplies one that
+                gathers keys over ranks); `positions` should then be given.
             return_hidden: return the final normed hidden states [B, T, D] instead of logits
                 (for a loss that fuses the output projection).
         """
@@ -344,7 +348,9 @@ class Transformer(nn.Module):
         if cos.dim() == 2:  # one position vector shared by the batch
             cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
 
-        if cache is not None and offset > 0:
+        if attention is not None:
+            mask = attention
+        elif cache is not None and offset > 0:
             mask = AttentionMask("offset", offset=offset)
         elif self.args.attention == "flex" and cache is None:
             if document_ids is None:

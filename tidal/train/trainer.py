@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
+from tidal.parallel.context import ContextParallel
 from tidal.parallel.dims import ParallelDims
 from tidal.parallel.grad_norm import clip_grad_norm
 from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
@@ -92,6 +93,11 @@ def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, t.seq_len)
     if dims.pp > 1:
         check_pipeline(p, args.n_layers, t.batch_size, args)
+    if dims.pp > 1 and dims.cp > 1:
+        raise ValueError(
+            "pipeline and context parallel together are not supported yet; "
+            "use parallelism.pp=1 or parallelism.cp=1"
+        )
     if dims.tp > 1 and args.tie_embeddings:
         raise ValueError(
             f"tensor parallel needs untied embeddings; model.flavor {cfg.model.flavor!r} ties them"
@@ -166,6 +172,11 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if bf16 and not fsdp else None
         self.grad_scale = self.dims.dp * self.dims.cp if fsdp else 1  # undo FSDP's averaging
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.loss_parallel
+        self.cp = (
+            ContextParallel(self.mesh["cp"], load_balance=cfg.parallelism.cp_load_balance)
+            if self.dims.cp > 1
+            else None
+        )
 
         with torch.device("meta"):
             full = Transformer(self.args)
@@ -261,17 +272,27 @@ class Trainer:
         return batches, n_tokens, time.perf_counter() - start
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
-        """Summed token loss of one micro-batch (no pipeline)."""
-        doc_ids = batch.document_ids if self.args.attention == "flex" else None
+        """Summed token loss of one micro-batch (of this rank's slice under CP; no pipeline)."""
+        flex = self.args.attention == "flex"
+        doc_ids = batch.document_ids if flex else None
+        input_ids, labels, kw = batch.input_ids, batch.labels, {"document_ids": doc_ids}
+        if self.cp is not None:
+            if flex:
+                input_ids, labels, doc_ids, positions = self.cp.shard(input_ids, labels, doc_ids)
+            else:
+                input_ids, labels, positions = self.cp.shard(input_ids, labels)
+            attention = self.cp.attention_for(positions, doc_ids, "flex" if flex else "sdpa")
+            kw = {"positions": positions, "attention": attention}
         with self.autocast():
-            logits = self.model(batch.input_ids, document_ids=doc_ids)
+            logits = self.model(input_ids, **kw)
         with self.loss_context():
-            return self.token_loss_sum(logits, batch.labels)
+            return self.token_loss_sum(logits, labels)
 
     def train_step(self, batches: list[Batch], n_tokens: int) -> StepResult:
         """One optimizer step: loss = sum of token losses / number of valid tokens, both
         summed over micro-batches and ranks."""
-        global_tokens = self._reduce(torch.tensor(float(n_tokens), device=self.device))
+        # Every CP rank counted the whole sequences: sum over data-parallel ranks only.
+        global_tokens = self._reduce(torch.tensor(float(n_tokens), device=self.device), "dp")
         scale = self.grad_scale / global_tokens
         total = torch.zeros((), device=self.device)
         for batch in batches:
@@ -313,8 +334,9 @@ class Trainer:
             n += int((batch.labels != IGNORE_INDEX).sum())
             loss_sum += _plain(self.forward_loss(batch.to(self.device))).float()
         self.model.train()
-        totals = self._reduce(torch.stack([loss_sum, torch.tensor(float(n), device=self.device)]))
-        return float(totals[0] / totals[1].clamp(min=1))
+        loss_sum = self._reduce(loss_sum)
+        count = self._reduce(torch.tensor(float(n), device=self.device), "dp")
+        return float(loss_sum / count.clamp(min=1))
 
     def sample(self) -> str:
         s = self.cfg.sample

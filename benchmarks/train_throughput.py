@@ -13,7 +13,9 @@ ratios tidal / torchtitan.
         --steps 6 --warmup 2                                             # smoke test on CPU
 
 Figures are the mean over the log windows after `--warmup` steps (torchtitan: its log lines
-for the same steps).
+for the same steps). `--ranks N` runs each mode on N ranks through torchrun (tokens/s are then
+global, with a per-device figure), and `--set section.field=value` passes any tidal config
+override, e.g. `--ranks 8 --set parallelism.tp=2` for FSDP 4 x TP 2.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-def run_tidal(args, mode: str) -> dict:
+def run_tidal(args, mode: str) -> dict | None:
     import numpy as np
 
+    from tidal.parallel.launch import DistInfo
     from tidal.train.config import (
         Config,
         JobConfig,
@@ -41,6 +44,7 @@ def run_tidal(args, mode: str) -> dict:
         SchedulerConfig,
         TrainingConfig,
     )
+    from tidal.train.config_parse import apply_overrides
     from tidal.train.data import DataBundle, PackedLoader
     from tidal.train.trainer import Trainer
 
@@ -61,22 +65,34 @@ def run_tidal(args, mode: str) -> dict:
     )
     from tidal.models.flavors import get_flavor
 
+    dist_info = DistInfo.from_env()
+    cfg = apply_overrides(
+        cfg, [f"--{kv.split('=', 1)[0]}={kv.split('=', 1)[1]}" for kv in args.set]
+    )
     vocab = get_flavor(args.flavor).vocab_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(dist_info.rank)  # random tokens: every rank its own
     n_tokens = (args.steps + 2) * args.batch * args.seq + 1
     tokens = rng.integers(0, vocab, n_tokens, dtype=np.int64)
     loader = PackedLoader(tokens, np.array([0]), seq_len=args.seq, batch_size=args.batch, seed=0)
     data = DataBundle(
         tokenizer=SimpleNamespace(vocab_size=vocab, bos_id=0, eos_id=1), train=loader, val=None
     )
-    Trainer(cfg, data=data).train()
+    trainer = Trainer(cfg, data=data, dist_info=dist_info)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if not dist_info.is_main:
+        return None
     records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     steady = [r for r in records if r["step"] > args.warmup] or records[-1:]
     mean = lambda k: sum(r[k] for r in steady) / len(steady) if steady[0][k] is not None else None  # noqa: E731
     return {
         "system": "tidal",
         "mode": mode,
+        "ranks": dist_info.world_size,
         "tokens_per_s": mean("tokens_per_s"),
+        "tokens_per_s_per_device": mean("tokens_per_s_per_device"),
         "mfu": mean("mfu"),
         "tflops": mean("tflops"),
         "peak_memory_gib": max(r["peak_memory_gib"] for r in records),
@@ -113,7 +129,9 @@ def parse_torchtitan(log: str, warmup: int) -> dict | None:
 
 def run_torchtitan(args) -> list[dict]:
     runs = {"eager": "--model.flavor 1B", "compile": "--model.flavor 1B --compile.enable"}
-    env = dict(os.environ, RUNS="\n".join(runs[m] for m in args.modes), TAILN="40")
+    env = dict(
+        os.environ, RUNS="\n".join(runs[m] for m in args.modes), TAILN="40", NGPU=str(args.ranks)
+    )
     script = Path(args.torchtitan) / "torchtitan_baseline.sh"
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     results = []
@@ -134,6 +152,8 @@ def fmt(r: dict) -> str:
     if "error" in r:
         return f"{r['system']:10s} {r['mode']:8s} error: {r['error']}"
     mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "  n/a"
+    if r.get("ranks", 1) > 1:
+        mfu += f"  ({r['tokens_per_s_per_device']:,.0f} tok/s per device, {r['ranks']} ranks)"
     return (
         f"{r['system']:10s} {r['mode']:8s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {mfu}  "
         f"peak {r['peak_memory_gib']:6.2f} GiB  final loss {r['final_loss']:.3f}"
@@ -152,20 +172,36 @@ def main() -> None:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--device", default="auto")
     p.add_argument("--modes", default="eager,compile")
+    p.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) per run, via torchrun")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="extra tidal config override, e.g. --set parallelism.tp=2",
+    )
     p.add_argument("--torchtitan", default=None, help="the .anchors folder; omit to skip")
     p.add_argument("--json", default=None, help="write all results to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.modes = args.modes.split(",")
     if args.worker:
-        print("RESULT " + json.dumps(run_tidal(args, args.worker)), flush=True)
+        result = run_tidal(args, args.worker)
+        if result is not None:
+            print("RESULT " + json.dumps(result), flush=True)
         return
 
     results = []
     for mode in args.modes:
-        cmd = [sys.executable, __file__, "--worker", mode] + [
-            a for a in sys.argv[1:] if not a.startswith("--torchtitan") and a != args.torchtitan
-        ]
+        launcher = [sys.executable]
+        if args.ranks > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone",
+                         f"--nproc_per_node={args.ranks}"]  # fmt: skip
+        cmd = (
+            launcher
+            + [__file__, "--worker", mode]
+            + [a for a in sys.argv[1:] if not a.startswith("--torchtitan") and a != args.torchtitan]
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:

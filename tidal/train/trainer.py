@@ -22,6 +22,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,12 +125,13 @@ class Trainer:
         self,
         cfg: Config,
         *,
-        data: DataBundle | None = None,
+        data: DataBundle | Callable[[int, int], DataBundle] | None = None,
         dist_info: DistInfo | None = None,
         log=print,
     ):
         """Build everything for `cfg`. `data` replaces the configured data pipeline (tests,
-        benchmarks on synthetic tokens); `dist_info` describes this rank (torchrun's
+        benchmarks on synthetic tokens): a DataBundle, or a function of (dp_rank, dp_world)
+        returning one for this rank's share of the data; `dist_info` describes this rank (torchrun's
         environment, read by the CLI); without it the trainer runs as one process."""
         self.cfg = cfg
         self.dist = dist_info or DistInfo()
@@ -145,6 +147,8 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type) if self.dist.world_size > 1 else None
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
 
+        if callable(data):
+            data = data(dp_rank, self.dims.dp)
         self.data = data or build_data(
             cfg.data,
             seq_len=t.seq_len,

@@ -304,7 +304,8 @@ class Trainer:
         for batch in batches:
             if self.pipeline is not None:
                 self._pp_norm = scale
-                loss = self.pipeline.step(batch.input_ids, batch.labels)
+                with self.autocast():  # the schedule runs forward and backward inside
+                    loss = self.pipeline.step(batch.input_ids, batch.labels)
                 if loss is not None:
                     total += _plain(loss.detach()) / self.grad_scale
                 continue

@@ -154,25 +154,24 @@ def _models(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {
-    "train": (_train, "train a model from a named config"),
-    "fetch": (_fetch, "download a built-in corpus into the cache"),
-    "configs": (_configs, "list the named training configs"),
-    "models": (_models, "list the model flavors and their parameter counts"),
-}
-
-
 def _store(argv: list[str]) -> int:
     from tidal.store.cli import main as store_main
 
     return store_main(argv)
 
 
+COMMANDS = {
+    "train": (_train, "train a model from a named config"),
+    "fetch": (_fetch, "download a built-in corpus into the cache"),
+    "configs": (_configs, "list the named training configs"),
+    "models": (_models, "list the model flavors and their parameter counts"),
+    "store": (_store, "run or inspect a tidal.store service (serve, volume, ls)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = dict(COMMANDS)
-    if _has_store_cli():
-        commands["store"] = (_store, "run or inspect a tidal.store service")
+    commands = COMMANDS
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tidal COMMAND [ARGS]\n\ncommands:")
         for name, (_, doc) in commands.items():
@@ -183,8 +182,3 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     return commands[argv[0]][0](argv[1:])
 
-
-def _has_store_cli() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tidal.store.cli") is not None

@@ -168,3 +168,21 @@ def test_dry_run_large_layout(capsys):
     assert code == 0, out
     assert "pp rank 1 (stages [1]): 125.5M parameters per rank" in out
     assert main(["train", "--config", "llama3_8b", "--dry-run", "64", "--parallelism.tp", "3"]) == 2
+
+
+@pytest.mark.parametrize(
+    "mode, selective", [("full", "op"), ("selective", "op"), ("selective", "2")]
+)
+def test_activation_checkpointing_changes_no_numbers(mode, selective):
+    from tidal.parallel.parallelize import apply_ac
+    from tidal.train.loss import cross_entropy_sum
+
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    ref, ac = _model(), _model()
+    apply_ac(ac, ActivationCheckpointConfig(mode=mode, selective=selective))
+    wrapped = sum("_checkpoint_wrapped_module" in n for n, _ in ac.named_parameters())
+    assert wrapped > 0
+    for m in (ref, ac):
+        cross_entropy_sum(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+    for (n, p), q in zip(ref.named_parameters(), ac.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n

@@ -1,0 +1,343 @@
+"""Single-process API tests: round trips, versions, retention, errors, caching, async."""
+
+import threading
+
+import pytest
+import torch
+
+import tidal.store
+from tidal.store import KeyNotFoundError, VersionNotFoundError
+from tidal.store.layout import check_cover, flatten, intersect, unflatten
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES += [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _rand(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 4
+    if dtype == torch.bool:
+        return x > 0
+    if not dtype.is_floating_point:
+        return (x * 100).to(dtype)
+    return x.to(dtype)
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.element_size() == 1:  # fp8 has no equality kernel on every build: compare bytes
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def test_round_trip_dtypes_and_shapes(transport_store):
+    s = transport_store
+    for i, dtype in enumerate(DTYPES):
+        for shape in [(5, 7), (3,), (), (0,), (0, 4), (2, 3, 4)]:
+            x = _rand(shape, dtype, seed=i)
+            key = f"rt/{dtype}/{shape}"
+            s.put(key, x)
+            assert _same(s.get(key), x), key
+            into = torch.zeros(shape, dtype=dtype)
+            assert s.get(key, into=into) is into
+            assert _same(into, x), key
+
+
+def test_non_contiguous_source_and_destination(transport_store):
+    s = transport_store
+    base = _rand((8, 6), torch.float32)
+    src = base.t()  # 6x8, column-major
+    s.put("nc", src)
+    assert torch.equal(s.get("nc"), src)
+    dst_base = torch.zeros(8, 6)
+    dst = dst_base.t()  # non-contiguous destination
+    s.get("nc", into=dst)
+    assert torch.equal(dst, src)
+    # A strided slice as a source: only its elements are stored.
+    sl = base[::2, 1::2]
+    s.put("slice", sl)
+    assert torch.equal(s.get("slice"), sl)
+
+
+def test_versions_retention_delete_keys_exists(store):
+    x = torch.arange(12.0).view(3, 4)
+    assert store.put("a/w", x) == 0
+    assert store.put("a/w", x + 1) == 1
+    assert store.put("a/w", x + 2) == 2
+    assert store.versions("a/w") == [1, 2]  # keep=2
+    assert torch.equal(store.get("a/w"), x + 2)
+    assert torch.equal(store.get("a/w", version=1), x + 1)
+    with pytest.raises(VersionNotFoundError, match="evicted"):
+        store.get("a/w", version=0)
+    with pytest.raises(VersionNotFoundError, match="never written"):
+        store.get("a/w", version=9)
+    assert store.put("a/w", x + 7, version=7, keep=3) == 7
+    assert store.versions("a/w") == [1, 2, 7]
+    assert store.put("a/w", x + 8) == 8  # keep=3 sticks to the key
+    assert store.versions("a/w") == [2, 7, 8]
+    with pytest.raises(ValueError, match="immutable"):
+        store.put("a/w", x, version=8)
+    store.put("a/b", x)
+    store.put("c", x)
+    assert store.keys("a/") == ["a/b", "a/w"]
+    assert store.keys() == ["a/b", "a/w", "c"]
+    assert store.exists("a/w") and store.exists("a/w", 8) and not store.exists("a/w", 0)
+    assert not store.exists("zzz")
+    assert store.delete("a/w", version=8) == 1
+    with pytest.raises(VersionNotFoundError, match="deleted"):
+        store.get("a/w", version=8)
+    assert torch.equal(store.get("a/w"), x + 7)
+    assert store.delete("a/w") == 2
+    assert not store.exists("a/w")
+    with pytest.raises(KeyNotFoundError, match="a/w"):
+        store.get("a/w")
+    with pytest.raises(KeyNotFoundError):
+        store.delete("a/w")
+    assert store.keys() == ["a/b", "c"]
+    # A deleted key can be written again from version 0.
+    assert store.put("a/w", x) == 0
+
+
+def test_bad_input_errors(store):
+    x = torch.zeros(4, 5)
+    store.put("w", x)
+    with pytest.raises(ValueError, match=r"global shape \[5, 4\].*\[4, 5\]"):
+        store.get("w", into=torch.zeros(5, 4))
+    with pytest.raises(ValueError, match="float64"):
+        store.get("w", into=torch.zeros(4, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="holds a tensor; use get"):
+        store.get_state_dict("w")
+    store.put_state_dict({"a": x}, "sd0")
+    with pytest.raises(TypeError, match="holds a state dict; use get_state_dict"):
+        store.get("sd0")
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        store.put("w2", [1, 2, 3])
+    with pytest.raises(TypeError, match="holds a tensor"):
+        store.put_state_dict({"a": x}, "w")
+    with pytest.raises(ValueError, match="key must be"):
+        store.put("", x)
+    with pytest.raises(ValueError, match="explicit version"):
+        store.put("multi", x, writers=2)
+    with pytest.raises(TypeError, match="is a int"):
+        store.put_state_dict({"a": x, "step": 3}, "sd")
+    with pytest.raises(ValueError, match="non-negative"):
+        store.get("w", version=-1)
+    # Nothing stored was disturbed by the failures.
+    assert torch.equal(store.get("w"), x)
+
+
+def test_state_dict_round_trip_and_partial_into(transport_store):
+    s = transport_store
+    sd = {
+        "emb": _rand((10, 4), torch.bfloat16),
+        "layers": [
+            {"w": _rand((4, 4), torch.float32, i), "b": _rand((4,), torch.float32)}
+            for i in range(3)
+        ],  # fmt: skip
+        "step": torch.tensor(5),
+    }
+    v = s.put_state_dict(sd, "model")
+    out = s.get_state_dict("model", version=v)
+    assert torch.equal(out["emb"], sd["emb"])
+    assert isinstance(out["layers"], list) and len(out["layers"]) == 3
+    for a, b in zip(out["layers"], sd["layers"], strict=True):
+        assert torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"])
+    assert out["step"].item() == 5
+    into = {"layers": [{"w": torch.zeros(4, 4)}]}  # a subset: only this tensor is read
+    s.get_state_dict("model", into=into)
+    assert torch.equal(into["layers"][0]["w"], sd["layers"][0]["w"])
+    with pytest.raises(KeyError, match="no tensor 'missing.x'"):
+        s.get_state_dict("model", into={"missing": {"x": torch.zeros(1)}})
+
+
+def test_read_plan_cache_no_extra_metadata(store):
+    sd = {f"l{i}.w": torch.full((16, 8), float(i)) for i in range(20)}
+    into = {k: torch.empty_like(v) for k, v in sd.items()}
+    store.put_state_dict(sd, "m")
+    store.get_state_dict("m", into=into)
+    assert store.metadata_fetches == 1 and store.plans_built == 1
+    for step in range(1, 4):
+        store.put_state_dict({k: v + step for k, v in sd.items()}, "m")
+        store.get_state_dict("m", into=into)
+        assert torch.equal(into["l3.w"], sd["l3.w"] + step)
+    # New versions of the same layout: no layout from the controller, no new plan.
+    assert store.metadata_fetches == 1 and store.plans_built == 1
+    store.get_state_dict("m", into={"l3.w": torch.empty(16, 8)})  # another destination
+    assert store.metadata_fetches == 1 and store.plans_built == 2
+
+
+def test_async_variants(store):
+    x = torch.randn(64, 64)
+    fut = store.put_async("x", x)
+    assert fut.result(timeout=30) == 0
+    into = torch.empty(64, 64)
+    assert store.get_async("x", into=into).result(timeout=30) is into
+    assert torch.equal(into, x)
+    sd = {"a": x, "b": x * 2}
+    store.put_state_dict_async(sd, "sd").result(timeout=30)
+    got = store.get_state_dict_async("sd").result(timeout=30)
+    assert torch.equal(got["b"], x * 2)
+
+
+def test_threads_read_only_whole_versions(store):
+    """Readers in threads during writes of new versions: every read is one whole version."""
+    n, versions = 1 << 16, 60
+    errors: list[str] = []
+    done = threading.Event()
+    store.put("c", torch.zeros(n))
+
+    def reader() -> None:
+        into = torch.empty(n)
+        while not done.is_set():
+            store.get("c", into=into)
+            if not torch.equal(into, torch.full((n,), into[0].item())):
+                errors.append(f"mixed versions: {into.unique()[:5]}")
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for v in range(1, versions):
+        store.put("c", torch.full((n,), float(v)))
+    done.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert store.get("c")[0].item() == versions - 1
+
+
+def test_deleted_version_while_leased_keeps_bytes(store):
+    """A version deleted while a reader holds it keeps its bytes until released; the next
+    writer does not get its slot."""
+    x = torch.arange(1000.0)
+    store.put("k", x)
+    reply = store._ctrl.request({"op": "acquire", "key": "k", "version": 0, "known_sig": None})
+    store.delete("k", version=0)
+    store.put("k", x + 1, version=1)
+    assert (
+        reply["slots"][0]
+        not in store._ctrl.request({"op": "acquire", "key": "k", "version": 1, "known_sig": None})[
+            "slots"
+        ]
+    )
+    # The leased read still sees version 0's bytes.
+    out = store._read("k", "tensor", None, reply)
+    assert torch.equal(out[0][1], x)
+    store._ctrl.request({"op": "release", "lease": reply["lease"]})
+    with pytest.raises(VersionNotFoundError, match="deleted"):
+        store.get("k", version=0)
+
+
+def test_slots_are_reused_as_a_ring(store):
+    from tests.store.conftest import shm_segments
+
+    before = shm_segments()
+    for v in range(10):
+        store.put("ring", torch.full((1000,), float(v)))
+    created = shm_segments() - before
+    assert len(created) == 3  # keep=2 plus the one being written
+
+
+def test_embedded_store_frees_memory_on_close():
+    from tests.store.conftest import shm_segments
+
+    before = shm_segments()
+    s = tidal.store.connect()
+    s.put("x", torch.ones(1000))
+    assert len(shm_segments() - before) == 1
+    s.close()
+    assert shm_segments() - before == set()
+
+
+def test_connect_reads_env(monkeypatch, store):
+    store.put("env", torch.ones(3))
+    monkeypatch.setenv("TIDAL_STORE", store.address)
+    with tidal.store.connect() as other:
+        assert other.address == store.address
+        assert torch.equal(other.get("env"), torch.ones(3))
+
+
+def test_layout_helpers():
+    assert intersect((0, 0), (4, 4), (2, 3), (4, 4)) == ((2, 3), (2, 1))
+    assert intersect((0,), (2,), (2,), (2,)) is None
+    assert check_cover((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None
+    assert "cover 8 of 16" in check_cover((4, 4), [((0, 0), (2, 4))])
+    assert "overlap" in check_cover((4,), [((0,), (3,)), ((2,), (2,))])
+    sd = {"a": {"b": torch.ones(1)}, "l": [torch.zeros(1), torch.ones(2)]}
+    flat = flatten(sd)
+    assert [p for p, _ in flat] == [("a", "b"), ("l", 0), ("l", 1)]
+    back = unflatten(flat)
+    assert isinstance(back["l"], list) and torch.equal(back["l"][1], torch.ones(2))
+
+
+def test_multi_writer_versions(store):
+    """Two writers of one version: visible only after both commit; a writer that closes
+    after committing does not abort it; one that leaves before committing does."""
+    full = torch.arange(24.0).view(6, 4)
+    a = tidal.store.connect(store.address)
+    b = tidal.store.connect(store.address)
+    msg = {"op": "put_begin", "key": "mw", "version": 0, "writers": 2, "keep": None,
+           "host": "h", "volume": None, "kind": "tensor"}  # fmt: skip
+
+    def half(client, rows):
+        lo, hi = rows
+        r = client._ctrl.request(
+            {
+                **msg,
+                "writer": client._writer,
+                "tensors": [[[], [6, 4], "float32", [lo, 0], [hi - lo, 4]]],
+            }  # fmt: skip
+        )
+        seg = client._map(r["volume"][3], r["slots"][0], (hi - lo) * 16)
+        seg.view(torch.float32).view(hi - lo, 4).copy_(full[lo:hi])
+        return client._ctrl.request(
+            {"op": "put_commit", "key": "mw", "version": 0, "writer": client._writer}
+        )["visible"]
+
+    assert half(a, (0, 2)) is False
+    a.close()  # committed, then gone: the version stays pending, not aborted
+    assert not store.exists("mw", 0)
+    with pytest.raises(VersionNotFoundError, match="1 of 2 writers"):
+        store.get("mw", version=0)
+    assert half(b, (2, 6)) is True
+    assert torch.equal(store.get("mw"), full)
+    b.close()
+    # A writer that disconnects before committing aborts the version.
+    c = tidal.store.connect(store.address)
+    c._ctrl.request(
+        {
+            **msg,
+            "version": 1,
+            "writer": c._writer,
+            "tensors": [[[], [6, 4], "float32", [0, 0], [2, 4]]],
+        }  # fmt: skip
+    )
+    c.close()
+    with pytest.raises(VersionNotFoundError, match="aborted: a writer disconnected"):
+        store.get("mw", version=1)
+    # Writers whose shards leave a gap: the last commit fails, readers never see it.
+    d = tidal.store.connect(store.address)
+    d._ctrl.request(
+        {
+            **msg,
+            "version": 2,
+            "writers": 1,
+            "writer": d._writer,
+            "tensors": [[[], [6, 4], "float32", [0, 0], [2, 4]]],
+        }  # fmt: skip
+    )
+    with pytest.raises(ValueError, match="cover 8 of 24"):
+        d._ctrl.request({"op": "put_commit", "key": "mw", "version": 2, "writer": d._writer})
+    d.close()
+    assert store.versions("mw") == [0]
+
+
+def test_reader_unmaps_deleted_segments(store):
+    with tidal.store.connect(store.address) as reader:
+        store.put("gone", torch.ones(1000))
+        assert torch.equal(reader.get("gone"), torch.ones(1000))
+        assert len(reader._maps) == 1
+        store.delete("gone")
+        store.put("gone", torch.ones(10, 10))  # a new layout for the key
+        reader.get("gone")
+        assert len(reader._maps) == 1  # the deleted slot's mapping was dropped

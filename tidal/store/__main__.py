@@ -1,0 +1,7 @@
+"""``python -m tidal.store serve|volume|ls``."""
+
+import sys
+
+from tidal.store.cli import main
+
+sys.exit(main())

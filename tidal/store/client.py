@@ -1,0 +1,835 @@
+"""The tidal.store client: ``connect()`` and the :class:`Store` handle.
+
+Lifecycle: every process that reads or writes calls ``connect()`` once and keeps the handle.
+The handle holds one control connection to the controller, a pool of data connections per
+remote volume (TCP transport), a cache of mapped shared-memory segments (same-host transport)
+and a cache of read plans per (key, stored layout, destination layout).
+
+A put: ``put_begin`` (controller allocates or reuses a slot per shard in a volume on this
+host), copy each local shard into its slot, ``put_commit``. A get: ``acquire`` (controller
+pins a committed version with a lease and returns its slots; the full layout only when the
+client's cached copy is stale), copy the overlap of each stored shard with the destination
+window straight into a view of the destination, ``release``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tidal.store import layout, wire
+from tidal.store.conn import Conn
+from tidal.store.controller import Controller
+from tidal.store.errors import StoreError
+from tidal.store.layout import Dims, Path
+from tidal.store.server import Server
+from tidal.store.volume import Volume, map_segment, new_store_id, reap_stale
+
+Transport = Literal["auto", "shm", "tcp"]
+_TCP_PIECE = 16 << 20  # split TCP reads/writes into pieces spread over the connections
+
+
+@dataclass(slots=True)
+class _Stored:
+    """A stored tensor's layout, as decoded from an ``acquire`` reply."""
+
+    shape: Dims
+    dtype: torch.dtype
+    boxes: list[tuple[Dims, Dims]]
+    first: int  # index of its first shard in the reply's flat slot list
+
+
+@dataclass(slots=True)
+class _Op:
+    """Copy a sub-box of stored shard ``shard`` into the destination's local tensor."""
+
+    dest: int  # index into the destination list
+    shard: int  # index into the flat slot list
+    shard_shape: Dims
+    src_off: Dims  # relative to the stored shard
+    dst_off: Dims  # relative to the destination's local tensor
+    sizes: Dims
+
+
+class Store:
+    """A handle to a tidal store. Create it with :func:`connect`.
+
+    Blocking methods: ``put``, ``get``, ``put_state_dict``, ``get_state_dict``, ``keys``,
+    ``versions``, ``exists``, ``delete``, ``ls``, ``close``. Non-blocking variants
+    ``put_async``, ``get_async``, ``put_state_dict_async``, ``get_state_dict_async`` return a
+    ``concurrent.futures.Future`` (wrap with ``asyncio.wrap_future`` to await it); sources
+    must not be modified, nor destinations read, until the future is done.
+    A handle is thread-safe.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        transport: Transport = "auto",
+        timeout: float = 60.0,
+        volume: str | None = None,
+        connections: int = 2,
+        _server: Server | None = None,
+    ) -> None:
+        if transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        self.address = address
+        self.transport = transport
+        self._token = token
+        self._timeout = timeout
+        self._volume = volume
+        self._connections = connections
+        self._server = _server
+        self._ctrl = Conn(address, token, timeout)
+        self._host = wire.host_id()
+        self._writer = f"{self._host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._lock = threading.Lock()
+        self._pools: dict[str, list[Conn]] = {}
+        self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._pinned: dict[str, bool] = {}  # mapped segment -> registered with CUDA
+        self._misses = 0  # mapping-cache misses since the last sweep
+        self._meta: dict[str, tuple[str, dict[Path, _Stored]]] = {}
+        self._plans: OrderedDict[tuple[Any, ...], list[_Op]] = OrderedDict()
+        self._shm_ok: dict[str, bool] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._closed = False
+        # Diagnostics: layouts received from the controller (a repeated get of new versions
+        # of the same layout receives none) and read plans computed.
+        self.metadata_fetches = 0
+        self.plans_built = 0
+
+    # ================================================================== public API
+
+    def put(
+        self,
+        key: str,
+        value: torch.Tensor,
+        *,
+        version: int | None = None,
+        writers: int | None = None,
+        keep: int | None = None,
+    ) -> int:
+        """Store a tensor, or this process's shard of a DTensor, as ``version`` of ``key``.
+
+        Every process holding a shard of a DTensor calls ``put`` with the same key and
+        version; each sends only its local shard and its box in the global tensor (a shard
+        already sent by a replica is skipped). The version becomes visible to readers when
+        all ``writers`` have put.
+
+        Args:
+            key: name of the value, e.g. ``"policy/lm_head"``.
+            value: a CPU tensor or DTensor (any dtype in ``wire.DTYPES``, any strides).
+            version: integer version; None picks the next one (single writer only).
+            writers: processes that put this version; for a DTensor, defaults to the world
+                size of the default process group (every rank puts, SPMD style) or the
+                mesh size without one; 1 for a plain tensor.
+            keep: how many committed versions of ``key`` to retain (default: the store's).
+
+        Returns:
+            The version number written.
+
+        Raises:
+            ValueError: the version already exists, or writers disagree on shape/dtype.
+            TypeError: ``value`` is not a tensor, or ``key`` holds a state dict.
+            StoreError: the store or a volume cannot be reached.
+
+        Example::
+
+            store = tidal.store.connect()
+            v = store.put("w", torch.randn(4, 4))
+        """
+        return self._put(key, "tensor", [((), value)], version, writers, keep)
+
+    def get(
+        self,
+        key: str,
+        into: torch.Tensor | None = None,
+        *,
+        version: int | Literal["latest"] = "latest",
+    ) -> torch.Tensor:
+        """Read a stored tensor: the full value, or exactly the window ``into`` covers.
+
+        Args:
+            key: the key given to ``put``.
+            into: None to return a new CPU tensor of the full value; a tensor of the global
+                shape, or a DTensor whose local shard is filled in place (any layout, any
+                strides: only the overlapping parts of stored shards are read).
+            version: a version number or ``"latest"`` (latest committed).
+
+        Returns:
+            ``into`` (filled) or a new tensor.
+
+        Raises:
+            KeyNotFoundError / VersionNotFoundError (both KeyError): unknown key, or a
+                version never written, evicted or deleted.
+            ValueError: ``into`` has another global shape or dtype than the stored value.
+            TypeError: ``key`` holds a state dict (use ``get_state_dict``).
+            VolumeLostError: the volume holding the bytes went away.
+
+        Example::
+
+            w = store.get("w")                       # full tensor
+            store.get("w", into=dtensor_shard)       # resharded in place
+        """
+        out = self._get(key, "tensor", None if into is None else [((), into)], version)
+        return out[0][1]
+
+    def put_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        key: str,
+        *,
+        version: int | None = None,
+        writers: int | None = None,
+        keep: int | None = None,
+    ) -> int:
+        """Store a nested state dict of tensors and DTensors as one version of ``key``.
+
+        One call for the whole model: every tensor's local shard goes to a volume on this
+        host; the version becomes visible when every writer has put all its tensors.
+
+        Args:
+            state_dict: nested dicts/lists whose leaves are tensors or DTensors.
+            key: name of the state dict, e.g. ``"policy"``.
+            version: integer version; None picks the next one (single writer only).
+            writers: processes that put this version; with DTensors in the state dict,
+                defaults to the world size of the default process group (every rank puts,
+                SPMD style; pipeline stages included) or the largest mesh without one;
+                1 for a state dict of plain tensors. Pass it when only some ranks put.
+            keep: committed versions of ``key`` to retain (default: the store's).
+
+        Returns:
+            The version number written.
+
+        Raises:
+            TypeError: a leaf is not a tensor, or ``key`` holds a single tensor.
+            ValueError: the version exists, or writers disagree on a tensor's shape/dtype.
+
+        Example::
+
+            store.put_state_dict(model.state_dict(), "policy", version=step)
+        """
+        items = layout.flatten(state_dict)
+        return self._put(key, "state_dict", items, version, writers, keep)
+
+    def get_state_dict(
+        self,
+        key: str,
+        into: Mapping[str, Any] | None = None,
+        *,
+        version: int | Literal["latest"] = "latest",
+    ) -> dict[str, Any]:
+        """Read a stored state dict, resharding every tensor into ``into``'s layout.
+
+        Args:
+            key: the key given to ``put_state_dict``.
+            into: None for a new nested dict of full CPU tensors; otherwise a (nested)
+                state dict of tensors/DTensors filled in place. It may hold a subset of the
+                stored tensors (only those are read).
+            version: a version number or ``"latest"``.
+
+        Returns:
+            ``into`` (filled) or a new nested dict.
+
+        Raises:
+            KeyError: unknown key or version, or a tensor of ``into`` missing in the store.
+            ValueError: a tensor of ``into`` has another global shape or dtype.
+
+        Example::
+
+            store.get_state_dict("policy", into=generator_model.state_dict())
+        """
+        dests = None if into is None else layout.flatten(into)
+        out = self._get(key, "state_dict", dests, version)
+        return dict(into) if into is not None else layout.unflatten(out)
+
+    def put_async(self, key: str, value: torch.Tensor, **kwargs: Any) -> Future[int]:
+        """``put`` in a background thread; returns a Future of the version."""
+        return self._submit(self.put, key, value, **kwargs)
+
+    def get_async(
+        self, key: str, into: torch.Tensor | None = None, **kwargs: Any
+    ) -> Future[torch.Tensor]:
+        """``get`` in a background thread; returns a Future of the tensor."""
+        return self._submit(self.get, key, into, **kwargs)
+
+    def put_state_dict_async(
+        self, state_dict: Mapping[str, Any], key: str, **kwargs: Any
+    ) -> Future[int]:
+        """``put_state_dict`` in a background thread; returns a Future of the version."""
+        return self._submit(self.put_state_dict, state_dict, key, **kwargs)
+
+    def get_state_dict_async(
+        self, key: str, into: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Future[dict[str, Any]]:
+        """``get_state_dict`` in a background thread; returns a Future of the dict."""
+        return self._submit(self.get_state_dict, key, into, **kwargs)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Keys with at least one committed version that start with ``prefix``, sorted.
+
+        Example: ``store.keys("policy/")`` -> ``["policy/lm_head", "policy/trunk"]``.
+        """
+        return self._ctrl.request({"op": "keys", "prefix": prefix})["keys"]
+
+    def versions(self, key: str) -> list[int]:
+        """Committed (readable) versions of ``key``, oldest first.
+
+        Raises KeyNotFoundError for an unknown key. Example: ``store.versions("w")`` ->
+        ``[6, 7]`` with ``keep=2``.
+        """
+        return self._ctrl.request({"op": "versions", "key": key})["versions"]
+
+    def exists(self, key: str, version: int | None = None) -> bool:
+        """Whether ``key`` (or that version of it) is committed and readable; never raises
+        for unknown keys. Example: ``store.exists("w", 7)``."""
+        return self._ctrl.request({"op": "exists", "key": key, "version": version})["exists"]
+
+    def delete(self, key: str, version: int | None = None) -> int:
+        """Delete one version, or every version of ``key``; returns how many went.
+
+        Readers already copying a deleted version finish with its bytes; later reads get
+        VersionNotFoundError. Memory is freed once the last such reader is done.
+
+        Raises:
+            KeyNotFoundError / VersionNotFoundError: nothing to delete.
+
+        Example: ``store.delete("w", version=3)``; ``store.delete("w")`` (all versions).
+        """
+        return self._ctrl.request({"op": "delete", "key": key, "version": version})["deleted"]
+
+    def ls(self, prefix: str = "") -> dict[str, Any]:
+        """What the store holds, for tools (``tidal store ls`` prints it).
+
+        Returns:
+            ``{"entries": [{key, version, kind, tensors, shards, bytes, volumes}],
+            "volumes": [{volume, address, host, alive}]}`` for committed versions of keys
+            starting with ``prefix``.
+
+        Example: ``sum(e["bytes"] for e in store.ls("policy")["entries"])``.
+        """
+        reply = self._ctrl.request({"op": "ls", "prefix": prefix})
+        return {"entries": reply["entries"], "volumes": reply["volumes"]}
+
+    def close(self) -> None:
+        """Close connections and unmap segments; an embedded store also shuts down."""
+        if self._closed:
+            return
+        self._closed = True
+        for ex in (self._executor, self._io):
+            if ex is not None:
+                ex.shutdown(wait=True)
+        self._ctrl.close(graceful=True)
+        with self._lock:
+            for pool in self._pools.values():
+                for c in pool:
+                    c.close()
+            self._pools.clear()
+            for path, seg in self._maps.items():
+                self._unpin(path, seg)
+            self._maps.clear()
+        if self._server is not None:
+            self._server.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================== writes
+
+    def _put(
+        self,
+        key: str,
+        kind: str,
+        items: list[tuple[Path, torch.Tensor]],
+        version: int | None,
+        writers: int | None,
+        keep: int | None,
+    ) -> int:
+        _check_key(key)
+        decls, locals_ = [], []
+        meshes = 0
+        for path, value in items:
+            shape, offs, sizes, local = layout.window(value)
+            if isinstance(value, DTensor):
+                meshes = max(meshes, value.device_mesh.size())
+            decls.append(
+                [list(path), list(shape), wire.dtype_name(value.dtype), list(offs), list(sizes)]
+            )
+            locals_.append(local)
+        reply = self._ctrl.request(
+            {
+                "op": "put_begin",
+                "key": key,
+                "version": version,
+                "writers": writers if writers is not None else _default_writers(meshes),
+                "writer": self._writer,
+                "keep": keep,
+                "host": self._host,
+                "volume": self._volume,
+                "kind": kind,
+                "tensors": decls,
+            }
+        )
+        version = reply["version"]
+        try:
+            vid, vaddr, vhost, prefix = reply["volume"]
+            jobs = [(s, t) for s, t in zip(reply["slots"], locals_, strict=True) if s >= 0]
+            if self._use_shm(vhost, prefix, jobs[0][0] if jobs else None):
+                cuda = False
+                with torch.no_grad():
+                    for slot, local in jobs:
+                        dst = self._map(prefix, slot, local.numel() * local.element_size())
+                        pinned = local.is_cuda and self._pin(prefix, slot, dst)
+                        dst = dst.view(local.dtype).view(local.shape)
+                        dst.copy_(local, non_blocking=pinned)
+                        cuda = cuda or pinned
+                if cuda:
+                    torch.cuda.synchronize()
+            else:
+                self._tcp_write(vaddr, jobs)
+        except BaseException:
+            try:
+                self._ctrl.request(
+                    {"op": "put_abort", "key": key, "version": version, "writer": self._writer}
+                )
+            except (StoreError, ValueError):
+                pass  # the abort is best effort; the connection drop aborts it as well
+            raise
+        self._ctrl.request(
+            {"op": "put_commit", "key": key, "version": version, "writer": self._writer}
+        )
+        return version
+
+    def _tcp_write(self, address: str, jobs: list[tuple[int, torch.Tensor]]) -> None:
+        pieces = []
+        for slot, local in jobs:
+            flat = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), _TCP_PIECE):
+                pieces.append((slot, start, flat[start : start + _TCP_PIECE]))
+
+        def send(piece: tuple[int, int, torch.Tensor]) -> None:
+            slot, start, buf = piece
+            header = {"op": "vol_write", "slot": slot, "offset": start, "nbytes": buf.numel()}
+            with self._borrow(address) as conn:
+                conn.request(header, memoryview(buf.numpy()))
+
+        self._fan_out(send, pieces)
+
+    # ================================================================== reads
+
+    def _get(
+        self,
+        key: str,
+        kind: str,
+        dests: list[tuple[Path, torch.Tensor]] | None,
+        version: int | Literal["latest"],
+    ) -> list[tuple[Path, torch.Tensor]]:
+        _check_key(key)
+        if version != "latest" and (not isinstance(version, int) or version < 0):
+            raise ValueError(f"version must be a non-negative int or 'latest', got {version!r}")
+        cached = self._meta.get(key)
+        reply = self._ctrl.request(
+            {
+                "op": "acquire",
+                "key": key,
+                "version": version,
+                "known_sig": cached[0] if cached else None,
+            }
+        )
+        try:
+            return self._read(key, kind, dests, reply, cached)
+        finally:
+            try:
+                self._ctrl.request({"op": "release", "lease": reply["lease"]})
+            except StoreError:
+                pass  # the controller drops the lease when this connection closes
+
+    def _read(
+        self,
+        key: str,
+        kind: str,
+        dests: list[tuple[Path, torch.Tensor]] | None,
+        reply: dict[str, Any],
+        cached: tuple[str, dict[Path, _Stored]] | None = None,
+    ) -> list[tuple[Path, torch.Tensor]]:
+        """Copy from the version ``reply`` pinned; ``cached`` is the layout whose signature
+        the request named (another thread may have replaced ``self._meta`` since)."""
+        if reply["kind"] != kind:
+            other = "get_state_dict" if reply["kind"] == "state_dict" else "get"
+            raise TypeError(f"key {key!r} holds a {reply['kind'].replace('_', ' ')}; use {other}")
+        sig = reply["sig"]
+        if "meta" in reply:
+            self.metadata_fetches += 1
+            with self._lock:
+                self._sweep_maps()  # a new layout: slots of the old one may be gone
+            stored: dict[Path, _Stored] = {}
+            first = 0
+            for name, shape, dtype, boxes in reply["meta"]:
+                bx = [(tuple(o), tuple(s)) for o, s in boxes]
+                stored[tuple(name)] = _Stored(tuple(shape), wire.DTYPES[dtype], bx, first)
+                first += len(bx)
+            self._meta[key] = (sig, stored)
+        else:
+            assert cached is not None and cached[0] == sig, "controller skipped a stale layout"
+            stored = cached[1]
+        # Destinations: given, or new full tensors.
+        if dests is None:
+            dests = [(n, torch.empty(s.shape, dtype=s.dtype)) for n, s in stored.items()]
+        windows = []
+        for path, dest in dests:
+            s = stored.get(path)
+            shown = layout.path_str(path) or key
+            if s is None:
+                missing = [layout.path_str(p) for p, _ in dests if p not in stored]
+                raise KeyError(
+                    f"version {reply['version']} of key {key!r} has no tensor {shown!r} "
+                    f"({len(missing)} missing, e.g. {missing[:5]})"
+                )
+            gshape, offs, sizes, local = layout.window(dest)
+            if gshape != s.shape or dest.dtype != s.dtype:
+                raise ValueError(
+                    f"{shown}: destination has global shape {list(gshape)} {dest.dtype}, "
+                    f"stored version {reply['version']} of key {key!r} has {list(s.shape)} "
+                    f"{s.dtype}"
+                )
+            windows.append((path, offs, sizes, local))
+        plan_key = (key, sig, tuple((p, o, z) for p, o, z, _ in windows))
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = _plan(stored, windows)
+            with self._lock:
+                self.plans_built += 1
+                self._plans[plan_key] = plan
+                while len(self._plans) > 256:
+                    self._plans.popitem(last=False)
+        self._execute(plan, windows, stored, reply)
+        return [(path, dest) for path, dest in dests]
+
+    def _execute(
+        self,
+        plan: list[_Op],
+        windows: list[tuple[Path, Dims, Dims, torch.Tensor]],
+        stored: dict[Path, _Stored],
+        reply: dict[str, Any],
+    ) -> None:
+        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
+        dtypes = [stored[p].dtype for p, *_ in windows]
+        shm_ops, tcp_ops = [], []
+        for op in plan:
+            _, vaddr, vhost, prefix = volumes[vols[op.shard]]
+            if self._use_shm(vhost, prefix, slots[op.shard]):
+                shm_ops.append(op)
+            else:
+                tcp_ops.append((vaddr, op))
+        cuda = False
+        with torch.no_grad():
+            for op in shm_ops:
+                prefix = volumes[vols[op.shard]][3]
+                dtype = dtypes[op.dest]
+                n = layout.numel(op.shard_shape) * dtype.itemsize
+                seg = self._map(prefix, slots[op.shard], n)
+                dst = layout.narrow(windows[op.dest][3], op.dst_off, op.sizes)
+                pinned = dst.is_cuda and self._pin(prefix, slots[op.shard], seg)
+                src = layout.narrow(seg.view(dtype).view(op.shard_shape), op.src_off, op.sizes)
+                dst.copy_(src, non_blocking=pinned)
+                cuda = cuda or pinned
+        if cuda:  # the lease is released after this: the copies must be done
+            torch.cuda.synchronize()
+        if tcp_ops:
+            self._tcp_read(tcp_ops, windows, dtypes, slots)
+
+    def _tcp_read(
+        self,
+        ops: list[tuple[str, _Op]],
+        windows: list[tuple[Path, Dims, Dims, torch.Tensor]],
+        dtypes: list[torch.dtype],
+        slots: list[int],
+    ) -> None:
+        pieces = []
+        for address, op in ops:
+            itemsize = dtypes[op.dest].itemsize
+            row = layout.numel(op.sizes[1:]) * itemsize
+            if op.sizes and row and op.sizes[0] * row > _TCP_PIECE:
+                step = max(1, _TCP_PIECE // row)
+                for r in range(0, op.sizes[0], step):
+                    k = min(step, op.sizes[0] - r)
+                    pieces.append(
+                        (
+                            address,
+                            _Op(
+                                op.dest, op.shard, op.shard_shape,
+                                (op.src_off[0] + r, *op.src_off[1:]),
+                                (op.dst_off[0] + r, *op.dst_off[1:]),
+                                (k, *op.sizes[1:]),
+                            ),
+                        )
+                    )  # fmt: skip
+            else:
+                pieces.append((address, op))
+
+        def fetch(piece: tuple[str, _Op]) -> None:
+            address, op = piece
+            dtype = dtypes[op.dest]
+            dst = layout.narrow(windows[op.dest][3], op.dst_off, op.sizes)
+            direct = dst.is_contiguous() and dst.device.type == "cpu"
+            buf = dst if direct else torch.empty(op.sizes, dtype=dtype)
+            header = {
+                "op": "vol_read",
+                "slot": slots[op.shard],
+                "shape": list(op.shard_shape),
+                "itemsize": dtype.itemsize,
+                "offsets": list(op.src_off),
+                "sizes": list(op.sizes),
+            }
+            with self._borrow(address) as conn:
+                conn.request(header, into=memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
+            if not direct:
+                with torch.no_grad():
+                    dst.copy_(buf)
+
+        self._fan_out(fetch, pieces)
+
+    # ================================================================== plumbing
+
+    def _use_shm(self, vhost: str, prefix: str, slot: int | None) -> bool:
+        """Same-host shared memory when allowed, the volume is here and its files are."""
+        if self.transport == "tcp" or slot is None:
+            return self.transport == "shm" and slot is not None
+        ok = self._shm_ok.get(prefix)
+        if ok is None:
+            ok = vhost == self._host and os.access(f"{prefix}{slot}", os.R_OK | os.W_OK)
+            self._shm_ok[prefix] = ok
+        if not ok and self.transport == "shm":
+            raise StoreError(
+                f"transport='shm' but the volume's segments ({prefix}*) are not on this host"
+            )
+        return ok
+
+    def _pin(self, prefix: str, slot: int, seg: torch.Tensor) -> bool:
+        """Register a mapped segment with CUDA (once) so device copies run as DMA: on the
+        H200 host an unpinned segment moved 11 GB/s device->host and 7 GB/s host->device
+        (benchmarks/store_sync.py --device cuda). Returns True when a device copy may be
+        asynchronous. Fallback: where registration fails, copies stay pageable."""
+        path = f"{prefix}{slot}"
+        with self._lock:
+            ok = self._pinned.get(path)
+            if ok is None and seg.numel():
+                rc = torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 1)
+                ok = self._pinned[path] = int(rc) == 0
+        return bool(ok)
+
+    def _unpin(self, path: str, seg: torch.Tensor) -> None:
+        if self._pinned.pop(path, False):
+            torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
+
+    def _map(self, prefix: str, slot: int, nbytes: int) -> torch.Tensor:
+        path = f"{prefix}{slot}"
+        with self._lock:
+            t = self._maps.get(path)
+            if t is not None:
+                self._maps.move_to_end(path)
+                return t
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        try:
+            t = map_segment(path, nbytes)
+        except FileNotFoundError:
+            raise StoreError(
+                f"shared-memory segment {path} is gone (its volume was closed or died)"
+            ) from None
+        except OSError as e:
+            raise StoreError(f"cannot map shared-memory segment {path}: {e}") from None
+        with self._lock:
+            self._maps[path] = t
+            self._misses += 1
+            if self._misses >= 64:
+                self._sweep_maps()
+            while len(self._maps) > 65536:
+                self._unpin(*self._maps.popitem(last=False))
+        return t
+
+    def _sweep_maps(self) -> None:
+        """Unmap segments whose files are gone (deleted keys, dead volumes): a mapping keeps
+        its memory alive, so stale ones must not wait for the LRU bound."""
+        self._misses = 0
+        for path in [p for p in self._maps if not os.path.exists(p)]:
+            self._unpin(path, self._maps.pop(path))
+
+    class _Borrowed:
+        def __init__(self, store: Store, address: str) -> None:
+            self.store, self.address = store, address
+
+        def __enter__(self) -> Conn:
+            with self.store._lock:
+                pool = self.store._pools.setdefault(self.address, [])
+                conn = pool.pop() if pool else None
+            if conn is None:
+                conn = Conn(self.address, self.store._token, self.store._timeout)
+            self.conn = conn
+            return conn
+
+        def __exit__(self, exc_type: Any, *exc: object) -> None:
+            if exc_type is None and self.conn.sock.fileno() >= 0:
+                with self.store._lock:
+                    self.store._pools.setdefault(self.address, []).append(self.conn)
+            else:
+                self.conn.close()
+
+    def _borrow(self, address: str) -> Store._Borrowed:
+        return Store._Borrowed(self, address)
+
+    def _fan_out(self, fn: Any, pieces: Iterable[Any]) -> None:
+        pieces = list(pieces)
+        if len(pieces) <= 1 or self._connections == 1:
+            for p in pieces:
+                fn(p)
+            return
+        with self._lock:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(self._connections, thread_name_prefix="tidal-io")
+        for f in [self._io.submit(fn, p) for p in pieces]:
+            f.result()
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(2, thread_name_prefix="tidal-async")
+        return self._executor.submit(fn, *args, **kwargs)
+
+
+def _plan(
+    stored: dict[Path, _Stored], windows: list[tuple[Path, Dims, Dims, torch.Tensor]]
+) -> list[_Op]:
+    """For each destination window, the overlap with every stored shard."""
+    ops = []
+    for d, (path, offs, sizes, _) in enumerate(windows):
+        s = stored[path]
+        if layout.numel(sizes) == 0:
+            continue
+        for k, (b_off, b_size) in enumerate(s.boxes):
+            if len(s.shape) == 0:
+                ops.append(_Op(d, s.first + k, (), (), (), ()))
+                continue
+            hit = layout.intersect(offs, sizes, b_off, b_size)
+            if hit is None:
+                continue
+            h_off, h_size = hit
+            ops.append(
+                _Op(
+                    d,
+                    s.first + k,
+                    b_size,
+                    tuple(a - b for a, b in zip(h_off, b_off, strict=True)),
+                    tuple(a - b for a, b in zip(h_off, offs, strict=True)),
+                    h_size,
+                )
+            )
+    return ops
+
+
+def _default_writers(largest_mesh: int) -> int:
+    """SPMD default: with DTensors, every rank of the job puts (replicas included, they send
+    no bytes); without, one process."""
+    if largest_mesh == 0:
+        return 1
+    if dist.is_available() and dist.is_initialized():
+        return max(largest_mesh, dist.get_world_size())
+    return largest_mesh
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not key or len(key) > 1024 or "\x00" in key:
+        raise ValueError(f"key must be a non-empty string of at most 1024 characters: {key!r}")
+
+
+def connect(
+    address: str | None = None,
+    *,
+    token: str | None = None,
+    transport: Transport | None = None,
+    timeout: float = 60.0,
+    keep: int = 2,
+    volume: str | None = None,
+    connections: int = 2,
+) -> Store:
+    """Connect to a tidal store, or start an embedded one.
+
+    Resolution: ``address`` if given; else the ``TIDAL_STORE`` environment variable (set by
+    launchers for the processes they start; ``TIDAL_STORE_TOKEN`` and
+    ``TIDAL_STORE_TRANSPORT`` are read too); else an embedded store (controller and one
+    shared-memory volume in background threads of this process, listening on a random
+    loopback port) that lives until this handle is closed or the process exits. Pass
+    ``store.address`` to spawned processes so they can connect to it.
+
+    Args:
+        address: ``tcp://host:port`` of a store started by ``tidal store serve``.
+        token: shared secret, required when the store listens on a non-loopback address.
+        transport: ``"auto"`` (shared memory for volumes on this host, TCP otherwise),
+            ``"shm"`` or ``"tcp"`` to force one.
+        timeout: seconds to wait for any reply before raising StoreError.
+        keep: versions retained per key by an embedded store (ignored when connecting).
+        volume: put this client's shards into the named volume instead of a local one.
+        connections: TCP connections in flight per volume for bulk transfers.
+
+    Returns:
+        A :class:`Store` handle.
+
+    Raises:
+        StoreError: nothing listens at the address. AuthError: wrong token.
+
+    Example::
+
+        store = tidal.store.connect()            # embedded
+        store.put("x", torch.ones(3))
+        child_store = tidal.store.connect(store.address)
+    """
+    if address is None:
+        address = os.environ.get("TIDAL_STORE") or None
+        if token is None:
+            token = os.environ.get("TIDAL_STORE_TOKEN") or None
+    if transport is None:
+        transport = os.environ.get("TIDAL_STORE_TRANSPORT", "auto")  # type: ignore[assignment]
+    server = None
+    if address is None:
+        reap_stale()  # segments of embedded stores whose process was killed
+        store_id = new_store_id()
+        server = Server(
+            controller=Controller(store_id, keep=keep),
+            volume=Volume("v0", store_id),
+            token=token,
+        )
+        weakref.finalize(server, server.close)
+        address = server.address
+    try:
+        return Store(
+            address,
+            token=token,
+            transport=transport,  # type: ignore[arg-type]
+            timeout=timeout,
+            volume=volume,
+            connections=connections,
+            _server=server,
+        )
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise

@@ -1,0 +1,341 @@
+"""Wire format shared by every tidal.store peer (client, controller, volume).
+
+A message is a 16-byte prefix, a msgpack header and an optional raw payload::
+
+    magic b"TDS1" | u32 header length | u64 payload length | msgpack header | payload bytes
+
+The header is a msgpack map with string keys, checked against an explicit per-op schema
+(``SCHEMAS``) before anything reads it; nothing received is ever unpickled. Lengths are
+checked against limits before any byte of the header or payload is read, so a peer cannot
+make the server allocate more than ``max_header_bytes``. Bulk bytes (tensor data) travel in
+the payload and are received with ``socket.recv_into`` straight into their destination.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import torch
+
+from tidal.store.errors import ProtocolError, StoreError
+
+MAGIC = b"TDS1"
+PREFIX = struct.Struct("<4sIQ")
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 32 << 20
+# Send large payloads in pieces: on the development VM a loop of 4 MiB sendall calls moved
+# 3.5-4.1 GB/s over loopback against 2.8-3.0 GB/s for one sendall of the whole buffer
+# (shared/CPU_NOTES.md, "Raw data movement"); benchmarks/store_tcp.py re-measures it.
+CHUNK_BYTES = 4 << 20
+
+# dtypes allowed on the wire, by name. Names received are looked up here only.
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype``; raises TypeError for dtypes the store does not carry."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} is not supported by tidal.store; supported: {sorted(DTYPES)}"
+        ) from None
+
+
+def host_id() -> str:
+    """Identifies this machine: peers with equal ids can share memory segments."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); raises ValueError naming the address."""
+    if not address.startswith("tcp://"):
+        raise ValueError(f"store address {address!r} must look like tcp://host:port")
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"store address {address!r} must look like tcp://host:port")
+    return host.strip("[]"), int(port)
+
+
+class ConnectionClosed(StoreError):
+    """The peer closed the connection between two messages."""
+
+
+# ---------------------------------------------------------------------------------------
+# Schema: a checker takes (value, field name) and raises ProtocolError when it does not fit.
+
+Checker = Callable[[Any, str], None]
+
+
+def _fail(field: str, what: str, value: Any) -> None:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise ProtocolError(f"field {field!r}: expected {what}, got {shown}")
+
+
+def s_str(max_len: int = 4096) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, str) or len(v) > max_len or "\x00" in v:
+            _fail(f, f"a string of at most {max_len} characters", v)
+
+    return check
+
+
+def s_int(lo: int = 0, hi: int = 1 << 62) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            _fail(f, f"an integer in [{lo}, {hi}]", v)
+
+    return check
+
+
+def s_bool(v: Any, f: str) -> None:
+    if not isinstance(v, bool):
+        _fail(f, "a boolean", v)
+
+
+def s_opt(inner: Checker) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if v is not None:
+            inner(v, f)
+
+    return check
+
+
+def s_enum(*allowed: str) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if v not in allowed:
+            _fail(f, f"one of {allowed}", v)
+
+    return check
+
+
+def s_list(inner: Checker, max_len: int = 1 << 20) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, list) or len(v) > max_len:
+            _fail(f, f"a list of at most {max_len} items", v)
+        for i, item in enumerate(v):
+            inner(item, f"{f}[{i}]")
+
+    return check
+
+
+def s_tuple(*inners: Checker) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, list) or len(v) != len(inners):
+            _fail(f, f"a list of {len(inners)} items", v)
+        for i, (inner, item) in enumerate(zip(inners, v, strict=True)):
+            inner(item, f"{f}[{i}]")
+
+    return check
+
+
+def s_any_of(*inners: Checker) -> Checker:
+    def check(v: Any, f: str) -> None:
+        errors = []
+        for inner in inners:
+            try:
+                inner(v, f)
+                return
+            except ProtocolError as e:
+                errors.append(str(e))
+        raise ProtocolError(" or ".join(errors))
+
+    return check
+
+
+MAX_DIMS = 64
+s_key = s_str(1024)
+s_dims = s_list(s_int(0, 1 << 62), MAX_DIMS)
+s_dtype = s_enum(*DTYPES)
+s_name = s_list(s_any_of(s_str(1024), s_int(0, 1 << 31)), 256)  # a state-dict path
+s_version = s_int(0, 1 << 62)
+# One tensor shard a writer declares: [name, global shape, dtype, box offsets, box sizes].
+s_shard_decl = s_tuple(s_name, s_dims, s_dtype, s_dims, s_dims)
+
+SCHEMAS: dict[str, dict[str, Checker]] = {
+    "hello": {"token": s_opt(s_str(1024)), "proto": s_int(0, 1 << 16)},
+    "bye": {},
+    "put_begin": {
+        "key": s_key,
+        "version": s_opt(s_version),
+        "writers": s_int(1, 1 << 20),
+        "writer": s_str(256),
+        "keep": s_opt(s_int(1, 1 << 20)),
+        "host": s_str(512),
+        "volume": s_opt(s_str(256)),
+        "kind": s_enum("tensor", "state_dict"),
+        "tensors": s_list(s_shard_decl, 1 << 20),
+    },
+    "put_commit": {"key": s_key, "version": s_version, "writer": s_str(256)},
+    "put_abort": {"key": s_key, "version": s_version, "writer": s_str(256)},
+    "acquire": {
+        "key": s_key,
+        "version": s_any_of(s_version, s_enum("latest")),
+        "known_sig": s_opt(s_str(128)),
+    },
+    "release": {"lease": s_int()},
+    "keys": {"prefix": s_str(1024)},
+    "versions": {"key": s_key},
+    "exists": {"key": s_key, "version": s_opt(s_version)},
+    "delete": {"key": s_key, "version": s_opt(s_version)},
+    "ls": {"prefix": s_str(1024)},
+    "register_volume": {
+        "volume_id": s_str(256),
+        "address": s_str(512),
+        "host": s_str(512),
+        "shm_prefix": s_str(1024),
+    },
+    "vol_create": {"slot": s_int(), "nbytes": s_int()},
+    "vol_destroy": {"slots": s_list(s_int(), 1 << 20)},
+    "vol_write": {"slot": s_int(), "offset": s_int(), "nbytes": s_int()},
+    "vol_read": {
+        "slot": s_int(),
+        "shape": s_dims,
+        "itemsize": s_int(1, 64),
+        "offsets": s_dims,
+        "sizes": s_dims,
+    },
+}
+
+# Ops that carry a payload; every other op must arrive with a payload length of 0.
+PAYLOAD_OPS = {"vol_write"}
+
+
+def check_request(header: Any, payload_len: int) -> str:
+    """Validate a decoded request header against ``SCHEMAS``; return its op."""
+    if not isinstance(header, dict):
+        raise ProtocolError(f"message header must be a map, got {type(header).__name__}")
+    op = header.get("op")
+    if op not in SCHEMAS:
+        raise ProtocolError(f"unknown op {op!r}; known ops: {sorted(SCHEMAS)}")
+    schema = SCHEMAS[op]
+    for field, check in schema.items():
+        if field not in header:
+            raise ProtocolError(f"op {op!r}: missing field {field!r}")
+        check(header[field], field)
+    extra = set(header) - set(schema) - {"op"}
+    if extra:
+        raise ProtocolError(f"op {op!r}: unknown fields {sorted(extra)}")
+    if payload_len and op not in PAYLOAD_OPS:
+        raise ProtocolError(f"op {op!r} takes no payload, got {payload_len} bytes")
+    return op
+
+
+# ---------------------------------------------------------------------------------------
+# Framing.
+
+
+def pack(header: dict[str, Any], payload_len: int = 0) -> bytes:
+    body = msgpack.packb(header, use_bin_type=True)
+    return PREFIX.pack(MAGIC, len(body), payload_len) + body
+
+
+def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | None = None) -> None:
+    """Send one message; the payload (if any) goes out in ``CHUNK_BYTES`` pieces."""
+    n = 0 if payload is None else payload.nbytes
+    sock.sendall(pack(header, n))
+    if payload is not None and n:
+        payload = payload.cast("B")
+        for start in range(0, n, CHUNK_BYTES):
+            sock.sendall(payload[start : start + CHUNK_BYTES])
+
+
+def recv_into(sock: socket.socket, buf: memoryview) -> None:
+    """Fill ``buf`` (a writable byte view) from the socket."""
+    buf = buf.cast("B")
+    n = buf.nbytes
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got : got + CHUNK_BYTES * 4])
+        if k == 0:
+            raise StoreError(f"connection closed by peer after {got} of {n} payload bytes")
+        got += k
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        k = sock.recv_into(scratch[: min(n, scratch.nbytes)])
+        if k == 0:
+            raise StoreError("connection closed while discarding a payload")
+        n -= k
+
+
+def recv_header(
+    sock: socket.socket, max_header: int = MAX_HEADER_BYTES, max_payload: int = 1 << 62
+) -> tuple[Any, int]:
+    """Read a prefix and header. Returns (decoded header, payload length still on the wire).
+
+    Raises ConnectionClosed when the peer closed cleanly before a new message, ProtocolError
+    for a bad magic, an oversized header or payload, or an undecodable header.
+    """
+    prefix = bytearray(PREFIX.size)
+    view = memoryview(prefix)
+    got = 0
+    while got < PREFIX.size:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                raise ConnectionClosed("connection closed")
+            raise ProtocolError(f"connection closed inside a message prefix ({got} bytes)")
+        got += k
+    magic, header_len, payload_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r}; not a tidal.store peer (want {MAGIC!r})")
+    if header_len > max_header:
+        raise ProtocolError(f"header of {header_len} bytes exceeds the limit of {max_header}")
+    if payload_len > max_payload:
+        raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of {max_payload}")
+    body = recv_exact(sock, header_len)
+    try:
+        header = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+        )
+    except Exception as e:  # msgpack raises several unrelated types on garbage input
+        raise ProtocolError(f"undecodable message header ({type(e).__name__}: {e})") from None
+    return header, payload_len

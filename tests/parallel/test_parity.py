@@ -84,6 +84,8 @@ CASES = {
                      "--training.batch_size", "2"]),
     "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2",
                       "--training.batch_size", "4"]),
+    "fsdp2_accum2": (2, ["--parallelism.dp_shard", "2", "--training.batch_size", "2",
+                         "--training.grad_accum_steps", "2"]),
     "fsdp2_ac_full": (2, ["--parallelism.dp_shard", "2", "--training.batch_size", "4",
                           "--activation_checkpoint.mode", "full"]),
 }  # fmt: skip
@@ -135,3 +137,52 @@ def test_context_parallel_training_parity(name, reference, tmp_path, text_corpus
     ref = torch.tensor(reference)
     for losses in results:
         torch.testing.assert_close(torch.tensor(losses)[:, 0], ref[:, 0], atol=ATOL, rtol=0)
+
+
+def _bitwise_losses(rank, world, cfg, reference: bool):
+    """FSDP over `world` ranks, or (reference) one process accumulating the ranks' batches
+    as micro-batches in rank order; no clipping, so the math is the same operation for
+    operation."""
+    import itertools
+
+    import numpy as np
+
+    from tidal.parallel.launch import DistInfo
+    from tidal.train.data import DataBundle, PackedLoader
+    from tidal.train.trainer import Trainer
+
+    tokens = np.random.default_rng(0).integers(2, 512, 8 * 33 * (STEPS + 1))
+    tok = type("Tok", (), {"vocab_size": 512, "bos_id": 0, "eos_id": 1})()
+
+    def loader(r):
+        return PackedLoader(tokens, np.array([0]), seq_len=32, batch_size=2, seed=0,
+                            dp_rank=r, dp_world=2)  # fmt: skip
+
+    if reference:
+        shards = [loader(r) for r in range(2)]
+        train = (next(shards[i % 2]) for i in itertools.count())
+        data = DataBundle(tokenizer=tok, train=train, val=None)
+        trainer = Trainer(cfg, data=data, log=lambda *a: None)
+    else:
+        trainer = Trainer(cfg, data=lambda r, w: DataBundle(tokenizer=tok, train=loader(r),
+                                                            val=None),
+                          dist_info=DistInfo.from_env(), log=lambda *a: None)  # fmt: skip
+    try:
+        out = []
+        for _ in range(STEPS):
+            batches, n_tokens, _ = trainer.next_batches()
+            out.append(float(trainer.train_step(batches, n_tokens).loss))
+        return out
+    finally:
+        trainer.close()
+
+
+def test_fsdp_fp32_is_bitwise_equal_to_one_process(tmp_path, text_corpus, cache_dir):
+    common = ["--training.max_norm", "0", "--training.batch_size", "2"]
+    ref_cfg = make_config(
+        tmp_path, text_corpus, cache_dir, *common, "--training.grad_accum_steps", "2"
+    )
+    fsdp_cfg = make_config(tmp_path, text_corpus, cache_dir, *common, "--parallelism.dp_shard", "2")
+    ref = _bitwise_losses(0, 1, ref_cfg, True)
+    for losses in run_ranks(2, _bitwise_losses, fsdp_cfg, False, tmp_path=tmp_path):
+        assert losses == ref  # exactly: same products, same sums, powers-of-two scaling

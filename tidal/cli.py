@@ -181,4 +181,3 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     return commands[argv[0]][0](argv[1:])
-

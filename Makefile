@@ -1,4 +1,5 @@
-# tidal: `make demo` trains the debug model on Shakespeare; `make test` runs lint and tests.
+# tidal: `make demo` trains the debug model on Shakespeare; `make test` runs lint (ruff,
+# mypy) and the tests.
 # Both create .venv on first use and reuse it (and the downloaded corpus) afterwards.
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,6 +27,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check tidal tests benchmarks
 	$(BIN)/ruff format --check tidal tests benchmarks
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -q

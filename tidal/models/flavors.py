@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from tidal.models.transformer import ModelArgs, RopeScaling
 
@@ -10,8 +11,8 @@ LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=
 LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
 
 
-def _llama3(**kw) -> ModelArgs:
-    base = dict(
+def _llama3(**kw: Any) -> ModelArgs:
+    base: dict[str, Any] = dict(
         family="llama3",
         n_kv_heads=8,
         vocab_size=128256,
@@ -22,8 +23,8 @@ def _llama3(**kw) -> ModelArgs:
     return ModelArgs(**(base | kw))
 
 
-def _qwen3(**kw) -> ModelArgs:
-    base = dict(
+def _qwen3(**kw: Any) -> ModelArgs:
+    base: dict[str, Any] = dict(
         family="qwen3",
         n_kv_heads=8,
         head_dim=128,

@@ -156,11 +156,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
         self.wo = nn.Linear(args.n_heads * args.k, args.dim, bias=False)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(args.k, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(args.k, eps=args.norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -175,7 +175,7 @@ class Attention(nn.Module):
         q_BTHK = self.wq(x_BTD).view(B, T, -1, self.head_dim)
         k_BTGK = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v_BTGK = self.wv(x_BTD).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
 
@@ -260,18 +260,20 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Pipeline stages set the ends they do not own to None (tidal/parallel/pipeline.py).
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index keeps names stable when pipeline stages drop layers.
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         # Tied embeddings reuse tok_embeddings.weight in forward (no second parameter object,
         # so to_empty and FSDP never see a shared parameter).
-        self.output = (
+        self.output: nn.Linear | None = (
             None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         )
         # cos/sin tables are derived, not learned: left out of state dicts.
+        self.rope: torch.Tensor
         self.register_buffer("rope", rope_tables(args), persistent=False)
 
     @torch.no_grad()
@@ -372,9 +374,10 @@ class Transformer(nn.Module):
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """Output projection of final hidden states: [..., D] -> [..., V]."""
-        if self.output is None:
-            return F.linear(h_BTD, self.tok_embeddings.weight)
-        return self.output(h_BTD)
+        if self.output is not None:
+            return self.output(h_BTD)
+        assert self.tok_embeddings is not None, "tied output needs the embedding on this stage"
+        return F.linear(h_BTD, self.tok_embeddings.weight)
 
 
 def _generator(seed: int, name: str, param: torch.Tensor) -> torch.Generator:

@@ -78,7 +78,7 @@ class CPAttention:
     def _visible(self) -> torch.Tensor:
         """[B or 1, 1, T, S] boolean: causal by global position, same document if known."""
         vis = (self.k_pos_S[None, :] <= self.q_pos_T[:, None])[None, None]
-        if self.q_doc_BT is not None:
+        if self.q_doc_BT is not None and self.k_doc_BS is not None:
             same = self.q_doc_BT[:, :, None] == self.k_doc_BS[:, None, :]
             vis = vis & same[:, None]
         return vis

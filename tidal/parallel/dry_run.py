@@ -46,7 +46,7 @@ def dry_run(cfg, world_size: int, log=print) -> list[dict]:
         else:
             per_rank = [(0, [0], [full])]
         bf16 = cfg.training.mixed_precision != "fp32"
-        reports = []
+        reports: list[dict] = []
         for pp_rank, ids, modules in per_rank:
             n = 0
             for m in modules:

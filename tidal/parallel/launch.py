@@ -10,6 +10,7 @@ at the end. A single process without those variables runs with no process group 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +24,13 @@ class DistInfo:
     world_size: int = 1
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> DistInfo:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DistInfo:
         """Read torchrun's RANK / LOCAL_RANK / WORLD_SIZE (single process when unset)."""
-        env = os.environ if env is None else env
+        src: Mapping[str, str] = os.environ if env is None else env
         return cls(
-            rank=int(env.get("RANK", 0)),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            world_size=int(env.get("WORLD_SIZE", 1)),
+            rank=int(src.get("RANK", 0)),
+            local_rank=int(src.get("LOCAL_RANK", 0)),
+            world_size=int(src.get("WORLD_SIZE", 1)),
         )
 
     @property
@@ -42,8 +43,10 @@ def init_process_group(info: DistInfo, device: torch.device) -> None:
     if info.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, **kwargs)
+    device_id = device if device.type == "cuda" else None  # eager NCCL init on our GPU
+    dist.init_process_group(
+        backend, rank=info.rank, world_size=info.world_size, device_id=device_id
+    )
 
 
 def destroy_process_group() -> None:

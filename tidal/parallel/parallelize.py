@@ -17,7 +17,6 @@ pipeline stages are cut before this runs (tidal/parallel/pipeline.py).
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -29,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tidal.models.transformer import Transformer
 from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
 from tidal.parallel.dims import ParallelDims
 
@@ -71,7 +71,7 @@ def tp_plan_block() -> dict:
     }
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     root = {k: v for k, v in tp_plan_root(loss_parallel).items() if getattr(model, k) is not None}
     if model.args.tie_embeddings:
         raise ValueError(
@@ -83,7 +83,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None
         parallelize_module(block, tp_mesh, tp_plan_block())
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpointConfig) -> None:
+def apply_ac(model: Transformer, cfg: ActivationCheckpointConfig) -> None:
     """Wrap blocks in activation checkpointing according to `cfg`."""
     if cfg.mode == "none":
         return
@@ -122,14 +122,14 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: Transformer) -> None:
     """Compile each block on its own: one graph shape reused by every layer."""
     for block in model.layers.values():
         block.compile()  # in place: parameter names and state-dict keys stay the same
 
 
 def apply_fsdp(
-    model: nn.Module,
+    model: Transformer,
     dp_mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype | None,
@@ -151,22 +151,25 @@ def apply_fsdp(
 
 
 def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
+    model: Transformer,
+    mesh: DeviceMesh | None,
     dims: ParallelDims,
     cfg: ParallelismConfig,
     ac: ActivationCheckpointConfig,
     *,
     compile: bool,
     param_dtype: torch.dtype | None,
-) -> nn.Module:
-    """Apply TP/SP, activation checkpointing, compile and FSDP2 to `model` in place."""
-    if dims.tp > 1:
+) -> Transformer:
+    """Apply TP/SP, activation checkpointing, compile and FSDP2 to `model` in place. `mesh`
+    is None only in a single process, where every degree is 1."""
+    sharded = dims.tp > 1 or dims.fsdp_enabled or dims.dp_replicate > 1
+    assert mesh is not None or not sharded, "a sharded layout needs a device mesh"
+    if dims.tp > 1 and mesh is not None:
         apply_tp(model, mesh["tp"], cfg.loss_parallel)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)
-    if dims.fsdp_enabled or dims.dp_replicate > 1:
+    if (dims.fsdp_enabled or dims.dp_replicate > 1) and mesh is not None:
         dp_mesh = (
             mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else (mesh["dp_shard_cp"])
         )

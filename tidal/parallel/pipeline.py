@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp_schedules
 
@@ -126,7 +125,7 @@ def build_stage_model(args: ModelArgs, layers: list[int], first: bool, last: boo
 @dataclass
 class StageModels:
     ids: list[int]
-    modules: list[nn.Module]
+    modules: list[Transformer]
     n_stages: int
 
 

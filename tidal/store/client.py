@@ -430,7 +430,7 @@ class Store:
             slot, start, buf = piece
             header = {"op": "vol_write", "slot": slot, "offset": start, "nbytes": buf.numel()}
             with self._borrow(address) as conn:
-                conn.request(header, memoryview(buf.numpy()))
+                conn.request(header, buf.numpy().data)
 
         self._fan_out(send, pieces)
 
@@ -601,7 +601,7 @@ class Store:
                 "sizes": list(op.sizes),
             }
             with self._borrow(address) as conn:
-                conn.request(header, into=memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
+                conn.request(header, into=buf.reshape(-1).view(torch.uint8).numpy().data)
             if not direct:
                 with torch.no_grad():
                     dst.copy_(buf)

@@ -340,6 +340,7 @@ class Controller:
                 f"version {version} of key {key!r} has no pending write by {writer}"
                 + (f" ({reason})" if reason else "")
             )
+        assert krec is not None, f"pending version {version} of {key!r} without its key record"
         return krec, vrec
 
     def _retain(self, key: str, krec: KeyRec, keep: int) -> None:

@@ -102,7 +102,7 @@ def flatten(state_dict: Mapping[str, Any], prefix: Path = ()) -> list[tuple[Path
         if isinstance(v, torch.Tensor):
             out.append((path, v))
         elif isinstance(v, Mapping | list | tuple):
-            out.extend(flatten(v, path))
+            out.extend(flatten(v, path))  # type: ignore[arg-type]  # lists are indexed too
         else:
             raise TypeError(
                 f"state dict entry {path_str(path)!r} is a {type(v).__name__}; "

@@ -177,7 +177,7 @@ class Volume:
                 f"of {seg.numel()} bytes"
             )
         if nbytes:
-            wire.recv_into(sock, memoryview(seg[offset : offset + nbytes].numpy()))
+            wire.recv_into(sock, seg[offset : offset + nbytes].numpy().data)
 
     def read_view(
         self,
@@ -204,7 +204,7 @@ class Volume:
             view = view.narrow(d, o, s)
         if not view.is_contiguous():
             view = view.contiguous()
-        return memoryview(view.reshape(-1).numpy())
+        return view.reshape(-1).numpy().data
 
     def close(self) -> None:
         self.destroy(list(self._segments))

@@ -26,7 +26,9 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass, keyed by field name."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    cls_def = tree.body[0]
+    assert isinstance(cls_def, ast.ClassDef), f"{cls} source is not a class definition"
+    body = cls_def.body
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (
@@ -162,7 +164,7 @@ def help_text(config, config_name: str) -> str:
     for name, sec in _sections(config).items():
         doc = (type(sec).__doc__ or "").strip().splitlines()[0]
         lines.append(f"[{name}] {doc}")
-        docs, hints = field_docs(type(sec)), _hints(type(sec))
+        docs, hints = field_docs(type(sec)), _hints(type(sec))  # type: ignore[arg-type]
         for f in dataclasses.fields(sec):
             value = getattr(sec, f.name)
             lines.append(f"  --{name}.{f.name} {type_name(hints[f.name])}  (default: {value!r})")

@@ -56,7 +56,7 @@ class _CrossEntropySum(torch.autograd.Function):
         grad_NV = torch.empty_like(logits_NV) if want_grad else None
         for start in range(0, N, chunk):
             end = min(N, start + chunk)
-            grad_CV = grad_NV[start:end] if want_grad else None
+            grad_CV = grad_NV[start:end] if grad_NV is not None else None
             loss += chunk_fn(logits_NV[start:end], labels_N[start:end], grad_CV)
         if want_grad:
             ctx.save_for_backward(grad_NV)

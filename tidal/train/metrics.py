@@ -48,7 +48,7 @@ def flops_per_token(model: Transformer, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) for `model` at `seq_len`."""
     a = model.args
     n_params = sum(p.numel() for p in model.parameters())
-    n_embedding = model.tok_embeddings.weight.numel()
+    n_embedding = a.vocab_size * a.dim
     if a.tie_embeddings:  # the shared table still does the output matmul
         n_embedding = 0
     return 6 * (n_params - n_embedding) + 12 * a.n_layers * a.n_heads * a.k * seq_len

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -11,12 +12,13 @@ from tidal.train.config import OptimizerConfig, SchedulerConfig
 
 
 def build_optimizer(
-    modules: nn.Module | list[nn.Module], cfg: OptimizerConfig, device: torch.device
+    modules: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig, device: torch.device
 ):
     """AdamW over the modules' parameters (one model, or this rank's pipeline stages);
     matrices decay, embeddings and 1-D tensors do not."""
-    decay, no_decay = [], []
-    for module in modules if isinstance(modules, list) else [modules]:
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for module in [modules] if isinstance(modules, nn.Module) else modules:
         for name, p in module.named_parameters():
             if p.requires_grad:
                 (decay if p.dim() >= 2 and "embeddings" not in name else no_decay).append(p)

@@ -24,10 +24,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
@@ -74,7 +76,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def model_args_for(cfg: Config) -> ModelArgs:
-    overrides = {"attention": cfg.model.attention}
+    overrides: dict[str, Any] = {"attention": cfg.model.attention}
     if cfg.model.vocab_size is not None:
         overrides["vocab_size"] = cfg.model.vocab_size
     return get_flavor(cfg.model.flavor, **overrides)
@@ -179,7 +181,7 @@ class Trainer:
         self.grad_scale = self.dims.dp * self.dims.cp if fsdp else 1  # undo FSDP's averaging
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.loss_parallel
         self.cp = (
-            ContextParallel(self.mesh["cp"], load_balance=cfg.parallelism.cp_load_balance)
+            ContextParallel(self._dim("cp"), load_balance=cfg.parallelism.cp_load_balance)
             if self.dims.cp > 1
             else None
         )
@@ -190,8 +192,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(full, t.seq_len)
         self.pipeline = None
         if self.dims.pp > 1:
-            stages = build_stages(self.args, cfg.parallelism, self.mesh["pp"].get_local_rank())
-            self.modules = stages.modules
+            stages = build_stages(self.args, cfg.parallelism, self._dim("pp").get_local_rank())
+            self.modules: list[Transformer] = stages.modules
         else:
             self.modules = [full]
         for module in self.modules:
@@ -212,7 +214,7 @@ class Trainer:
             n_micro = check_pipeline(cfg.parallelism, self.args.n_layers, t.batch_size, self.args)
             self.pipeline = PipelineRunner(
                 stages,
-                self.mesh["pp"].get_group(),
+                self._dim("pp").get_group(),
                 self.device,
                 cfg.parallelism.pp_schedule,
                 n_micro,
@@ -231,6 +233,10 @@ class Trainer:
         )
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _dim(self, name: str) -> DeviceMesh:
+        assert self.mesh is not None, f"mesh dimension {name!r} needs a multi-rank run"
+        return self.mesh[name]
 
     def _reduce(self, x: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
         """Sum over a mesh dimension (identity on one process)."""
@@ -281,9 +287,10 @@ class Trainer:
         """Summed token loss of one micro-batch (of this rank's slice under CP; no pipeline)."""
         flex = self.args.attention == "flex"
         doc_ids = batch.document_ids if flex else None
-        input_ids, labels, kw = batch.input_ids, batch.labels, {"document_ids": doc_ids}
+        input_ids, labels = batch.input_ids, batch.labels
+        kw: dict[str, Any] = {"document_ids": doc_ids}
         if self.cp is not None:
-            if flex:
+            if doc_ids is not None:
                 input_ids, labels, doc_ids, positions = self.cp.shard(input_ids, labels, doc_ids)
             else:
                 input_ids, labels, positions = self.cp.shard(input_ids, labels)
@@ -317,7 +324,7 @@ class Trainer:
             total = self._reduce(total, "pp")  # only the last stage holds the loss
         total = self._reduce(total)
         max_norm = self.cfg.training.max_norm
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
         params = [p for m in self.modules for p in m.parameters()]
         grad_norm = clip_grad_norm(
             params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
@@ -401,7 +408,7 @@ class Trainer:
             if logger is not None:
                 logger.close()
         if cfg.sample.max_new_tokens and not last.get("interrupted"):
-            if self.dist.world_size > 1:
+            if logger is None or self.dist.world_size > 1:
                 self.log("sample: skipped (end-of-run sampling runs in single-process jobs)")
             else:
                 text = self.sample()

@@ -94,7 +94,7 @@ def encode_split(
     # doc_starts first: tokens.npy appearing is what marks the entry complete.
     publish(starts_path, lambda tmp: _save_npy(tmp, split.doc_starts))
     meta = {"format": _FORMAT, "documents": len(docs), "tokens": len(split.tokens)}
-    publish(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta) + "\n"))
+    publish(folder / "meta.json", lambda tmp: _write_text(tmp, json.dumps(meta) + "\n"))
     publish(tokens_path, lambda tmp: _save_npy(tmp, split.tokens))
     if log is not None:
         mb = sum(len(d) for d in docs) / 1e6
@@ -108,3 +108,7 @@ def encode_split(
 def _save_npy(path: Path, array: np.ndarray) -> None:
     with open(path, "wb") as f:  # a file object, so np.save adds no ".npy" suffix
         np.save(f, array)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text)

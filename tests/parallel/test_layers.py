@@ -123,6 +123,24 @@ def test_context_parallel_flex_forward_matches(tmp_path):
             "needs pp_stages_per_rank >= 2",
         ),
         ({"pp": 2, "dp_shard": 1, "pp_split": "9"}, 2, "pp_split='9' must list 1"),
+        (
+            {
+                "pp": 2,
+                "dp_shard": 1,
+                "pp_split": "tok_embeddings,layers.0;layers.2,layers.1,norm,output",
+            },
+            2,
+            "must list layers.0 .. layers.3 once each",
+        ),
+        (
+            {
+                "pp": 2,
+                "dp_shard": 1,
+                "pp_split": "layers.0,layers.1;tok_embeddings,layers.2,layers.3,norm,output",
+            },
+            2,
+            "tok_embeddings must be on the first stage",
+        ),
         ({"cp": 2, "dp_shard": 1}, 2, None),  # valid
     ],
 )

@@ -52,8 +52,10 @@ class ParallelismConfig:
     """Model chunks per pipeline rank; 0 derives it from the schedule (1 for GPipe and 1F1B,
     2 for the multi-stage schedules)."""
     pp_split: str = ""
-    """Explicit stage boundaries as first-layer indices of stages 2..n, comma-separated (e.g.
-    "4,8,12" for four stages of 16 layers); empty splits the layers evenly."""
+    """Explicit stages: first-layer indices of stages 2..n ("4,8,12" for four stages of 16
+    layers), or module lists per stage separated by ';'
+    ("tok_embeddings,layers.0,layers.1;layers.2,layers.3,norm,output"). Empty splits the
+    layers evenly."""
     cp_load_balance: bool = True
     """Context parallel: give each rank two mirrored chunks so causal work is even."""
 
@@ -85,12 +87,12 @@ class ParallelismConfig:
             self.pp_stages_per_rank >= 0,
             f"parallelism.pp_stages_per_rank must be >= 0, got {self.pp_stages_per_rank}",
         )
-        if self.pp_split:
+        if self.pp_split and not any(c.isalpha() for c in self.pp_split):
             try:
                 cuts = [int(x) for x in self.pp_split.split(",")]
             except ValueError:
                 raise ValueError(
-                    f"parallelism.pp_split must be comma-separated layer indices, "
+                    f"parallelism.pp_split must be layer indices or module lists, "
                     f"got {self.pp_split!r}"
                 ) from None
             _check(

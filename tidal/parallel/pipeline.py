@@ -40,7 +40,10 @@ SINGLE_STAGE = ("GPipe", "1F1B")
 
 
 def stage_layers(n_layers: int, n_stages: int, split: str = "") -> list[list[int]]:
-    """Layer indices of each stage: an even split, or explicit first-layer indices."""
+    """Layer indices of each stage: an even split, explicit first-layer indices ("4,8,12"),
+    or explicit module lists ("tok_embeddings,layers.0;layers.1,norm,output")."""
+    if any(c.isalpha() for c in split):
+        return _module_lists(n_layers, n_stages, split)
     if split:
         cuts = [int(x) for x in split.split(",")]
         if len(cuts) != n_stages - 1 or cuts[-1] >= n_layers:
@@ -57,6 +60,36 @@ def stage_layers(n_layers: int, n_stages: int, split: str = "") -> list[list[int
         for s in range(n_stages):
             bounds.append(bounds[-1] + base + (1 if s < extra else 0))
     return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+
+
+def _module_lists(n_layers: int, n_stages: int, split: str) -> list[list[int]]:
+    """Parse and check per-stage module lists; the ends must sit on the first/last stage."""
+    where = f"parallelism.pp_split={split!r}"
+    stages = [[m.strip() for m in part.split(",") if m.strip()] for part in split.split(";")]
+    if len(stages) != n_stages:
+        raise ValueError(f"{where} lists {len(stages)} stages; the layout has {n_stages}")
+    layers: list[list[int]] = []
+    for s, names in enumerate(stages):
+        ids = []
+        for name in names:
+            if name == "tok_embeddings" and s != 0:
+                raise ValueError(f"{where}: tok_embeddings must be on the first stage")
+            if name in ("norm", "output") and s != n_stages - 1:
+                raise ValueError(f"{where}: {name} must be on the last stage")
+            if name.startswith("layers.") and name[7:].isdigit():
+                ids.append(int(name[7:]))
+            elif name not in ("tok_embeddings", "norm", "output"):
+                raise ValueError(f"{where}: unknown module {name!r} (tok_embeddings, "
+                                 f"layers.N, norm, output)")  # fmt: skip
+        layers.append(ids)
+    flat = [i for ids in layers for i in ids]
+    if flat != list(range(n_layers)):
+        raise ValueError(f"{where} must list layers.0 .. layers.{n_layers - 1} once each, "
+                         f"in order")  # fmt: skip
+    if "tok_embeddings" not in stages[0] or not {"norm", "output"} <= set(stages[-1]):
+        raise ValueError(f"{where}: the first stage must hold tok_embeddings and the last "
+                         f"norm and output")  # fmt: skip
+    return layers
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:

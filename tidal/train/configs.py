@@ -42,9 +42,9 @@ def debug() -> Config:
         job=JobConfig(name="debug", output_dir="outputs/debug"),
         model=ModelConfig(flavor="debug"),
         data=DataConfig(dataset="shakespeare", tokenizer="bpe", vocab_size=4096),
-        training=TrainingConfig(steps=300, batch_size=16, seq_len=256, seed=0),
+        training=TrainingConfig(steps=240, batch_size=16, seq_len=256, seed=0),
         optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.1),
-        lr_scheduler=SchedulerConfig(warmup_steps=30, decay_fraction=0.3, decay_type="cosine"),
+        lr_scheduler=SchedulerConfig(warmup_steps=24, decay_fraction=0.3, decay_type="cosine"),
         metrics=MetricsConfig(log_every=10, val_every=100, val_batches=8),
         sample=SampleConfig(prompt="ROMEO:", max_new_tokens=120, temperature=0.8, top_k=50),
     )

@@ -11,7 +11,7 @@ freed as soon as the loss is computed.
 
 On CUDA the per-chunk math is compiled by inductor into two fused kernels (one reduction, one
 pointwise pass): in benchmarks/train_throughput.py on an H200 this took the loss of Llama 3 1B
-at batch 4 x 4096 from about 35 ms to a few ms per step. On CPU it runs eagerly.
+at batch 4 x 4096 from about 35 ms to a few ms per step. On CPU an in-place eager version runs.
 
 Precondition: backward runs at most once per forward (it scales the saved buffer in place).
 """
@@ -41,6 +41,24 @@ def _chunk_loss_and_grad(x_CV: torch.Tensor, labels_C: torch.Tensor, grad_CV: to
     return loss
 
 
+def _chunk_eager(x_CV: torch.Tensor, labels_C: torch.Tensor, grad_CV: torch.Tensor | None):
+    """The same as `_chunk_loss_and_grad` with in-place kernels, for uncompiled (CPU) runs:
+    2.5x faster than the fused formulation run eagerly."""
+    xf_CV = x_CV.float()
+    valid_C = labels_C != IGNORE_INDEX
+    safe_C = labels_C.clamp(min=0)[:, None]
+    lse_C = torch.logsumexp(xf_CV, dim=-1)
+    loss = ((lse_C - xf_CV.gather(1, safe_C).squeeze(1)) * valid_C).sum()
+    if grad_CV is not None:
+        work = grad_CV if grad_CV.dtype == torch.float32 else torch.empty_like(xf_CV)
+        torch.sub(xf_CV, lse_C[:, None], out=work).exp_()
+        work.scatter_add_(1, safe_C, -torch.ones_like(safe_C, dtype=work.dtype))
+        work.mul_(valid_C[:, None])
+        if work is not grad_CV:
+            grad_CV.copy_(work)
+    return loss
+
+
 @functools.cache
 def _compiled_chunk():
     return torch.compile(_chunk_loss_and_grad, dynamic=False)
@@ -51,7 +69,7 @@ class _CrossEntropySum(torch.autograd.Function):
     def forward(ctx, logits_NV: torch.Tensor, labels_N: torch.Tensor, chunk: int):
         N = logits_NV.shape[0]
         want_grad = logits_NV.requires_grad
-        chunk_fn = _compiled_chunk() if logits_NV.is_cuda else _chunk_loss_and_grad
+        chunk_fn = _compiled_chunk() if logits_NV.is_cuda else _chunk_eager
         loss = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
         grad_NV = torch.empty_like(logits_NV) if want_grad else None
         for start in range(0, N, chunk):

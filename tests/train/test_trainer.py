@@ -175,3 +175,12 @@ def test_sample_is_reproducible(tmp_path):
     b = generate(model, [5, 6, 7], max_new_tokens=10, temperature=0.8, seed=1)
     greedy = generate(model, [5, 6, 7], max_new_tokens=10, temperature=0)
     assert a == b and len(a) == 10 and len(greedy) == 10
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    trainer = tiny_trainer(tmp_path, "--metrics.tensorboard", "true", "--training.steps", "2",
+                           "--metrics.log_every", "1")  # fmt: skip
+    trainer.train()
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

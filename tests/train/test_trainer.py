@@ -184,3 +184,15 @@ def test_tensorboard_events_are_written(tmp_path):
     trainer.train()
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tmp_path):
+    # Cold inductor compiles take 15-30 s on CPU: slow-marked (pytest -m slow).
+    eager = tiny_trainer(tmp_path / "eager", "--training.steps", "3")
+    compiled = tiny_trainer(tmp_path / "compiled", "--training.steps", "3",
+                            "--training.compile", "true")  # fmt: skip
+    for _ in range(3):
+        a = eager.train_step(*eager.next_batches()[:2])
+        b = compiled.train_step(*compiled.next_batches()[:2])
+        torch.testing.assert_close(b.loss, a.loss, atol=1e-4, rtol=1e-4)

@@ -177,3 +177,28 @@ def test_fsdp_fp32_is_bitwise_equal_to_one_process(tmp_path, text_corpus, cache_
     ref = _bitwise_losses(0, 1, ref_cfg, True)
     for losses in run_ranks(2, _bitwise_losses, fsdp_cfg, False, tmp_path=tmp_path):
         assert losses == ref  # exactly: same products, same sums, powers-of-two scaling
+
+
+def val_loss(rank, world, cfg):
+    from tidal.parallel.launch import DistInfo
+    from tidal.train.trainer import Trainer
+
+    trainer = Trainer(cfg, dist_info=DistInfo.from_env(), log=lambda *a: None)
+    try:
+        return trainer.validate()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallelism.pp", "2", "--parallelism.pp_microbatches", "4"], ["--parallelism.tp", "2"]],
+    ids=["pp2", "tp2"],
+)
+def test_validation_loss_matches_one_process(layout, tmp_path, text_corpus, cache_dir):
+    common = ["--training.batch_size", "8", "--metrics.val_batches", "2"]
+    ref = val_loss(0, 1, make_config(tmp_path, text_corpus, cache_dir, *common))
+    cfg = make_config(tmp_path, text_corpus, cache_dir, *common, "--parallelism.dp_shard", "1",
+                      *layout)  # fmt: skip
+    for got in run_ranks(2, val_loss, cfg, tmp_path=tmp_path):
+        assert got == pytest.approx(ref, abs=1e-5)

@@ -195,6 +195,19 @@ class PipelineRunner:
             stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
         )
 
+    @property
+    def can_eval(self) -> bool:
+        """Forward-only runs (validation) need `schedule.eval`, present in recent torch."""
+        return hasattr(self.schedule, "eval")
+
+    def eval(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward only; the summed micro-batch losses on the last stage's rank, else None."""
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        self.schedule.eval(*args, **kwargs)
+        return torch.stack(losses).sum() if self.has_last else None
+
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of one batch; the summed micro-batch losses on the rank that
         holds the last stage, None elsewhere."""

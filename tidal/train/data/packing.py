@@ -73,11 +73,17 @@ def encode_split(
     ).hexdigest()[:20]
     folder = Path(cache_dir).expanduser() / "tokens" / key
     tokens_path, starts_path = folder / "tokens.npy", folder / "doc_starts.npy"
+    split = None
     if tokens_path.is_file() and starts_path.is_file():
-        split = PackedSplit(
-            tokens=np.load(tokens_path, mmap_mode="r"),
-            doc_starts=np.load(starts_path),
-        )
+        try:
+            split = _load_cached(tokens_path, starts_path, tokenizer.vocab_size)
+        except ValueError as e:
+            # A damaged cache entry (truncated copy, disk error) is rebuilt, never trusted.
+            if log is not None:
+                log(f"data: {name}: cached tokens in {folder} are unreadable ({e}); rebuilding")
+            tokens_path.unlink(missing_ok=True)
+            starts_path.unlink(missing_ok=True)
+    if split is not None:
         if log is not None:
             log(
                 f"data: {name}: reused {len(split.tokens):,} cached tokens of "
@@ -112,3 +118,19 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text)
+
+
+def _load_cached(tokens_path: Path, starts_path: Path, vocab_size: int) -> PackedSplit:
+    """Load a cache entry, checking it is whole; raises ValueError naming what is wrong."""
+    try:
+        tokens = np.load(tokens_path, mmap_mode="r")
+        starts = np.load(starts_path)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"cannot read {tokens_path.name} / {starts_path.name}: {e}") from None
+    if tokens.ndim != 1 or starts.ndim != 1 or len(starts) == 0 or starts[0] != 0:
+        raise ValueError("unexpected array shapes")
+    if starts[-1] >= len(tokens) or (len(starts) > 1 and not (np.diff(starts) > 0).all()):
+        raise ValueError("document offsets do not fit the token stream")
+    if len(tokens) and int(tokens[-1]) >= vocab_size:
+        raise ValueError(f"token id {int(tokens[-1])} outside the vocabulary of {vocab_size}")
+    return PackedSplit(tokens=tokens, doc_starts=starts)

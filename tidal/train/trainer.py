@@ -223,7 +223,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
         self.step = 0
-        self._pp_norm = torch.ones((), device=self.device)
+        self._pp_norm: float | torch.Tensor = 1.0
         self.train_iter = iter(self.data.train)
         layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
         self.log(
@@ -243,6 +243,16 @@ class Trainer:
         if self.mesh is not None and self.mesh[dim].size() > 1:
             dist.all_reduce(x, group=self.mesh[dim].get_group())
         return x
+
+    def _global_count(self, n: int) -> float | torch.Tensor:
+        """`n` summed over data-parallel ranks (every CP rank counted whole sequences). One
+        process: a Python number. Several: a device tensor, copied from pinned memory without
+        blocking the host, so a step still never waits for the device."""
+        if self.mesh is None or self.mesh["dp"].size() == 1:
+            return float(n)
+        pinned = self.device.type == "cuda"
+        host = torch.tensor(float(n), pin_memory=pinned)
+        return self._reduce(host.to(self.device, non_blocking=pinned), "dp")
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -304,9 +314,7 @@ class Trainer:
     def train_step(self, batches: list[Batch], n_tokens: int) -> StepResult:
         """One optimizer step: loss = sum of token losses / number of valid tokens, both
         summed over micro-batches and ranks."""
-        # Every CP rank counted the whole sequences: sum over data-parallel ranks only.
-        global_tokens = self._reduce(torch.tensor(float(n_tokens), device=self.device), "dp")
-        scale = self.grad_scale / global_tokens
+        scale = self.grad_scale / self._global_count(n_tokens)
         total = torch.zeros((), device=self.device)
         for batch in batches:
             if self.pipeline is not None:
@@ -349,7 +357,7 @@ class Trainer:
             n += int((batch.labels != IGNORE_INDEX).sum())
             batch = batch.to(self.device)
             if self.pipeline is not None:
-                self._pp_norm = torch.ones((), device=self.device)
+                self._pp_norm = 1.0
                 with self.autocast():
                     loss = self.pipeline.eval(batch.input_ids, batch.labels)
                 if loss is not None:
@@ -361,8 +369,7 @@ class Trainer:
         if self.pipeline is not None:
             loss_sum = self._reduce(loss_sum, "pp")  # only the last stage holds the loss
         loss_sum = self._reduce(loss_sum)
-        count = self._reduce(torch.tensor(float(n), device=self.device), "dp")
-        return float(loss_sum / count.clamp(min=1))
+        return float(loss_sum) / max(float(self._global_count(n)), 1.0)
 
     def sample(self) -> str:
         s = self.cfg.sample

@@ -23,6 +23,8 @@ def test_nproc_launch_trains_and_logs_once(tmp_path, text_corpus, cache_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("step      4/4 loss") == 1
     assert "world 2 (dp_shard=2)" in proc.stdout
+    assert proc.stdout.count("sample:") == 1  # sampled on both ranks, printed by rank 0
+    assert (out / "sample.txt").read_text().startswith("ROMEO:")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [2, 4]
     assert any("val_loss" in r for r in records)

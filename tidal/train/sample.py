@@ -39,8 +39,7 @@ def generate(
     prompt_ids = prompt_ids[-(capacity - max_new_tokens) :] if capacity > max_new_tokens else []
     if not prompt_ids:
         raise ValueError("prompt is empty or leaves no room for max_new_tokens")
-    dtype = next(model.parameters()).dtype
-    cache = KVCache.for_model(model, batch_size=1, capacity=capacity, dtype=dtype)
+    cache = KVCache.for_model(model, batch_size=1, capacity=capacity)
     gen = torch.Generator(device=device).manual_seed(seed)
     tokens_BT = torch.tensor([prompt_ids], device=device)
     out: list[int] = []

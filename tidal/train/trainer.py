@@ -427,12 +427,15 @@ class Trainer:
             if logger is not None:
                 logger.close()
         if cfg.sample.max_new_tokens and not last.get("interrupted"):
-            if logger is None or self.dist.world_size > 1:
-                self.log("sample: skipped (end-of-run sampling runs in single-process jobs)")
+            if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
+                self.log("sample: skipped (end-of-run sampling runs without TP, PP or CP)")
             else:
+                # Every rank samples the same tokens (same seed, same gathered weights): FSDP's
+                # forward is collective, so all ranks must run it.
                 text = self.sample()
                 self.log("sample:\n" + text)
-                (logger.dir / "sample.txt").write_text(text + "\n")
+                if logger is not None:
+                    (logger.dir / "sample.txt").write_text(text + "\n")
         return last
 
     def _log_step(self, logger, result: StepResult, lr, tokens, steps, watch, start) -> dict:

@@ -154,7 +154,7 @@ def run_throughput(args) -> None:
     print("\n== throughput: FSDP x TP 2, compiled", flush=True)
     env = dict(os.environ, RUNS="--model.flavor 1B --compile.enable --parallelism."
                "tensor_parallel_degree 2")  # fmt: skip
-    cmd = base + ["--set", "parallelism.tp=2", "--batch", "8"]
+    cmd = base + ["--set", "parallelism.tp=2"]  # local batch 4 per dp rank, as torchtitan
     if args.torchtitan:
         # torchtitan's TP run on the same layout (its flags differ from tidal's).
         subprocess.run(cmd)

@@ -73,13 +73,15 @@ class ParallelDims:
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> NamedMesh:
         """The named world mesh with the flattened dp, dp_shard_cp and dp_cp dimensions."""
         mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        return NamedMesh(mesh, flat)
 
     def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
         """Raise ValueError when the model's shape does not divide over these degrees."""
@@ -97,3 +99,19 @@ class ParallelDims:
                 f"parallel splits it over tp={self.tp} ranks and load-balanced context "
                 f"parallel into 2 x cp={self.cp} chunks"
             )
+
+
+class NamedMesh:
+    """The world mesh plus its flattened dimensions, indexed by name.
+
+    Flattened meshes are kept as `_flatten` returned them (torch deprecates slicing them back
+    out of the root mesh); root dimensions and tuples of them are sliced from the root.
+    """
+
+    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]):
+        self.root, self.flat = root, flat
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names in self.flat:
+            return self.flat[names]
+        return self.root[names]

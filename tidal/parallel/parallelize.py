@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from tidal.models.transformer import Transformer
 from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
-from tidal.parallel.dims import ParallelDims
+from tidal.parallel.dims import NamedMesh, ParallelDims
 
 
 def tp_plan_root(loss_parallel: bool) -> dict:
@@ -152,7 +152,7 @@ def apply_fsdp(
 
 def parallelize(
     model: Transformer,
-    mesh: DeviceMesh | None,
+    mesh: NamedMesh | None,
     dims: ParallelDims,
     cfg: ParallelismConfig,
     ac: ActivationCheckpointConfig,
@@ -170,9 +170,12 @@ def parallelize(
     if compile:
         apply_compile(model)
     if (dims.fsdp_enabled or dims.dp_replicate > 1) and mesh is not None:
-        dp_mesh = (
-            mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else (mesh["dp_shard_cp"])
-        )
+        if dims.dp_replicate == 1:
+            dp_mesh = mesh["dp_shard_cp"]
+        elif dims.cp == 1:  # HSDP from root dimensions (no flattened dim to slice)
+            dp_mesh = mesh["dp_replicate", "dp_shard"]
+        else:
+            dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
         apply_fsdp(
             model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=cfg.reshard_after_forward
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from tidal.store import layout, wire
 from tidal.store.conn import Conn
 from tidal.store.controller import Controller
-from tidal.store.errors import StoreError
+from tidal.store.errors import StoreError, VersionNotFoundError
 from tidal.store.layout import Dims, Path
 from tidal.store.server import Server
 from tidal.store.volume import Volume, map_segment, new_store_id, reap_stale
@@ -108,6 +109,7 @@ class Store:
         self._shm_ok: dict[str, bool] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._io: ThreadPoolExecutor | None = None
+        self._wait_conn: Conn | None = None
         self._closed = False
         # Diagnostics: layouts received from the controller (a repeated get of new versions
         # of the same layout receives none) and read plans computed.
@@ -162,6 +164,7 @@ class Store:
         into: torch.Tensor | None = None,
         *,
         version: int | Literal["latest"] = "latest",
+        wait: float | None = None,
     ) -> torch.Tensor:
         """Read a stored tensor: the full value, or exactly the window ``into`` covers.
 
@@ -171,6 +174,10 @@ class Store:
                 shape, or a DTensor whose local shard is filled in place (any layout, any
                 strides: only the overlapping parts of stored shards are read).
             version: a version number or ``"latest"`` (latest committed).
+            wait: seconds to wait for ``version`` (a number) to be written. The read then
+                streams: each shard is copied as soon as its writer reports it in place,
+                and the call returns once the version is committed, with only its bytes.
+                Others still see the version only at its commit.
 
         Returns:
             ``into`` (filled) or a new tensor.
@@ -187,7 +194,7 @@ class Store:
             w = store.get("w")                       # full tensor
             store.get("w", into=dtensor_shard)       # resharded in place
         """
-        out = self._get(key, "tensor", None if into is None else [((), into)], version)
+        out = self._get(key, "tensor", None if into is None else [((), into)], version, wait)
         return out[0][1]
 
     def put_state_dict(
@@ -234,6 +241,7 @@ class Store:
         into: Mapping[str, Any] | None = None,
         *,
         version: int | Literal["latest"] = "latest",
+        wait: float | None = None,
     ) -> dict[str, Any]:
         """Read a stored state dict, resharding every tensor into ``into``'s layout.
 
@@ -243,6 +251,9 @@ class Store:
                 state dict of tensors/DTensors filled in place. It may hold a subset of the
                 stored tensors (only those are read).
             version: a version number or ``"latest"``.
+            wait: seconds to wait for ``version`` to be written, streaming it as its
+                tensors land (see ``get``). A generator waiting for the trainer's next
+                version overlaps its copy with the trainer's put.
 
         Returns:
             ``into`` (filled) or a new nested dict.
@@ -256,7 +267,7 @@ class Store:
             store.get_state_dict("policy", into=generator_model.state_dict())
         """
         dests = None if into is None else layout.flatten(into)
-        out = self._get(key, "state_dict", dests, version)
+        out = self._get(key, "state_dict", dests, version, wait)
         return dict(into) if into is not None else layout.unflatten(out)
 
     def put_async(self, key: str, value: torch.Tensor, **kwargs: Any) -> Future[int]:
@@ -336,6 +347,8 @@ class Store:
             if ex is not None:
                 ex.shutdown(wait=True)
         self._ctrl.close(graceful=True)
+        if self._wait_conn is not None:
+            self._wait_conn.close(graceful=True)
         with self._lock:
             for pool in self._pools.values():
                 for c in pool:
@@ -395,13 +408,22 @@ class Store:
             jobs = [(s, t) for s, t in zip(reply["slots"], locals_, strict=True) if s >= 0]
             if self._use_shm(vhost, prefix, jobs[0][0] if jobs else None):
                 cuda = False
+                done: list[int] = []  # slots in place, not yet reported (streaming readers)
+                done_bytes = 0
                 with torch.no_grad():
                     for slot, local in jobs:
-                        dst = self._map(prefix, slot, local.numel() * local.element_size())
+                        nbytes = local.numel() * local.element_size()
+                        dst = self._map(prefix, slot, nbytes)
                         pinned = local.is_cuda and self._pin(prefix, slot, dst)
                         dst = dst.view(local.dtype).view(local.shape)
                         dst.copy_(local, non_blocking=pinned)
                         cuda = cuda or pinned
+                        if not cuda:  # async device copies are only known done at the end
+                            done.append(slot)
+                            done_bytes += nbytes
+                        if done_bytes >= _PROGRESS_BYTES:
+                            self._report(key, version, done)
+                            done, done_bytes = [], 0
                 if cuda:
                     torch.cuda.synchronize()
             else:
@@ -418,6 +440,13 @@ class Store:
             {"op": "put_commit", "key": key, "version": version, "writer": self._writer}
         )
         return version
+
+    def _report(self, key: str, version: int, slots: list[int]) -> None:
+        """Tell the controller these slots of a pending version are written."""
+        self._ctrl.request(
+            {"op": "put_progress", "key": key, "version": version, "writer": self._writer,
+             "slots": slots}
+        )  # fmt: skip
 
     def _tcp_write(self, address: str, jobs: list[tuple[int, torch.Tensor]]) -> None:
         pieces = []
@@ -442,26 +471,102 @@ class Store:
         kind: str,
         dests: list[tuple[Path, torch.Tensor]] | None,
         version: int | Literal["latest"],
+        wait: float | None = None,
     ) -> list[tuple[Path, torch.Tensor]]:
         _check_key(key)
         if version != "latest" and (not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative int or 'latest', got {version!r}")
+        if wait is not None and (version == "latest" or wait < 0):
+            raise ValueError("wait= needs a version number and a non-negative number of seconds")
         cached = self._meta.get(key)
-        reply = self._ctrl.request(
-            {
-                "op": "acquire",
-                "key": key,
-                "version": version,
-                "known_sig": cached[0] if cached else None,
-            }
-        )
+        header = {
+            "op": "acquire",
+            "key": key,
+            "version": version,
+            "known_sig": cached[0] if cached else None,
+            "wait_ms": None,
+        }
+        if wait is None:
+            reply = self._ctrl.request(header)
+            gate = None
+        else:
+            reply = self._acquire_waiting(header, time.monotonic() + wait)
+            gate = (
+                self._gate(key, int(version), time.monotonic() + wait, wait)
+                if reply.get("pending")
+                else None
+            )
         try:
-            return self._read(key, kind, dests, reply, cached)
+            out = self._read(key, kind, dests, reply, cached, gate)
+            if gate is not None:
+                gate(None)  # returns once the version is committed (raises if it was not)
+            return out
         finally:
             try:
                 self._ctrl.request({"op": "release", "lease": reply["lease"]})
             except StoreError:
                 pass  # the controller drops the lease when this connection closes
+
+    # -------------------------------------------------------- streaming reads
+
+    def _waiter(self) -> Conn:
+        """A second control connection for requests that block (waits must not hold up the
+        puts and gets other threads send on the main one)."""
+        with self._lock:
+            if self._wait_conn is None or self._wait_conn.sock.fileno() < 0:
+                self._wait_conn = Conn(self.address, self._token, self._timeout)
+            return self._wait_conn
+
+    def _acquire_waiting(self, header: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """acquire, asking the controller to wait (in slices shorter than the socket
+        timeout) until the version has begun; raises VersionNotFoundError at the deadline."""
+        while True:
+            left = deadline - time.monotonic()
+            chunk = max(0.0, min(left, self._timeout / 2))
+            reply = self._waiter().request({**header, "wait_ms": int(chunk * 1000)})
+            if not reply.get("waiting"):
+                return reply
+            if time.monotonic() >= deadline:
+                raise VersionNotFoundError(
+                    f"version {header['version']} of key {header['key']!r} was not written "
+                    "within the wait"
+                )
+
+    def _gate(self, key: str, version: int, deadline: float, wait: float):
+        """For a pending version: gate(slot) returns once that slot's bytes are in place;
+        gate(None) once the version is committed. Raises if the version is aborted or the
+        deadline passes."""
+        written: set[int] = set()
+        committed = False
+
+        def gate(slot: int | None) -> None:
+            nonlocal committed
+            if committed or (slot is not None and slot in written):
+                return
+            while True:
+                left = deadline - time.monotonic()
+                chunk = max(0.0, min(left, self._timeout / 2))
+                r = self._waiter().request(
+                    {
+                        "op": "wait",
+                        "key": key,
+                        "version": version,
+                        "slots": [] if slot is None else [slot],
+                        "wait_ms": int(chunk * 1000),
+                    }
+                )
+                if r["done"]:
+                    committed = r["committed"]
+                    if slot is not None:
+                        written.add(slot)
+                    return
+                if time.monotonic() >= deadline:
+                    raise StoreError(
+                        f"version {version} of key {key!r} was not completely written within "
+                        f"{wait:g} s"
+                    )
+
+        return gate
 
     def _read(
         self,
@@ -470,6 +575,7 @@ class Store:
         dests: list[tuple[Path, torch.Tensor]] | None,
         reply: dict[str, Any],
         cached: tuple[str, dict[Path, _Stored]] | None = None,
+        gate: Any = None,
     ) -> list[tuple[Path, torch.Tensor]]:
         """Copy from the version ``reply`` pinned; ``cached`` is the layout whose signature
         the request named (another thread may have replaced ``self._meta`` since)."""
@@ -521,7 +627,7 @@ class Store:
                 self._plans[plan_key] = plan
                 while len(self._plans) > 256:
                     self._plans.popitem(last=False)
-        self._execute(plan, windows, stored, reply)
+        self._execute(plan, windows, stored, reply, gate)
         return [(path, dest) for path, dest in dests]
 
     def _execute(
@@ -530,6 +636,7 @@ class Store:
         windows: list[tuple[Path, Dims, Dims, torch.Tensor]],
         stored: dict[Path, _Stored],
         reply: dict[str, Any],
+        gate: Any = None,
     ) -> None:
         slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
         dtypes = [stored[p].dtype for p, *_ in windows]
@@ -543,6 +650,8 @@ class Store:
         cuda = False
         with torch.no_grad():
             for op in shm_ops:
+                if gate is not None:
+                    gate(slots[op.shard])  # streaming: wait until the writer put it in place
                 prefix = volumes[vols[op.shard]][3]
                 dtype = dtypes[op.dest]
                 n = layout.numel(op.shard_shape) * dtype.itemsize
@@ -555,6 +664,9 @@ class Store:
         if cuda:  # the lease is released after this: the copies must be done
             torch.cuda.synchronize()
         if tcp_ops:
+            if gate is not None:
+                for _, op in tcp_ops:
+                    gate(slots[op.shard])
             self._tcp_read(tcp_ops, windows, dtypes, slots)
 
     def _tcp_read(
@@ -714,6 +826,11 @@ class Store:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(2, thread_name_prefix="tidal-async")
         return self._executor.submit(fn, *args, **kwargs)
+
+
+# A writer reports progress to streaming readers every this many bytes (one round trip each:
+# about 1 ms per GB at 64 MB on loopback).
+_PROGRESS_BYTES = 64 << 20
 
 
 def _plan(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class VersionRec:
     done: set[str] = field(default_factory=set)
     tensors: dict[Name, TensorRec] = field(default_factory=dict)
     committed: bool = False
+    written: set[int] = field(default_factory=set)  # slots whose bytes are in (streaming reads)
     leases: int = 0
     dropped: str | None = None  # why the version is gone (evicted, deleted, lost)
     destroy: bool = False  # free its slots for good (not into the ring) once unleased
@@ -108,6 +110,9 @@ class Controller:
         self.store_id = store_id
         self.keep = keep
         self._lock = threading.RLock()
+        # Woken on every change a streaming reader may wait for: a version begun, slots
+        # written, a commit, a drop.
+        self._changed = threading.Condition(self._lock)
         self._keys: dict[str, KeyRec] = {}
         self._volumes: dict[str, VolumeRec] = {}
         self._slot_owner: dict[int, tuple[str, int]] = {}  # slot -> (volume id, nbytes)
@@ -213,6 +218,7 @@ class Controller:
                     del krec.versions[version]
                 raise
             vrec.seen[writer] = conn
+            self._changed.notify_all()
         # Segments are made outside the lock: a slow or stopped volume must not stall the
         # controller for everyone else. The version stays invisible until its commit.
         try:
@@ -323,6 +329,7 @@ class Controller:
             vrec.committed = True
             vrec.sig = _signature(vrec)
             self._retain(key, krec, vrec.keep)
+            self._changed.notify_all()
             return {"visible": True}
 
     def put_abort(self, conn: int, key: str, version: int, writer: str) -> dict[str, Any]:
@@ -330,6 +337,42 @@ class Controller:
             krec, vrec = self._pending(key, version, writer)
             self._drop(key, krec, vrec, f"aborted by writer {writer}", destroy=False)
             return {}
+
+    def put_progress(
+        self, conn: int, key: str, version: int, writer: str, slots: list[int]
+    ) -> dict[str, Any]:
+        """A writer's bytes for `slots` of a pending version are in place (for readers that
+        stream a version while it is written; it stays invisible to others until commit)."""
+        with self._lock:
+            _, vrec = self._pending(key, version, writer)
+            vrec.written.update(slots)
+            self._changed.notify_all()
+            return {}
+
+    def wait(
+        self, conn: int, key: str, version: int, slots: list[int], wait_ms: int
+    ) -> dict[str, Any]:
+        """Block up to `wait_ms` until `slots` of a pending version are written (or, with no
+        slots, until it is committed). Returns {"done": bool, "committed": bool}; raises if
+        the version was aborted, evicted or deleted meanwhile."""
+        deadline = time.monotonic() + wait_ms / 1000
+        with self._changed:
+            while True:
+                krec = self._keys.get(key)
+                vrec = krec.versions.get(version) if krec else None
+                if vrec is None:
+                    why = krec.gone.get(version) if krec else None
+                    raise VersionNotFoundError(
+                        f"version {version} of key {key!r} is gone ({why or 'never written'})"
+                    )
+                if vrec.committed:
+                    return {"done": True, "committed": True}
+                if slots and set(slots) <= vrec.written:
+                    return {"done": True, "committed": False}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"done": False, "committed": False}
+                self._changed.wait(left)
 
     def _pending(self, key: str, version: int, writer: str) -> tuple[KeyRec, VersionRec]:
         krec = self._keys.get(key)
@@ -365,6 +408,7 @@ class Controller:
         vrec.dropped = reason
         vrec.committed = False
         vrec.destroy = vrec.destroy or destroy
+        self._changed.notify_all()
         if vrec.leases == 0:
             self._release_slots(krec, vrec, vrec.destroy)
 
@@ -396,14 +440,29 @@ class Controller:
     # ---------------------------------------------------------------- reads
 
     def acquire(
-        self, conn: int, key: str, version: int | str, known_sig: str | None
+        self,
+        conn: int,
+        key: str,
+        version: int | str,
+        known_sig: str | None,
+        wait_ms: int | None = None,
     ) -> dict[str, Any]:
-        """Pin a committed version for reading; returns its layout and slots."""
-        with self._lock:
-            krec = self._keys.get(key)
-            if krec is None:
-                raise KeyNotFoundError(f"key {key!r} not found{self._suggest(key)}")
-            vrec = self._resolve(key, krec, version)
+        """Pin a committed version for reading; returns its layout and slots.
+
+        With `wait_ms` (an int version only), wait up to that long for the version to exist
+        and have all its writers begun, and pin it even before its commit: the reply then
+        says "pending" and the reader gates each slot on `wait` (streaming read)."""
+        with self._changed:
+            vrec = self._await_begun(key, version, wait_ms) if wait_ms is not None else None
+            if vrec is None and wait_ms is not None:
+                krec = self._keys.get(key)
+                if krec is None or version not in krec.gone:
+                    return {"waiting": True}  # not begun yet: the client asks again
+            if vrec is None:
+                krec = self._keys.get(key)
+                if krec is None:
+                    raise KeyNotFoundError(f"key {key!r} not found{self._suggest(key)}")
+                vrec = self._resolve(key, krec, version)
             self._check_volumes(vrec)
             if vrec.dropped:  # the probe found a dead volume
                 raise VolumeLostError(f"version {vrec.version} of key {key!r} is {vrec.dropped}")
@@ -419,11 +478,13 @@ class Controller:
                     slots.append(s.slot)
                     vols.append(s.volume)
             vol_ids = sorted(set(vols))
+            sig = vrec.sig or _signature(vrec)  # a pending version has no cached signature
             out: dict[str, Any] = {
                 "version": vrec.version,
                 "lease": lease,
                 "kind": vrec.kind,
-                "sig": vrec.sig,
+                "sig": sig,
+                "pending": not vrec.committed,
                 "slots": slots,
                 "vols": [vol_ids.index(v) for v in vols],
                 "volumes": [
@@ -436,7 +497,7 @@ class Controller:
                     for v in vol_ids
                 ],
             }
-            if known_sig != vrec.sig:
+            if known_sig != sig:
                 out["meta"] = [
                     [
                         list(n),
@@ -447,6 +508,24 @@ class Controller:
                     for n in names
                 ]
             return out
+
+    def _await_begun(self, key: str, version: int | str, wait_ms: int) -> VersionRec | None:
+        """The record of `version` once every writer has begun it (committed or not); None if
+        it does not get there within `wait_ms` (the caller then reports why)."""
+        if not isinstance(version, int):
+            raise ValueError("waiting for a version needs a version number, not 'latest'")
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            krec = self._keys.get(key)
+            vrec = krec.versions.get(version) if krec else None
+            if vrec is not None and (vrec.committed or len(vrec.seen) == vrec.writers):
+                return vrec
+            if krec is not None and version in krec.gone:
+                return None  # _resolve names what happened to it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self._changed.wait(left)
 
     def _resolve(self, key: str, krec: KeyRec, version: int | str) -> VersionRec:
         committed = sorted(v for v, r in krec.versions.items() if r.committed)

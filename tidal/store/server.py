@@ -260,7 +260,12 @@ class Server:
         if op == "put_abort":
             return c.put_abort(cid, m["key"], m["version"], m["writer"]), None
         if op == "acquire":
-            return c.acquire(cid, m["key"], m["version"], m["known_sig"]), None
+            wait = m.get("wait_ms")
+            return c.acquire(cid, m["key"], m["version"], m["known_sig"], wait), None
+        if op == "put_progress":
+            return c.put_progress(cid, m["key"], m["version"], m["writer"], m["slots"]), None
+        if op == "wait":
+            return c.wait(cid, m["key"], m["version"], m["slots"], m["wait_ms"]), None
         if op == "release":
             return c.release(cid, m["lease"]), None
         if op == "keys":

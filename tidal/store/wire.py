@@ -208,6 +208,19 @@ SCHEMAS: dict[str, dict[str, Checker]] = {
         "key": s_key,
         "version": s_any_of(s_version, s_enum("latest")),
         "known_sig": s_opt(s_str(128)),
+        "wait_ms": s_opt(s_int(0, 1 << 31)),
+    },
+    "put_progress": {
+        "key": s_key,
+        "version": s_version,
+        "writer": s_str(256),
+        "slots": s_list(s_int(), 1 << 20),
+    },
+    "wait": {
+        "key": s_key,
+        "version": s_version,
+        "slots": s_list(s_int(), 1 << 20),
+        "wait_ms": s_int(0, 1 << 31),
     },
     "release": {"lease": s_int()},
     "keys": {"prefix": s_str(1024)},
@@ -233,6 +246,9 @@ SCHEMAS: dict[str, dict[str, Checker]] = {
     },
 }
 
+# Fields added after the first protocol version: clients may leave them out (None).
+OMITTABLE = {("acquire", "wait_ms")}
+
 # Ops that carry a payload; every other op must arrive with a payload length of 0.
 PAYLOAD_OPS = {"vol_write"}
 
@@ -246,6 +262,8 @@ def check_request(header: Any, payload_len: int) -> str:
         raise ProtocolError(f"unknown op {op!r}; known ops: {sorted(SCHEMAS)}")
     schema = SCHEMAS[op]
     for field, check in schema.items():
+        if field not in header and (op, field) in OMITTABLE:
+            header[field] = None
         if field not in header:
             raise ProtocolError(f"op {op!r}: missing field {field!r}")
         check(header[field], field)

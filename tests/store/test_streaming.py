@@ -1,0 +1,88 @@
+"""Streaming reads: get(..., wait=) copies a version while its writer is still writing it."""
+
+import threading
+
+import pytest
+import torch
+
+import tidal.store
+from tidal.store import client as store_client
+from tidal.store.errors import VersionNotFoundError
+
+
+def _sd(v: float) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((256, 1024), v + i) for i in range(6)}  # 1 MiB each
+
+
+def test_waiting_reader_streams_a_version_as_it_is_written(monkeypatch):
+    monkeypatch.setattr(store_client, "_PROGRESS_BYTES", 1)  # report after every tensor
+    with tidal.store.connect() as writer, tidal.store.connect(writer.address) as reader:
+        writer.put_state_dict(_sd(0.0), "m")  # version 0: the layout is known
+        into = {k: torch.zeros(256, 1024) for k in _sd(0.0)}
+        # Hold the writer's commit until the reader has copied every tensor and waits for
+        # the commit: the bytes were read while the version was still invisible.
+        copied_all = threading.Event()
+        real_gate, real_request = reader._gate, writer._ctrl.request
+
+        def gate(*args):
+            g = real_gate(*args)
+
+            def wrapped(slot):
+                if slot is None:
+                    copied_all.set()
+                g(slot)
+
+            return wrapped
+
+        def request(header, *a, **kw):
+            if header["op"] == "put_commit":
+                assert copied_all.wait(30), "the reader did not stream the pending version"
+                assert reader.versions("m") == [0]  # still invisible to everyone else
+            return real_request(header, *a, **kw)
+
+        monkeypatch.setattr(reader, "_gate", gate)
+        monkeypatch.setattr(writer._ctrl, "request", request)
+        pending = reader.get_state_dict_async("m", into=into, version=1, wait=30)
+        assert not pending.done()
+        assert writer.put_state_dict(_sd(10.0), "m") == 1
+        pending.result(timeout=30)
+        assert copied_all.is_set()
+        for k, v in _sd(10.0).items():
+            assert torch.equal(into[k], v), k
+        # A version nobody waits for is read as before, and waiting on a committed one too.
+        assert torch.equal(reader.get_state_dict("m", version=0, wait=1)["w3"], _sd(0.0)["w3"])
+
+
+def test_waiting_reader_of_an_aborted_version_gets_a_clear_error():
+    with tidal.store.connect() as writer, tidal.store.connect(writer.address) as reader:
+        writer.put("t", torch.zeros(4))  # version 0
+        result: dict = {}
+
+        def read():
+            try:
+                reader.get("t", version=1, wait=30)
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                result["error"] = e
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        begin = writer._ctrl.request({
+            "op": "put_begin", "key": "t", "version": 1, "writers": 1, "writer": "w1",
+            "keep": None, "host": "h", "volume": None, "kind": "tensor",
+            "tensors": [[[], [4], "float32", [0], [4]]],
+        })  # fmt: skip
+        assert begin["version"] == 1
+        writer._ctrl.request({"op": "put_abort", "key": "t", "version": 1, "writer": "w1"})
+        thread.join(timeout=30)
+        assert isinstance(result.get("error"), VersionNotFoundError)
+        assert "aborted" in str(result["error"])
+        assert torch.equal(reader.get("t"), torch.zeros(4))  # version 0 untouched
+
+
+def test_wait_times_out_with_a_clear_error():
+    with tidal.store.connect() as store:
+        store.put("t", torch.zeros(2))
+        with pytest.raises(VersionNotFoundError, match="version 5 of key 't' was not written"):
+            store.get("t", version=5, wait=0.3)
+        with pytest.raises(ValueError, match="wait= needs a version number"):
+            store.get("t", wait=1)

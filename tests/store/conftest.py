@@ -20,5 +20,11 @@ def transport_store(request):
     s.close()
 
 
-def shm_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("tidal-")}
+def shm_segments(pid: int | None = None) -> set[str]:
+    """tidal's shared-memory segments, only those of stores made by process `pid` if given
+    (other test runs or stores on the machine must not count)."""
+    return {
+        f
+        for f in os.listdir("/dev/shm")
+        if f.startswith("tidal-") and (pid is None or f".{pid}x" in f)
+    }

@@ -1,5 +1,6 @@
 """Single-process API tests: round trips, versions, retention, errors, caching, async."""
 
+import os
 import threading
 
 import pytest
@@ -231,22 +232,22 @@ def test_deleted_version_while_leased_keeps_bytes(store):
 def test_slots_are_reused_as_a_ring(store):
     from tests.store.conftest import shm_segments
 
-    before = shm_segments()
+    before = shm_segments(os.getpid())
     for v in range(10):
         store.put("ring", torch.full((1000,), float(v)))
-    created = shm_segments() - before
+    created = shm_segments(os.getpid()) - before
     assert len(created) == 3  # keep=2 plus the one being written
 
 
 def test_embedded_store_frees_memory_on_close():
     from tests.store.conftest import shm_segments
 
-    before = shm_segments()
+    before = shm_segments(os.getpid())
     s = tidal.store.connect()
     s.put("x", torch.ones(1000))
-    assert len(shm_segments() - before) == 1
+    assert len(shm_segments(os.getpid()) - before) == 1
     s.close()
-    assert shm_segments() - before == set()
+    assert shm_segments(os.getpid()) - before == set()
 
 
 def test_connect_reads_env(monkeypatch, store):

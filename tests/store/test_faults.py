@@ -40,7 +40,7 @@ def test_killed_volume_gives_clear_errors_and_store_keeps_serving():
                 big = torch.randn(4 << 20)  # 16 MB on the external volume
                 writer.put("big", big)
             store.put("small", torch.ones(10))  # on the embedded volume v0
-            ours = {f for f in shm_segments() if "-vk-" in f}
+            ours = {f for f in shm_segments(proc.pid) if "-vk-" in f}
             assert len(ours) == 1
             assert torch.equal(store.get("big"), big)  # shared memory
             with tidal.store.connect(store.address, transport="tcp") as r:
@@ -85,7 +85,7 @@ def test_killed_volume_gives_clear_errors_and_store_keeps_serving():
                 "v0": True,
                 "vk": False,
             }
-            assert not {f for f in shm_segments() if "-vk-" in f}  # its segments unlinked
+            assert not {f for f in shm_segments(proc.pid) if "-vk-" in f}  # its segments unlinked
             store.put("after", torch.zeros(3))  # new writes go to live volumes
             assert store.ls("after")["entries"][0]["volumes"] == ["v0"]
         finally:

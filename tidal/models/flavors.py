@@ -38,7 +38,7 @@ def _qwen3(**kw: Any) -> ModelArgs:
 
 
 FLAVORS: dict[str, ModelArgs] = {
-    # A few million parameters: trains on CPU in minutes. The vocabulary follows the tokenizer.
+    # A few million parameters: trains on CPU in minutes; vocabulary 4096, the debug BPE size.
     "debug": ModelArgs(
         family="llama3",
         dim=256,

@@ -5,19 +5,13 @@ import torch
 
 from tidal.models import FLAVORS, KVCache, Transformer, get_flavor
 
+# A small shape shared by every test here (overrides on a named flavor).
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
+            max_seq_len=64)  # fmt: skip
+
 
 def tiny(**kw):
-    args = get_flavor(
-        "debug",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=128,
-        vocab_size=97,
-        max_seq_len=64,
-        **kw,
-    )
+    args = get_flavor("debug", **TINY, **kw)
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights(seed=0)
@@ -26,16 +20,7 @@ def tiny(**kw):
 
 @pytest.fixture(params=["debug", "debug_qwen3"])
 def model(request):
-    args = get_flavor(
-        request.param,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=128,
-        vocab_size=97,
-        max_seq_len=64,
-    )
+    args = get_flavor(request.param, **TINY)
     if args.head_dim is not None:
         from dataclasses import replace
 
@@ -114,7 +99,7 @@ def test_parameter_counts_match_published(name):
 
 def test_flex_single_document_matches_sdpa():
     sdpa = tiny()
-    flex = Transformer(get_flavor("debug", **{**_tiny_kw(), "attention": "flex"}))
+    flex = Transformer(get_flavor("debug", **TINY, attention="flex"))
     flex.load_state_dict(sdpa.state_dict())
     flex.eval()
     tokens = torch.randint(0, 97, (2, 16))
@@ -123,7 +108,7 @@ def test_flex_single_document_matches_sdpa():
 
 
 def test_flex_document_mask_isolates_documents():
-    flex = Transformer(get_flavor("debug", **{**_tiny_kw(), "attention": "flex"}))
+    flex = Transformer(get_flavor("debug", **TINY, attention="flex"))
     flex.init_weights(seed=1)
     flex.eval()
     a, b = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 10))
@@ -135,12 +120,6 @@ def test_flex_document_mask_isolates_documents():
         out = flex(packed, document_ids=doc_ids, positions=positions)
         torch.testing.assert_close(out[:, :6], flex(a), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[:, 6:], flex(b), atol=1e-5, rtol=1e-5)
-
-
-def _tiny_kw():
-    return dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=64
-    )
 
 
 def test_bad_args():

@@ -102,6 +102,11 @@ class ParallelismConfig:
             )
 
     @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per local batch: as set, or one per stage."""
+        return self.pp_microbatches or self.pp * self.stages_per_rank
+
+    @property
     def stages_per_rank(self) -> int:
         if self.pp_stages_per_rank:
             return self.pp_stages_per_rank

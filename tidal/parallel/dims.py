@@ -67,7 +67,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.cp > 1
+        """fully_shard is applied: parameters sharded over dp_shard x cp, or replicated over
+        dp_replicate (HSDP)."""
+        return self.dp_shard * self.cp > 1 or self.dp_replicate > 1
 
     @property
     def degrees(self) -> dict[str, int]:

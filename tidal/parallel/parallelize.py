@@ -73,11 +73,9 @@ def tp_plan_block() -> dict:
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     root = {k: v for k, v in tp_plan_root(loss_parallel).items() if getattr(model, k) is not None}
-    if model.args.tie_embeddings:
-        raise ValueError(
-            "tensor parallel with tied embeddings is not supported: the embedding is sharded "
-            "row-wise and the output column-wise; use a flavor with tie_embeddings=False"
-        )
+    # The embedding is sharded row-wise and the output column-wise: they cannot share a
+    # weight. Configs with both are rejected earlier, before any process group exists.
+    assert not model.args.tie_embeddings, "tensor parallel needs untied embeddings"
     parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, tp_plan_block())
@@ -162,14 +160,14 @@ def parallelize(
 ) -> Transformer:
     """Apply TP/SP, activation checkpointing, compile and FSDP2 to `model` in place. `mesh`
     is None only in a single process, where every degree is 1."""
-    sharded = dims.tp > 1 or dims.fsdp_enabled or dims.dp_replicate > 1
+    sharded = dims.tp > 1 or dims.fsdp_enabled
     assert mesh is not None or not sharded, "a sharded layout needs a device mesh"
     if dims.tp > 1 and mesh is not None:
         apply_tp(model, mesh["tp"], cfg.loss_parallel)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)
-    if (dims.fsdp_enabled or dims.dp_replicate > 1) and mesh is not None:
+    if dims.fsdp_enabled and mesh is not None:
         if dims.dp_replicate == 1:
             dp_mesh = mesh["dp_shard_cp"]
         elif dims.cp == 1:  # HSDP from root dimensions (no flattened dim to slice)

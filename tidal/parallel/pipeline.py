@@ -100,9 +100,8 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: st
     return [pp_rank + i * pp for i in range(stages_per_rank)]
 
 
-def check_pipeline(cfg: ParallelismConfig, n_layers: int, batch_size: int, args: ModelArgs):
-    """Validate the pipeline settings before any process-group work; returns the number of
-    micro-batches."""
+def check_pipeline(cfg: ParallelismConfig, n_layers: int, batch_size: int, args: ModelArgs) -> None:
+    """Validate the pipeline settings before any process-group work."""
     spr = cfg.stages_per_rank
     if cfg.pp_schedule in SINGLE_STAGE and spr != 1:
         raise ValueError(
@@ -112,7 +111,7 @@ def check_pipeline(cfg: ParallelismConfig, n_layers: int, batch_size: int, args:
         raise ValueError(f"pp_schedule {cfg.pp_schedule} needs pp_stages_per_rank >= 2")
     n_stages = cfg.pp * spr
     stage_layers(n_layers, n_stages, cfg.pp_split)  # raises on a bad split
-    n_micro = cfg.pp_microbatches or n_stages
+    n_micro = cfg.microbatches
     if batch_size % n_micro:
         raise ValueError(
             f"training.batch_size={batch_size} must be divisible by the {n_micro} pipeline "
@@ -137,7 +136,6 @@ def check_pipeline(cfg: ParallelismConfig, n_layers: int, batch_size: int, args:
         raise ValueError(
             "pipeline parallel runs the sdpa attention path only; set --model.attention sdpa"
         )
-    return n_micro
 
 
 def build_stage_model(args: ModelArgs, layers: list[int], first: bool, last: bool) -> Transformer:

@@ -73,14 +73,13 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if type(None) in args and raw.lower() in ("none", "null"):
             return None
-        errors = []
         for a in args:
             if a is type(None):
                 continue
             try:
                 return parse_value(raw, a, where)
-            except ValueError as e:
-                errors.append(str(e))
+            except ValueError:
+                continue  # try the next member of the union
         raise ValueError(f"{where}: cannot read {raw!r} as {type_name(tp)}")
     if tp is bool:
         if raw.lower() in _TRUE:

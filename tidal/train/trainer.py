@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
@@ -112,8 +113,6 @@ def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
     """A loss-parallel loss is a replicated DTensor; every rank holds the whole value."""
-    from torch.distributed.tensor import DTensor
-
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
@@ -175,7 +174,7 @@ class Trainer:
         if precision == "auto":
             precision = "bf16" if self.device.type == "cuda" else "fp32"
         bf16 = precision == "bf16"
-        fsdp = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
+        fsdp = self.dims.fsdp_enabled
         # FSDP casts parameters itself (MixedPrecisionPolicy); without it, autocast does.
         self.autocast_dtype = torch.bfloat16 if bf16 and not fsdp else None
         self.grad_scale = self.dims.dp * self.dims.cp if fsdp else 1  # undo FSDP's averaging
@@ -211,15 +210,15 @@ class Trainer:
             module.train()
         self.model = self.modules[0]
         if self.dims.pp > 1:
-            n_micro = check_pipeline(cfg.parallelism, self.args.n_layers, t.batch_size, self.args)
             self.pipeline = PipelineRunner(
                 stages,
                 self._dim("pp").get_group(),
                 self.device,
                 cfg.parallelism.pp_schedule,
-                n_micro,
+                cfg.parallelism.microbatches,  # validated by parallel_dims
                 self._pp_loss,
             )
+        self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
         self.step = 0
@@ -333,9 +332,8 @@ class Trainer:
         total = self._reduce(total)
         max_norm = self.cfg.training.max_norm
         pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
-        params = [p for m in self.modules for p in m.parameters()]
         grad_norm = clip_grad_norm(
-            params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
+            self.params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
         )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@ window straight into a view of the destination, ``release``.
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import threading
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tidal.store import layout, wire
+from tidal.store import layout, views, wire
 from tidal.store.conn import Conn
 from tidal.store.controller import Controller
 from tidal.store.errors import StoreError, VersionNotFoundError
@@ -102,6 +103,9 @@ class Store:
         self._lock = threading.Lock()
         self._pools: dict[str, list[Conn]] = {}
         self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._ro_maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # zero-copy reads
+        self._releaser: views.Releaser | None = None
+        self._release_conn: Conn | None = None
         self._pinned: dict[str, bool] = {}  # mapped segment -> registered with CUDA
         self._misses = 0  # mapping-cache misses since the last sweep
         self._meta: dict[str, tuple[str, dict[Path, _Stored]]] = {}
@@ -165,6 +169,7 @@ class Store:
         *,
         version: int | Literal["latest"] = "latest",
         wait: float | None = None,
+        copy: bool = True,
     ) -> torch.Tensor:
         """Read a stored tensor: the full value, or exactly the window ``into`` covers.
 
@@ -178,6 +183,11 @@ class Store:
                 streams: each shard is copied as soon as its writer reports it in place,
                 and the call returns once the version is committed, with only its bytes.
                 Others still see the version only at its commit.
+            copy: False for a zero-copy read (``into`` must be None): the returned tensor
+                is a read-only view of the store's shared memory on this host, holding
+                the version (it is not reused) until the tensor and every view of it are
+                garbage. An in-place write to it faults; ``clone()`` it to modify it.
+                Needs the value stored as one shard in a volume on this host.
 
         Returns:
             ``into`` (filled) or a new tensor.
@@ -185,7 +195,9 @@ class Store:
         Raises:
             KeyNotFoundError / VersionNotFoundError (both KeyError): unknown key, or a
                 version never written, evicted or deleted.
-            ValueError: ``into`` has another global shape or dtype than the stored value.
+            ValueError: ``into`` has another global shape or dtype than the stored value;
+                ``copy=False`` with ``into``, or for a value that is not one shard in
+                shared memory on this host.
             TypeError: ``key`` holds a state dict (use ``get_state_dict``).
             VolumeLostError: the volume holding the bytes went away.
 
@@ -193,9 +205,10 @@ class Store:
 
             w = store.get("w")                       # full tensor
             store.get("w", into=dtensor_shard)       # resharded in place
+            w = store.get("w", copy=False)           # zero-copy, read-only
         """
-        out = self._get(key, "tensor", None if into is None else [((), into)], version, wait)
-        return out[0][1]
+        dests: list[tuple[Path, torch.Tensor]] | None = None if into is None else [((), into)]
+        return self._get(key, "tensor", dests, version, wait, copy)[0][1]
 
     def put_state_dict(
         self,
@@ -242,6 +255,7 @@ class Store:
         *,
         version: int | Literal["latest"] = "latest",
         wait: float | None = None,
+        copy: bool = True,
     ) -> dict[str, Any]:
         """Read a stored state dict, resharding every tensor into ``into``'s layout.
 
@@ -254,20 +268,27 @@ class Store:
             wait: seconds to wait for ``version`` to be written, streaming it as its
                 tensors land (see ``get``). A generator waiting for the trainer's next
                 version overlaps its copy with the trainer's put.
+            copy: False for a zero-copy read (``into`` must be None): read-only views of
+                the store's shared memory, holding the version until every one of them is
+                garbage (see ``get``). Needs every tensor stored as one shard (one writer)
+                in a volume on this host.
 
         Returns:
             ``into`` (filled) or a new nested dict.
 
         Raises:
             KeyError: unknown key or version, or a tensor of ``into`` missing in the store.
-            ValueError: a tensor of ``into`` has another global shape or dtype.
+            ValueError: a tensor of ``into`` has another global shape or dtype; ``copy=False``
+                with ``into`` or for tensors it cannot alias.
 
         Example::
 
             store.get_state_dict("policy", into=generator_model.state_dict())
+            weights = store.get_state_dict("policy", copy=False)   # zero-copy, read-only
+            cpu_model.load_state_dict(weights, assign=True)        # runs on the store's pages
         """
         dests = None if into is None else layout.flatten(into)
-        out = self._get(key, "state_dict", dests, version, wait)
+        out = self._get(key, "state_dict", dests, version, wait, copy)
         return dict(into) if into is not None else layout.unflatten(out)
 
     def put_async(self, key: str, value: torch.Tensor, **kwargs: Any) -> Future[int]:
@@ -346,9 +367,12 @@ class Store:
         for ex in (self._executor, self._io):
             if ex is not None:
                 ex.shutdown(wait=True)
+        if self._releaser is not None:
+            self._releaser.close()
         self._ctrl.close(graceful=True)
-        if self._wait_conn is not None:
-            self._wait_conn.close(graceful=True)
+        for extra in (self._wait_conn, self._release_conn):
+            if extra is not None:
+                extra.close(graceful=True)
         with self._lock:
             for pool in self._pools.values():
                 for c in pool:
@@ -357,6 +381,7 @@ class Store:
             for path, seg in self._maps.items():
                 self._unpin(path, seg)
             self._maps.clear()
+            self._ro_maps.clear()  # views still alive keep their mapping
         if self._server is not None:
             self._server.close()
 
@@ -472,12 +497,15 @@ class Store:
         dests: list[tuple[Path, torch.Tensor]] | None,
         version: int | Literal["latest"],
         wait: float | None = None,
+        copy: bool = True,
     ) -> list[tuple[Path, torch.Tensor]]:
         _check_key(key)
         if version != "latest" and (not isinstance(version, int) or version < 0):
             raise ValueError(f"version must be a non-negative int or 'latest', got {version!r}")
         if wait is not None and (version == "latest" or wait < 0):
             raise ValueError("wait= needs a version number and a non-negative number of seconds")
+        if not copy and dests is not None:
+            raise ValueError("copy=False returns views of the stored bytes; it takes no into=")
         cached = self._meta.get(key)
         header = {
             "op": "acquire",
@@ -496,16 +524,25 @@ class Store:
                 if reply.get("pending")
                 else None
             )
+        held = True
         try:
+            if not copy:
+                if gate is not None:
+                    gate(None)  # views show committed bytes only
+                stored = self._layout(key, kind, reply, cached)
+                out = self._views(key, stored, reply)
+                held = False  # the views own the lease now
+                return out
             out = self._read(key, kind, dests, reply, cached, gate)
             if gate is not None:
                 gate(None)  # returns once the version is committed (raises if it was not)
             return out
         finally:
-            try:
-                self._ctrl.request({"op": "release", "lease": reply["lease"]})
-            except StoreError:
-                pass  # the controller drops the lease when this connection closes
+            if held:
+                try:
+                    self._ctrl.request({"op": "release", "lease": reply["lease"]})
+                except StoreError:
+                    pass  # the controller drops the lease when this connection closes
 
     # -------------------------------------------------------- streaming reads
 
@@ -579,24 +616,7 @@ class Store:
     ) -> list[tuple[Path, torch.Tensor]]:
         """Copy from the version ``reply`` pinned; ``cached`` is the layout whose signature
         the request named (another thread may have replaced ``self._meta`` since)."""
-        if reply["kind"] != kind:
-            other = "get_state_dict" if reply["kind"] == "state_dict" else "get"
-            raise TypeError(f"key {key!r} holds a {reply['kind'].replace('_', ' ')}; use {other}")
-        sig = reply["sig"]
-        if "meta" in reply:
-            self.metadata_fetches += 1
-            with self._lock:
-                self._sweep_maps()  # a new layout: slots of the old one may be gone
-            stored: dict[Path, _Stored] = {}
-            first = 0
-            for name, shape, dtype, boxes in reply["meta"]:
-                bx = [(tuple(o), tuple(s)) for o, s in boxes]
-                stored[tuple(name)] = _Stored(tuple(shape), wire.DTYPES[dtype], bx, first)
-                first += len(bx)
-            self._meta[key] = (sig, stored)
-        else:
-            assert cached is not None and cached[0] == sig, "controller skipped a stale layout"
-            stored = cached[1]
+        stored = self._layout(key, kind, reply, cached)
         # Destinations: given, or new full tensors.
         if dests is None:
             dests = [(n, torch.empty(s.shape, dtype=s.dtype)) for n, s in stored.items()]
@@ -618,7 +638,7 @@ class Store:
                     f"{s.dtype}"
                 )
             windows.append((path, offs, sizes, local))
-        plan_key = (key, sig, tuple((p, o, z) for p, o, z, _ in windows))
+        plan_key = (key, reply["sig"], tuple((p, o, z) for p, o, z, _ in windows))
         plan = self._plans.get(plan_key)
         if plan is None:
             plan = _plan(stored, windows)
@@ -629,6 +649,86 @@ class Store:
                     self._plans.popitem(last=False)
         self._execute(plan, windows, stored, reply, gate)
         return [(path, dest) for path, dest in dests]
+
+    def _layout(
+        self,
+        key: str,
+        kind: str,
+        reply: dict[str, Any],
+        cached: tuple[str, dict[Path, _Stored]] | None,
+    ) -> dict[Path, _Stored]:
+        """The stored layout of the version ``reply`` pinned: decoded from the reply, or the
+        cached one the request's signature named."""
+        if reply["kind"] != kind:
+            other = "get_state_dict" if reply["kind"] == "state_dict" else "get"
+            raise TypeError(f"key {key!r} holds a {reply['kind'].replace('_', ' ')}; use {other}")
+        sig = reply["sig"]
+        if "meta" in reply:
+            self.metadata_fetches += 1
+            with self._lock:
+                self._sweep_maps()  # a new layout: slots of the old one may be gone
+            stored: dict[Path, _Stored] = {}
+            first = 0
+            for name, shape, dtype, boxes in reply["meta"]:
+                bx = [(tuple(o), tuple(s)) for o, s in boxes]
+                stored[tuple(name)] = _Stored(tuple(shape), wire.DTYPES[dtype], bx, first)
+                first += len(bx)
+            self._meta[key] = (sig, stored)
+            return stored
+        assert cached is not None and cached[0] == sig, "controller skipped a stale layout"
+        return cached[1]
+
+    def _views(
+        self, key: str, stored: dict[Path, _Stored], reply: dict[str, Any]
+    ) -> list[tuple[Path, torch.Tensor]]:
+        """Zero-copy read: read-only tensors over the pinned version's segments, which hold
+        its lease until all of them are garbage (see ``tidal/store/views.py``)."""
+        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
+        plan = []
+        for path, s in stored.items():
+            shown = layout.path_str(path) or key
+            if len(s.boxes) > 1:
+                raise ValueError(
+                    f"copy=False: {shown!r} of version {reply['version']} of key {key!r} is "
+                    f"stored in {len(s.boxes)} shards (several writers); a zero-copy view "
+                    "needs one shard per tensor. Use copy=True"
+                )
+            if not s.boxes:  # no bytes (empty tensor)
+                plan.append((path, s, None, ""))
+                continue
+            _, vaddr, vhost, prefix = volumes[vols[s.first]]
+            slot = slots[s.first]
+            if self.transport == "tcp" or not self._use_shm(vhost, prefix, slot):
+                raise ValueError(
+                    f"copy=False: {shown!r} of key {key!r} lives in the volume at {vaddr}, "
+                    "whose shared memory this process cannot map (another host, or "
+                    "transport='tcp'); use copy=True"
+                )
+            plan.append((path, s, slot, prefix))
+        token = views._Lease()
+        out = []
+        for path, s, slot, prefix in plan:
+            if slot is None:
+                out.append((path, torch.empty(s.shape, dtype=s.dtype)))
+                continue
+            nbytes = layout.numel(s.shape) * s.dtype.itemsize
+            out.append((path, views.alias(self._map_ro(prefix, slot, nbytes), s.dtype, s.shape,
+                                          token)))  # fmt: skip
+        views.arm(token, self._release_later(), reply["lease"])
+        return out
+
+    def _release_later(self) -> views.Releaser:
+        with self._lock:
+            if self._releaser is None:
+                self._releaser = views.Releaser(self._release_lease)
+            return self._releaser
+
+    def _release_lease(self, lease: int) -> None:
+        """Release a view's lease on a connection of its own (the releaser may run while
+        another thread of this process waits for a reply on the main one)."""
+        if self._release_conn is None or self._release_conn.sock.fileno() < 0:
+            self._release_conn = Conn(self.address, self._token, self._timeout)
+        self._release_conn.request({"op": "release", "lease": lease})
 
     def _execute(
         self,
@@ -779,12 +879,33 @@ class Store:
                 self._unpin(*self._maps.popitem(last=False))
         return t
 
+    def _map_ro(self, prefix: str, slot: int, nbytes: int) -> mmap.mmap:
+        """A read-only mapping of a segment, for zero-copy views (cached like ``_map``)."""
+        path = f"{prefix}{slot}"
+        with self._lock:
+            m = self._ro_maps.get(path)
+            if m is not None:
+                self._ro_maps.move_to_end(path)
+                return m
+        m = views.map_readonly(path, nbytes)
+        with self._lock:
+            self._ro_maps[path] = m
+            self._misses += 1
+            if self._misses >= 64:
+                self._sweep_maps()
+            while len(self._ro_maps) > 65536:
+                self._ro_maps.popitem(last=False)  # views still alive keep their mapping
+        return m
+
     def _sweep_maps(self) -> None:
         """Unmap segments whose files are gone (deleted keys, dead volumes): a mapping keeps
-        its memory alive, so stale ones must not wait for the LRU bound."""
+        its memory alive, so stale ones must not wait for the LRU bound. A read-only
+        mapping that views still use stays alive through them."""
         self._misses = 0
         for path in [p for p in self._maps if not os.path.exists(p)]:
             self._unpin(path, self._maps.pop(path))
+        for path in [p for p in self._ro_maps if not os.path.exists(p)]:
+            del self._ro_maps[path]
 
     class _Borrowed:
         def __init__(self, store: Store, address: str) -> None:

@@ -1,0 +1,148 @@
+"""Zero-copy reads: tensors that alias a stored version's shared memory.
+
+``get(key, copy=False)`` and ``get_state_dict(key, copy=False)`` return tensors whose bytes
+are the volume's shared-memory segments, mapped read-only into the reader. Nothing is
+copied, so a same-host weight sync costs the writer's one copy into the store (put) and no
+copy at all on the reader's side (benchmarks/store_sync.py prints the figure).
+
+Lifecycle, per view:
+- the get pins the version with a lease (as every get does) and maps each slot read-only
+  (once per slot: mappings are cached, and slots are reused as a ring, so later versions map
+  nothing new);
+- each returned tensor holds a numpy array over the mapping; every array of the version
+  holds one :class:`_Lease` token;
+- when the last tensor (or view of one, or parameter made from one) is garbage, its array
+  goes, then the token, whose finalizer hands the lease to :class:`Releaser`, which sends the
+  ``release`` at once if no other thread is sending one, or from its own thread otherwise.
+  Until then the controller keeps the version's slots out of the ring: its bytes stay those
+  of that version even after it is evicted or deleted.
+
+The mapping is ``PROT_READ``: an in-place write to a view faults (SIGSEGV) instead of
+corrupting the version other readers see. ``clone()`` a view to modify it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tidal.store.errors import StoreError
+
+
+def map_readonly(path: str, nbytes: int) -> mmap.mmap:
+    """Map an existing segment read-only; raises StoreError if it is gone or has changed."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StoreError(
+            f"shared-memory segment {path} is gone (its volume was closed or died)"
+        ) from None
+    except OSError as e:
+        raise StoreError(f"cannot open shared-memory segment {path}: {e}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise StoreError(f"segment {path} has {size} bytes, expected {nbytes}")
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+class _Lease:
+    """Held by every array of one zero-copy read; its death releases the version's lease."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _keep(token: _Lease) -> None:
+    """Finalizer of an array: dropping the reference to ``token`` is all it does."""
+
+
+def alias(mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], token: _Lease):
+    """A tensor of ``shape`` and ``dtype`` over the whole (read-only) ``mapping``."""
+    arr = np.frombuffer(mapping, dtype=np.uint8)
+    weakref.finalize(arr, _keep, token).atexit = False
+    with warnings.catch_warnings():
+        # torch warns once that it has no read-only tensors; the mapping enforces it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(arr)
+    return flat.view(dtype).view(shape)
+
+
+def arm(token: _Lease, releaser: Releaser, lease: int) -> None:
+    """Release ``lease`` once ``token`` (and so every tensor holding it) is garbage."""
+    weakref.finalize(token, releaser.drop, lease).atexit = False
+
+
+class Releaser:
+    """Sends lease releases for dropped views, from any thread, without blocking it.
+
+    ``drop`` runs inside garbage collection, possibly while its thread is in the middle of a
+    store request: it only appends to a deque, then sends the pending releases itself when
+    no other thread is sending (so a ``del`` releases the version before it returns), or
+    wakes the releaser thread through a pipe.
+    """
+
+    def __init__(self, release: Callable[[int], None]) -> None:
+        self._release = release
+        self._pending: deque[int] = deque()
+        self._sending = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tidal-release", daemon=True)
+        self._thread.start()
+
+    def drop(self, lease: int) -> None:
+        if self._closed:
+            return  # the leases died with the connection
+        self._pending.append(lease)
+        if self._sending.acquire(blocking=False):
+            try:
+                self._send()
+            finally:
+                self._sending.release()
+            if not self._pending:
+                return
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is already due) or closed
+
+    def _send(self) -> None:
+        while self._pending:
+            lease = self._pending.popleft()
+            try:
+                self._release(lease)
+            except (StoreError, ValueError):
+                pass  # the store is closing: its leases die with the connection
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not os.read(self._wake_r, 4096):
+                    return
+            except OSError:
+                return
+            if self._closed:
+                return
+            with self._sending:
+                self._send()
+
+    def close(self) -> None:
+        self._closed = True
+        self._pending.clear()
+        os.close(self._wake_w)  # the thread's read returns b"" and it exits
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)

@@ -145,23 +145,18 @@ def run_parity(args) -> dict[str, list[float]]:
 
 
 def run_throughput(args) -> None:
+    """FSDP over all GPUs and FSDP x TP 2, compiled, each beside torchtitan on the same layout
+    (train_throughput.py prints both and the per-device ratios)."""
     script = str(HERE / "train_throughput.py")
     base = [sys.executable, script, "--ranks", str(args.gpus), "--modes", "compile",
             "--device", args.device, "--flavor", args.flavor]  # fmt: skip
+    titan = ["--torchtitan", args.torchtitan] if args.torchtitan else []
     print("\n== throughput: FSDP over all GPUs, compiled", flush=True)
-    extra = ["--torchtitan", args.torchtitan] if args.torchtitan else []
-    subprocess.run(base + extra)
+    subprocess.run(base + titan)
     print("\n== throughput: FSDP x TP 2, compiled", flush=True)
-    env = dict(os.environ, RUNS="--model.flavor 1B --compile.enable --parallelism."
-               "tensor_parallel_degree 2")  # fmt: skip
-    cmd = base + ["--set", "parallelism.tp=2"]  # local batch 4 per dp rank, as torchtitan
-    if args.torchtitan:
-        # torchtitan's TP run on the same layout (its flags differ from tidal's).
-        subprocess.run(cmd)
-        subprocess.run(["bash", str(Path(args.torchtitan) / "torchtitan_baseline.sh")],
-                       env={**env, "NGPU": str(args.gpus), "TAILN": "12"})  # fmt: skip
-    else:
-        subprocess.run(cmd)
+    # Local batch 4 per dp rank, as torchtitan's config has it.
+    tp_titan = titan + ["--torchtitan-args=--parallelism.tensor_parallel_degree 2"]
+    subprocess.run(base + ["--set", "parallelism.tp=2"] + (tp_titan if titan else []))
 
 
 def main() -> None:

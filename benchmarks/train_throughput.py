@@ -129,6 +129,7 @@ def parse_torchtitan(log: str, warmup: int) -> dict | None:
 
 def run_torchtitan(args) -> list[dict]:
     runs = {"eager": "--model.flavor 1B", "compile": "--model.flavor 1B --compile.enable"}
+    runs = {m: f"{r} {args.torchtitan_args}".strip() for m, r in runs.items()}
     env = dict(
         os.environ, RUNS="\n".join(runs[m] for m in args.modes), TAILN="40", NGPU=str(args.ranks)
     )
@@ -146,6 +147,19 @@ def run_torchtitan(args) -> list[dict]:
         else:
             results.append({"system": "torchtitan", "mode": mode, **parsed})
     return results
+
+
+def worker_args(argv: list[str]) -> list[str]:
+    """The command line minus the torchtitan flags (and their values), for tidal's runs."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--torchtitan", "--torchtitan-args"):
+            skip = True
+        elif not a.startswith("--torchtitan"):
+            out.append(a)
+    return out
 
 
 def fmt(r: dict) -> str:
@@ -181,6 +195,12 @@ def main() -> None:
         help="extra tidal config override, e.g. --set parallelism.tp=2",
     )
     p.add_argument("--torchtitan", default=None, help="the .anchors folder; omit to skip")
+    p.add_argument(
+        "--torchtitan-args",
+        default="",
+        help="extra torchtitan flags for the same layout as --set, e.g. "
+        "'--parallelism.tensor_parallel_degree 2'",
+    )
     p.add_argument("--json", default=None, help="write all results to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -197,11 +217,7 @@ def main() -> None:
         if args.ranks > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone",
                          f"--nproc_per_node={args.ranks}"]  # fmt: skip
-        cmd = (
-            launcher
-            + [__file__, "--worker", mode]
-            + [a for a in sys.argv[1:] if not a.startswith("--torchtitan") and a != args.torchtitan]
-        )
+        cmd = launcher + [__file__, "--worker", mode] + worker_args(sys.argv[1:])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -214,13 +230,17 @@ def main() -> None:
         for r in run_torchtitan(args):
             results.append(r)
             print(fmt(r), flush=True)
-        print("\nratios tidal / torchtitan (throughput higher is better, memory lower is better):")
+        # torchtitan logs tokens/s per device ("tps"); tidal's per-device figure is the
+        # global one over the world size, the same quantity.
+        print("\nratios tidal / torchtitan per device (throughput higher is better, memory "
+              "lower is better):")  # fmt: skip
         by = {(r["system"], r["mode"]): r for r in results}
         for mode in args.modes:
             a, b = by.get(("tidal", mode)), by.get(("torchtitan", mode))
             if a and b and "error" not in a and "error" not in b:
+                tps = a["tokens_per_s_per_device"] or a["tokens_per_s"]
                 print(
-                    f"  {mode:8s} tokens/s {a['tokens_per_s'] / b['tokens_per_s']:.3f}x   "
+                    f"  {mode:8s} tokens/s {tps / b['tokens_per_s']:.3f}x   "
                     f"peak memory {a['peak_memory_gib'] / b['peak_memory_gib']:.3f}x"
                 )
     if args.json:

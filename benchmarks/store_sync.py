@@ -5,6 +5,8 @@ the same bytes into warm memory), all measured in this run.
 
     python benchmarks/store_sync.py            # 3.0 GB, Llama-3 1.5B shape
     python benchmarks/store_sync.py --gb1      # ~1 GB variant for small machines
+    python benchmarks/store_sync.py --device cuda                  # GPU models, host slots
+    python benchmarks/store_sync.py --device cuda --memory cuda    # GPU slots, CUDA IPC
 
 Targets (issue 3): tidal >= 10x faster than DCP; tidal end-to-end >= 50% of memcpy.
 
@@ -129,7 +131,16 @@ def main() -> None:
     ap.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"), help="where both models live"
     )
+    ap.add_argument(
+        "--memory",
+        default="host",
+        choices=("host", "cuda"),
+        help="where the store keeps the bytes: host shared memory, or the writer's GPU "
+        "memory read through CUDA IPC (--device cuda)",
+    )
     args = ap.parse_args()
+    if args.memory == "cuda" and args.device != "cuda":
+        ap.error("--memory cuda needs --device cuda")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
     sd = make_sd(args.gb1, fill=1.0, device=args.device)
@@ -156,7 +167,8 @@ def main() -> None:
     child.close()  # so that recv raises EOFError if the reader dies instead of hanging
     try:
         rounds: dict[str, list[tuple[float, float]]] = {"tidal": [], "view": []}
-        memcpy, streamed = [], []
+        memcpy, streamed, dev_memcpy = [], [], []
+        dev_dst = make_sd(args.gb1, device="cuda") if args.device == "cuda" else {}
         v = 0
         for r in range(args.iters):
             t = time.perf_counter()
@@ -164,10 +176,18 @@ def main() -> None:
                 dst[k].copy_(src)
             memcpy.append(time.perf_counter() - t)
             line = f"  round {r}: memcpy {memcpy[-1]:.3f} s"
+            if args.device == "cuda":  # and the device's own copy_ of the same bytes
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for k, src in sd.items():
+                    dev_dst[k].copy_(src)
+                torch.cuda.synchronize()
+                dev_memcpy.append(time.perf_counter() - t)
+                line += f" (device {dev_memcpy[-1]:.4f} s)"
             for kind in kinds:
                 stamp(sd, v)
                 t = time.perf_counter()
-                store.put_state_dict(sd, "policy", version=v)
+                store.put_state_dict(sd, "policy", version=v, memory=args.memory)
                 sync(args.device)
                 put_s = time.perf_counter() - t
                 parent.send((kind, v))
@@ -178,7 +198,7 @@ def main() -> None:
             parent.send(("stream", v))
             assert parent.recv() == "ready"
             t = time.perf_counter()
-            store.put_state_dict(sd, "policy", version=v)
+            store.put_state_dict(sd, "policy", version=v, memory=args.memory)
             streamed.append(parent.recv() - t)
             v += 1
             print(line + f" | streamed {streamed[-1]:.3f} s", flush=True)
@@ -253,6 +273,12 @@ def main() -> None:
         f"tidal streamed (reader waiting with get(..., wait=)) {stream_s:.3f} s = "
         f"{gb / stream_s:.2f} GB/s = {gb / stream_s / memcpy_gbps:.0%} of memcpy (target >= 50%)"
     )
+    if dev_memcpy:
+        dev_gbps = gb / statistics.median(dev_memcpy[warm])
+        print(
+            f"device copy_ of the same bytes {dev_gbps:.1f} GB/s; tidal end-to-end "
+            f"{e2e:.1f} GB/s = {e2e / dev_gbps:.1%} of it, {e2e / memcpy_gbps:.0%} of host memcpy"
+        )
     get_bw = gb / results["tidal"]["get_s"]
     print(
         f"tidal get alone (the reader's only blocking step when put_async overlaps training) "

@@ -29,3 +29,66 @@ def test_cuda_round_trip(transport):
         }
         store.get_state_dict("sd", into=got)
         assert torch.equal(got["a"], x) and torch.equal(got["b"]["c"], sd["b"]["c"])
+
+
+def _sd(v: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(v)
+    return {
+        "w": torch.randn(1024, 257, device="cuda", generator=g).to(torch.bfloat16),
+        "b": {"c": torch.arange(10, device="cuda") + v},
+    }
+
+
+def test_device_memory_in_one_process():
+    with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
+        into = {
+            "w": torch.empty(257, 1024, device="cuda", dtype=torch.bfloat16).t(),
+            "b": {"c": torch.zeros(10, device="cuda", dtype=torch.int64)},
+        }
+        for v in range(5):
+            writer.put_state_dict(_sd(v), "policy", memory="cuda")
+            reader.get_state_dict("policy", into=into)
+            assert torch.equal(into["w"], _sd(v)["w"]) and torch.equal(
+                into["b"]["c"], _sd(v)["b"]["c"]
+            )
+            host = writer.get_state_dict("policy")  # the writer reads its own GPU memory too
+            assert host["w"].device.type == "cpu" and torch.equal(host["w"].cuda(), _sd(v)["w"])
+        assert writer.ls()["entries"][0]["volumes"][0].startswith("cuda.")
+        assert len(writer._device._owned) == 4  # a ring of keep + 1 = 2 slots per tensor
+        writer.put("other", torch.ones(3, device="cuda"))  # no memory=: host shared memory
+        assert writer.ls("other")["entries"][0]["volumes"] == ["v0"]
+
+
+def test_device_memory_across_processes():
+    import torch.multiprocessing as mp
+
+    from tests.store import _gpu_procs
+
+    ctx = mp.get_context("spawn")
+    with tidal.store.connect(keep=1) as store:
+        writer = tidal.store.connect(store.address)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_gpu_procs.reader, args=(child, store.address))
+        proc.start()
+        child.close()
+        try:
+            for v in range(4):
+                writer.put_state_dict(_gpu_procs.payload(v), "policy", version=v, memory="cuda")
+                parent.send(("get", v))
+                assert parent.recv() == ("ok", v)
+            # A reader waiting for the next version streams it from the writer's GPU memory.
+            parent.send(("wait", 4))
+            assert parent.recv() == "waiting"
+            writer.put_state_dict(_gpu_procs.payload(4), "policy", version=4, memory="cuda")
+            assert parent.recv() == ("ok", 4)
+            # The writer goes away: its GPU memory, and the versions in it, are lost.
+            writer.close()
+            parent.send(("get", 4))
+            kind, msg = parent.recv()
+            assert kind == "VolumeLostError" and "GPU memory of a writer" in msg, msg
+            parent.send(None)
+            proc.join(60)
+            assert proc.exitcode == 0
+        finally:
+            if proc.is_alive():
+                proc.kill()

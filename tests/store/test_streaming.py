@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tidal.store
-from tidal.store import client as store_client
+from tidal.store import progress
 from tidal.store.errors import VersionNotFoundError
 
 
@@ -15,7 +15,7 @@ def _sd(v: float) -> dict[str, torch.Tensor]:
 
 
 def test_waiting_reader_streams_a_version_as_it_is_written(monkeypatch):
-    monkeypatch.setattr(store_client, "_PROGRESS_BYTES", 1)  # report after every tensor
+    monkeypatch.setattr(progress, "PROGRESS_BYTES", 1)  # report after every tensor
     with tidal.store.connect() as writer, tidal.store.connect(writer.address) as reader:
         writer.put_state_dict(_sd(0.0), "m")  # version 0: the layout is known
         into = {k: torch.zeros(256, 1024) for k in _sd(0.0)}

@@ -30,15 +30,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tidal.store import layout, views, wire
+from tidal.store import cuda_ipc, layout, views, wire
 from tidal.store.conn import Conn
 from tidal.store.controller import Controller
-from tidal.store.errors import StoreError, VersionNotFoundError
+from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
 from tidal.store.layout import Dims, Path
+from tidal.store.progress import Progress
 from tidal.store.server import Server
 from tidal.store.volume import Volume, map_segment, new_store_id, reap_stale
 
 Transport = Literal["auto", "shm", "tcp"]
+Memory = Literal["host", "cuda"]
 _TCP_PIECE = 16 << 20  # split TCP reads/writes into pieces spread over the connections
 
 
@@ -105,6 +107,8 @@ class Store:
         self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._ro_maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # zero-copy reads
         self._releaser: views.Releaser | None = None
+        self._device: cuda_ipc.DeviceVolume | None = None  # put(..., memory="cuda") slots
+        self._imports = cuda_ipc.Imports()  # other writers' device slots opened here
         self._release_conn: Conn | None = None
         self._pinned: dict[str, bool] = {}  # mapped segment -> registered with CUDA
         self._misses = 0  # mapping-cache misses since the last sweep
@@ -130,6 +134,7 @@ class Store:
         version: int | None = None,
         writers: int | None = None,
         keep: int | None = None,
+        memory: Memory = "host",
     ) -> int:
         """Store a tensor, or this process's shard of a DTensor, as ``version`` of ``key``.
 
@@ -146,12 +151,17 @@ class Store:
                 size of the default process group (every rank puts, SPMD style) or the
                 mesh size without one; 1 for a plain tensor.
             keep: how many committed versions of ``key`` to retain (default: the store's).
+            memory: where the stored copy lives: ``"host"`` (shared memory of a volume,
+                readable from any host) or ``"cuda"`` (this process's GPU memory, read by
+                processes on this host through CUDA IPC, device to device; it lives as long
+                as this store handle). See ``tidal/store/cuda_ipc.py``.
 
         Returns:
             The version number written.
 
         Raises:
-            ValueError: the version already exists, or writers disagree on shape/dtype.
+            ValueError: the version already exists, or writers disagree on shape/dtype;
+                ``memory="cuda"`` without a CUDA device.
             TypeError: ``value`` is not a tensor, or ``key`` holds a state dict.
             StoreError: the store or a volume cannot be reached.
 
@@ -160,7 +170,7 @@ class Store:
             store = tidal.store.connect()
             v = store.put("w", torch.randn(4, 4))
         """
-        return self._put(key, "tensor", [((), value)], version, writers, keep)
+        return self._put(key, "tensor", [((), value)], version, writers, keep, memory)
 
     def get(
         self,
@@ -218,6 +228,7 @@ class Store:
         version: int | None = None,
         writers: int | None = None,
         keep: int | None = None,
+        memory: Memory = "host",
     ) -> int:
         """Store a nested state dict of tensors and DTensors as one version of ``key``.
 
@@ -233,6 +244,8 @@ class Store:
                 SPMD style; pipeline stages included) or the largest mesh without one;
                 1 for a state dict of plain tensors. Pass it when only some ranks put.
             keep: committed versions of ``key`` to retain (default: the store's).
+            memory: ``"host"`` or ``"cuda"`` (this process's GPU memory, shared with readers
+                on this host by CUDA IPC; see ``put``).
 
         Returns:
             The version number written.
@@ -246,7 +259,7 @@ class Store:
             store.put_state_dict(model.state_dict(), "policy", version=step)
         """
         items = layout.flatten(state_dict)
-        return self._put(key, "state_dict", items, version, writers, keep)
+        return self._put(key, "state_dict", items, version, writers, keep, memory)
 
     def get_state_dict(
         self,
@@ -369,10 +382,13 @@ class Store:
                 ex.shutdown(wait=True)
         if self._releaser is not None:
             self._releaser.close()
-        self._ctrl.close(graceful=True)
+        self._ctrl.close(graceful=True)  # the controller drops this writer's device volume
         for extra in (self._wait_conn, self._release_conn):
             if extra is not None:
                 extra.close(graceful=True)
+        self._imports.close()
+        if self._device is not None:
+            self._device.close()
         with self._lock:
             for pool in self._pools.values():
                 for c in pool:
@@ -401,8 +417,11 @@ class Store:
         version: int | None,
         writers: int | None,
         keep: int | None,
+        memory: Memory = "host",
     ) -> int:
         _check_key(key)
+        if memory not in ("host", "cuda"):
+            raise ValueError(f"memory must be 'host' or 'cuda', got {memory!r}")
         decls, locals_ = [], []
         meshes = 0
         for path, value in items:
@@ -422,19 +441,21 @@ class Store:
                 "writer": self._writer,
                 "keep": keep,
                 "host": self._host,
-                "volume": self._volume,
+                "volume": self._device_volume() if memory == "cuda" else self._volume,
                 "kind": kind,
                 "tensors": decls,
             }
         )
         version = reply["version"]
         try:
-            vid, vaddr, vhost, prefix = reply["volume"]
+            vid, vaddr, vhost, prefix, vkind = reply["volume"]
             jobs = [(s, t) for s, t in zip(reply["slots"], locals_, strict=True) if s >= 0]
-            if self._use_shm(vhost, prefix, jobs[0][0] if jobs else None):
-                cuda = False
-                done: list[int] = []  # slots in place, not yet reported (streaming readers)
-                done_bytes = 0
+            progress = Progress(lambda slots: self._report(key, version, slots))
+            if vkind == "cuda":
+                assert self._device is not None and vid == self._device.volume_id, vid
+                self._device.release(reply.get("freed", []))
+                self._put_device(jobs, progress)
+            elif self._use_shm(vhost, prefix, jobs[0][0] if jobs else None):
                 with torch.no_grad():
                     for slot, local in jobs:
                         nbytes = local.numel() * local.element_size()
@@ -442,15 +463,8 @@ class Store:
                         pinned = local.is_cuda and self._pin(prefix, slot, dst)
                         dst = dst.view(local.dtype).view(local.shape)
                         dst.copy_(local, non_blocking=pinned)
-                        cuda = cuda or pinned
-                        if not cuda:  # async device copies are only known done at the end
-                            done.append(slot)
-                            done_bytes += nbytes
-                        if done_bytes >= _PROGRESS_BYTES:
-                            self._report(key, version, done)
-                            done, done_bytes = [], 0
-                if cuda:
-                    torch.cuda.synchronize()
+                        progress.add(slot, nbytes, local.device if pinned else None)
+                progress.synchronize()
             else:
                 self._tcp_write(vaddr, jobs)
         except BaseException:
@@ -465,6 +479,39 @@ class Store:
             {"op": "put_commit", "key": key, "version": version, "writer": self._writer}
         )
         return version
+
+    def _device_volume(self) -> str:
+        """This handle's device volume (registered on the first ``memory="cuda"`` put)."""
+        with self._lock:
+            if self._device is None:
+                if not torch.cuda.is_available():
+                    raise ValueError("memory='cuda' needs a CUDA device; none is available")
+                vid = f"cuda.{os.getpid()}.{secrets.token_hex(4)}"
+                self._ctrl.request({"op": "device_volume", "volume_id": vid, "host": self._host})
+                self._device = cuda_ipc.DeviceVolume(vid)
+            return self._device.volume_id
+
+    def _put_device(self, jobs: list[tuple[int, torch.Tensor]], progress: Progress) -> None:
+        """Copy each local shard into its slot in this process's GPU memory (device to
+        device for CUDA sources); new slots' IPC handles reach the controller first."""
+        assert self._device is not None
+        fresh, dests = [], []
+        for slot, local in jobs:
+            index = local.device.index if local.is_cuda else torch.cuda.current_device()
+            nbytes = local.numel() * local.element_size()
+            mem, handle = self._device.slot(slot, nbytes, index)
+            if handle is not None:
+                fresh.append([slot, index, handle])
+            dests.append((slot, mem, local, nbytes, torch.device("cuda", index)))
+        if fresh:
+            self._ctrl.request(
+                {"op": "put_handles", "volume_id": self._device.volume_id, "handles": fresh}
+            )
+        with torch.no_grad():
+            for slot, mem, local, nbytes, dev in dests:
+                mem.view(local.dtype).view(local.shape).copy_(local, non_blocking=True)
+                progress.add(slot, nbytes, dev)
+        progress.synchronize()
 
     def _report(self, key: str, version: int, slots: list[int]) -> None:
         """Tell the controller these slots of a pending version are written."""
@@ -536,6 +583,17 @@ class Store:
             out = self._read(key, kind, dests, reply, cached, gate)
             if gate is not None:
                 gate(None)  # returns once the version is committed (raises if it was not)
+            held = False
+            try:
+                lost = self._ctrl.request({"op": "release", "lease": reply["lease"]})["lost"]
+            except StoreError:
+                lost = False  # the controller drops the lease when this connection closes
+            if lost and any(v[4] == "cuda" for v in reply["volumes"]):
+                # Host segments keep their pages for mapped readers; freed GPU memory does not.
+                raise VolumeLostError(
+                    f"version {reply['version']} of key {key!r} was lost while it was read "
+                    "(its writer's GPU memory went away); the destination holds undefined bytes"
+                )
             return out
         finally:
             if held:
@@ -696,8 +754,13 @@ class Store:
             if not s.boxes:  # no bytes (empty tensor)
                 plan.append((path, s, None, ""))
                 continue
-            _, vaddr, vhost, prefix = volumes[vols[s.first]]
+            _, vaddr, vhost, prefix, vkind = volumes[vols[s.first]]
             slot = slots[s.first]
+            if vkind == "cuda":
+                raise ValueError(
+                    f"copy=False: {shown!r} of key {key!r} is held in a writer's GPU memory "
+                    "(put with memory='cuda'); use copy=True"
+                )
             if self.transport == "tcp" or not self._use_shm(vhost, prefix, slot):
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at {vaddr}, "
@@ -740,34 +803,74 @@ class Store:
     ) -> None:
         slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
         dtypes = [stored[p].dtype for p, *_ in windows]
-        shm_ops, tcp_ops = [], []
+        shm_ops, dev_ops, tcp_ops = [], [], []
         for op in plan:
-            _, vaddr, vhost, prefix = volumes[vols[op.shard]]
-            if self._use_shm(vhost, prefix, slots[op.shard]):
+            _, vaddr, vhost, prefix, vkind = volumes[vols[op.shard]]
+            if vkind == "cuda":
+                dev_ops.append(op)
+            elif self._use_shm(vhost, prefix, slots[op.shard]):
                 shm_ops.append(op)
             else:
                 tcp_ops.append((vaddr, op))
-        cuda = False
+        if dev_ops:
+            self._open_device_slots(dev_ops, dtypes, reply)
+        devices: set[torch.device] = set()  # CUDA devices with copies in flight
         with torch.no_grad():
-            for op in shm_ops:
+            for op in shm_ops + dev_ops:
                 if gate is not None:
                     gate(slots[op.shard])  # streaming: wait until the writer put it in place
-                prefix = volumes[vols[op.shard]][3]
+                vid, _, _, prefix, vkind = volumes[vols[op.shard]]
                 dtype = dtypes[op.dest]
-                n = layout.numel(op.shard_shape) * dtype.itemsize
-                seg = self._map(prefix, slots[op.shard], n)
                 dst = layout.narrow(windows[op.dest][3], op.dst_off, op.sizes)
-                pinned = dst.is_cuda and self._pin(prefix, slots[op.shard], seg)
+                if vkind == "cuda":
+                    seg = self._imports.get(vid, slots[op.shard])
+                    asynchronous = dst.is_cuda  # into host memory: a synchronous copy
+                else:
+                    n = layout.numel(op.shard_shape) * dtype.itemsize
+                    seg = self._map(prefix, slots[op.shard], n)
+                    asynchronous = dst.is_cuda and self._pin(prefix, slots[op.shard], seg)
                 src = layout.narrow(seg.view(dtype).view(op.shard_shape), op.src_off, op.sizes)
-                dst.copy_(src, non_blocking=pinned)
-                cuda = cuda or pinned
-        if cuda:  # the lease is released after this: the copies must be done
-            torch.cuda.synchronize()
+                dst.copy_(src, non_blocking=asynchronous)
+                if asynchronous:
+                    devices.add(dst.device)
+        for d in devices:  # the lease is released after this: the copies must be done
+            torch.cuda.synchronize(d)
         if tcp_ops:
             if gate is not None:
                 for _, op in tcp_ops:
                     gate(slots[op.shard])
             self._tcp_read(tcp_ops, windows, dtypes, slots)
+
+    def _open_device_slots(
+        self, ops: list[_Op], dtypes: list[torch.dtype], reply: dict[str, Any]
+    ) -> None:
+        """Open (once) the CUDA IPC handles of the device slots ``ops`` read."""
+        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
+        wanted: dict[str, dict[int, int]] = {}  # volume -> slot -> bytes
+        for op in ops:
+            vid, _, vhost, _, _ = volumes[vols[op.shard]]
+            if cuda_ipc.is_local(vid):
+                continue  # written by this process: read its tensors directly
+            if vhost != self._host:
+                raise StoreError(
+                    f"version {reply['version']} is held in GPU memory of a writer on host "
+                    f"{vhost.split('/')[0]} (put with memory='cuda'); CUDA IPC reaches readers "
+                    "on that host only"
+                )
+            if not torch.cuda.is_available():
+                raise StoreError(
+                    f"version {reply['version']} is held in GPU memory (put with "
+                    "memory='cuda'); reading it needs CUDA in this process"
+                )
+            n = layout.numel(op.shard_shape) * dtypes[op.dest].itemsize
+            wanted.setdefault(vid, {})[slots[op.shard]] = n
+        for vid, sizes in wanted.items():
+            missing = self._imports.missing(vid, list(sizes))
+            if not missing:
+                continue
+            got = self._ctrl.request({"op": "slot_handles", "volume_id": vid, "slots": missing})
+            for slot, device, handle in got["handles"]:
+                self._imports.add(vid, slot, device, handle, sizes[slot])
 
     def _tcp_read(
         self,
@@ -947,11 +1050,6 @@ class Store:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(2, thread_name_prefix="tidal-async")
         return self._executor.submit(fn, *args, **kwargs)
-
-
-# A writer reports progress to streaming readers every this many bytes (one round trip each:
-# about 1 ms per GB at 64 MB on loopback).
-_PROGRESS_BYTES = 64 << 20
 
 
 def _plan(

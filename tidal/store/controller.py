@@ -92,6 +92,11 @@ class VolumeRec:
     cleanup: Callable[[], None] = lambda: None  # after death: unlink what it left behind
     alive: bool = True
     used: int = 0
+    kind: str = "shm"  # "shm": host shared memory; "cuda": a writer's GPU memory (CUDA IPC)
+    owner: int | None = None  # "cuda": the connection of the writer whose memory it is
+    handles: dict[int, bytes] = field(default_factory=dict)  # "cuda": slot -> IPC handle
+    devices: dict[int, int] = field(default_factory=dict)  # "cuda": slot -> device index
+    freed: list[int] = field(default_factory=list)  # "cuda": destroyed, owner not yet told
 
 
 @dataclass(slots=True)
@@ -129,6 +134,62 @@ class Controller:
                 raise ValueError(f"a volume named {rec.volume_id!r} is already registered")
             self._volumes[rec.volume_id] = rec
 
+    def add_device_volume(self, conn: int, volume_id: str, host: str) -> None:
+        """Register a writer's GPU memory as a volume of kind "cuda", owned by (and dying
+        with) connection ``conn`` (see tidal/store/cuda_ipc.py)."""
+        rec = VolumeRec(
+            volume_id=volume_id,
+            address="",
+            host=host,
+            shm_prefix="",
+            create=lambda slot, nbytes: None,  # the owner allocates when it writes
+            destroy=lambda slots: None,
+            probe=lambda: True,  # its death is its connection's close
+            kind="cuda",
+            owner=conn,
+        )
+
+        def destroy(slots: list[int]) -> None:  # the owner frees them at its next put
+            for slot in slots:
+                rec.handles.pop(slot, None)
+                rec.devices.pop(slot, None)
+            rec.freed.extend(slots)
+
+        rec.destroy = destroy
+        self.add_volume(rec)
+
+    def _device_volume(self, conn: int, volume_id: str) -> VolumeRec:
+        vol = self._volumes.get(volume_id)
+        if vol is None or vol.kind != "cuda" or not vol.alive:
+            raise ValueError(f"{volume_id!r} is not a live device volume of this store")
+        if vol.owner != conn:
+            raise ValueError(f"device volume {volume_id!r} is GPU memory of another writer")
+        return vol
+
+    def put_handles(self, conn: int, volume_id: str, handles: list[list[Any]]) -> dict[str, Any]:
+        """The owner of a device volume sends the IPC handles of slots it allocated."""
+        with self._lock:
+            vol = self._device_volume(conn, volume_id)
+            for slot, device, handle in handles:
+                if self._slot_owner.get(slot, ("",))[0] != volume_id:
+                    raise ValueError(f"slot {slot} is not a slot of volume {volume_id!r}")
+                vol.handles[slot] = handle
+                vol.devices[slot] = device
+            return {}
+
+    def slot_handles(self, volume_id: str, slots: list[int]) -> dict[str, Any]:
+        """IPC handles of a device volume's slots, for a reader opening them."""
+        with self._lock:
+            vol = self._volumes.get(volume_id)
+            if vol is None or vol.kind != "cuda" or not vol.alive:
+                raise VolumeLostError(f"device volume {volume_id!r} is gone")
+            out = []
+            for slot in slots:
+                if slot not in vol.handles:
+                    raise StoreError(f"slot {slot} of volume {volume_id!r} has no IPC handle")
+                out.append([slot, vol.devices[slot], vol.handles[slot]])
+            return {"handles": out}
+
     def volume_gone(self, volume_id: str) -> None:
         """Forget a dead volume: versions with bytes on it become lost."""
         with self._lock:
@@ -140,7 +201,8 @@ class Controller:
             for key, krec in list(self._keys.items()):
                 for _v, vrec in list(krec.versions.items()):
                     if any(s.volume == volume_id for s in vrec.slots()):
-                        reason = f"lost: volume {volume_id!r} at {vol.address} went away"
+                        where = vol.address or f"GPU memory of a writer on {vol.host}"
+                        reason = f"lost: volume {volume_id!r} at {where} went away"
                         self._drop(key, krec, vrec, reason, destroy=True)
                 for fk in [fk for fk in krec.free if fk[0] == volume_id]:
                     for slot in krec.free.pop(fk):
@@ -200,7 +262,7 @@ class Controller:
                 raise ValueError(
                     f"version {version} of key {key!r} already has its {vrec.writers} writers"
                 )
-            vol = self._pick_volume(msg["host"], msg["volume"])
+            vol = self._pick_volume(conn, msg["host"], msg["volume"])
             slots: list[int] = []
             fresh: list[tuple[int, int]] = []  # (slot, nbytes) the volume must create
             try:
@@ -230,21 +292,28 @@ class Controller:
                     reason = f"aborted: volume {vol.volume_id!r} could not allocate: {e}"
                     self._drop(key, krec, vrec, reason, destroy=True)
             raise
-        return {
+        out: dict[str, Any] = {
             "version": version,
             "slots": slots,
-            "volume": [vol.volume_id, vol.address, vol.host, vol.shm_prefix],
+            "volume": [vol.volume_id, vol.address, vol.host, vol.shm_prefix, vol.kind],
         }
+        if vol.kind == "cuda":
+            with self._lock:
+                out["freed"], vol.freed = vol.freed, []
+        return out
 
-    def _pick_volume(self, host: str, wanted: str | None) -> VolumeRec:
+    def _pick_volume(self, conn: int, host: str, wanted: str | None) -> VolumeRec:
         alive = [v for v in self._volumes.values() if v.alive]
         if wanted is not None:
             for v in alive:
                 if v.volume_id == wanted:
+                    if v.kind == "cuda":
+                        self._device_volume(conn, wanted)  # raises for another's memory
                     return v
             raise ValueError(
                 f"volume {wanted!r} is not registered (alive: {[v.volume_id for v in alive]})"
             )
+        alive = [v for v in alive if v.kind == "shm"]  # device volumes take their owner's only
         if not alive:
             raise StoreError("the store has no live storage volume")
         local = [v for v in alive if v.host == host] or alive
@@ -493,6 +562,7 @@ class Controller:
                         self._volumes[v].address,
                         self._volumes[v].host,
                         self._volumes[v].shm_prefix,
+                        self._volumes[v].kind,
                     ]
                     for v in vol_ids
                 ],
@@ -563,7 +633,9 @@ class Controller:
             if rec is None:
                 raise ValueError(f"lease {lease} is not held")
             self._unlease(rec)
-            return {}
+            # Whether the version's volume died while it was leased (readers of GPU memory
+            # then know their copy may hold freed bytes).
+            return {"lost": (rec.vrec.dropped or "").startswith("lost")}
 
     def _unlease(self, rec: Lease) -> None:
         vrec = rec.vrec
@@ -576,6 +648,9 @@ class Controller:
         with self._lock:
             for lease in [k for k, r in self._leases.items() if r.conn == conn]:
                 self._unlease(self._leases.pop(lease))
+            for vol in list(self._volumes.values()):
+                if vol.kind == "cuda" and vol.owner == conn:
+                    self.volume_gone(vol.volume_id)  # the writer's GPU memory goes with it
             for key, krec in list(self._keys.items()):
                 for vrec in list(krec.versions.values()):
                     if vrec.committed:
@@ -661,9 +736,10 @@ class Controller:
     def volumes(self) -> list[dict[str, Any]]:
         with self._lock:
             return [
-                {"volume": v.volume_id, "address": v.address, "host": v.host, "alive": v.alive}
+                {"volume": v.volume_id, "address": v.address, "host": v.host, "alive": v.alive,
+                 "kind": v.kind}
                 for v in self._volumes.values()
-            ]
+            ]  # fmt: skip
 
     def _suggest(self, key: str) -> str:
         near = [k for k in self._keys if k.startswith(key.split("/")[0])][:5]

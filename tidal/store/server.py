@@ -281,6 +281,13 @@ class Server:
         if op == "register_volume":
             c.add_volume(_remote_volume(m, sock, self.token, self.host_id))
             return {}, None
+        if op == "device_volume":
+            c.add_device_volume(cid, m["volume_id"], m["host"])
+            return {}, None
+        if op == "put_handles":
+            return c.put_handles(cid, m["volume_id"], m["handles"]), None
+        if op == "slot_handles":
+            return c.slot_handles(m["volume_id"], m["slots"]), None
         raise ProtocolError(f"op {op!r} is not served here")
 
 

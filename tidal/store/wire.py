@@ -25,7 +25,7 @@ from tidal.store.errors import ProtocolError, StoreError
 
 MAGIC = b"TDS1"
 PREFIX = struct.Struct("<4sIQ")
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 32 << 20
 # Send large payloads in pieces: on the development VM a loop of 4 MiB sendall calls moved
 # 3.5-4.1 GB/s over loopback against 2.8-3.0 GB/s for one sendall of the whole buffer
@@ -120,6 +120,14 @@ def s_int(lo: int = 0, hi: int = 1 << 62) -> Checker:
     def check(v: Any, f: str) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             _fail(f, f"an integer in [{lo}, {hi}]", v)
+
+    return check
+
+
+def s_bytes(size: int) -> Checker:
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, bytes) or len(v) != size:
+            _fail(f, f"{size} bytes", v)
 
     return check
 
@@ -234,6 +242,12 @@ SCHEMAS: dict[str, dict[str, Checker]] = {
         "host": s_str(512),
         "shm_prefix": s_str(1024),
     },
+    "device_volume": {"volume_id": s_str(256), "host": s_str(512)},
+    "put_handles": {
+        "volume_id": s_str(256),
+        "handles": s_list(s_tuple(s_int(), s_int(0, 1 << 16), s_bytes(64)), 1 << 20),
+    },
+    "slot_handles": {"volume_id": s_str(256), "slots": s_list(s_int(), 1 << 20)},
     "vol_create": {"slot": s_int(), "nbytes": s_int()},
     "vol_destroy": {"slots": s_list(s_int(), 1 << 20)},
     "vol_write": {"slot": s_int(), "offset": s_int(), "nbytes": s_int()},

@@ -1,0 +1,39 @@
+"""A reader process for the CUDA IPC test (imported by the spawned process)."""
+
+from __future__ import annotations
+
+import torch
+
+import tidal.store
+from tidal.store import VolumeLostError
+
+
+def payload(v: int) -> dict[str, torch.Tensor]:
+    return {
+        "emb": torch.full((4096, 512), float(v), device="cuda", dtype=torch.bfloat16),
+        "layers": [torch.arange(1000, device="cuda") * (v + 1) for _ in range(3)],
+    }
+
+
+def reader(conn, address: str) -> None:
+    store = tidal.store.connect(address)
+    into = {
+        "emb": torch.zeros(4096, 512, device="cuda", dtype=torch.bfloat16),
+        "layers": [torch.zeros(1000, device="cuda", dtype=torch.int64) for _ in range(3)],
+    }
+    while (msg := conn.recv()) is not None:
+        op, v = msg
+        try:
+            if op == "wait":
+                conn.send("waiting")
+                store.get_state_dict("policy", into=into, version=v, wait=60)
+            else:
+                store.get_state_dict("policy", into=into, version=v)
+        except VolumeLostError as e:
+            conn.send(("VolumeLostError", str(e)))
+            continue
+        want = payload(v)
+        assert torch.equal(into["emb"], want["emb"]), f"version {v}: wrong bytes"
+        assert all(torch.equal(a, b) for a, b in zip(into["layers"], want["layers"], strict=True))
+        conn.send(("ok", v))
+    store.close()

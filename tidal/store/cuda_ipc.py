@@ -1,0 +1,246 @@
+"""Stored versions in GPU memory, shared with readers on the same host through CUDA IPC.
+
+``put(..., memory="cuda")`` keeps the stored copy in the writer's own GPU memory instead of
+host shared memory: the put is a device-to-device copy, and a reader on the same host opens
+the slot with a CUDA IPC handle and copies device to device too (NVLink or the same GPU), so
+a GPU-to-GPU weight sync never touches host memory. benchmarks/store_sync.py ``--memory
+cuda`` measures it against the host path and a device ``copy_`` of the same bytes.
+
+Lifecycle:
+- The writer's :class:`Store` owns a :class:`DeviceVolume` (registered with the controller
+  as a volume of kind ``"cuda"`` owned by its control connection). Each slot is one
+  ``cudaMalloc`` allocation, so its IPC handle covers exactly the slot; the handle goes to the
+  controller with ``put_handles`` before any byte is written.
+- Slots the controller destroys come back in the next ``put_begin`` reply; their memory goes
+  to a pool and is handed to the next new slot of the same size and device. It is never
+  ``cudaFree``d while the writer's store is open: CUDA leaves freeing exported memory that
+  another process still has open undefined, and readers keep slots open (see below). A
+  reader only touches a slot while it holds a lease on the version that owns it, so memory
+  moved to another slot is never read through the old one.
+- A reader opens each slot once (:class:`Imports`) and keeps it open until its store
+  closes. The writer's memory is freed when the writer's store closes or its process exits;
+  its versions are then lost (``VolumeLostError``), as for a dead volume.
+- Within one process (two store handles, or a handle reading its own writes) IPC handles
+  cannot be opened; the reader uses the writer's tensors directly (``_LOCAL``).
+
+CUDA runtime calls go through ``ctypes`` to the ``libcudart`` that torch loaded; no extension
+is compiled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from tidal.store.errors import StoreError
+
+HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+
+# Device volumes of this process by id: IPC handles cannot be opened in the process that
+# made them, so same-process readers use the writer's tensors through this table. It only
+# ever holds volumes of live Store handles of this process (weak values).
+_LOCAL: weakref.WeakValueDictionary[str, DeviceVolume] = weakref.WeakValueDictionary()
+
+
+def is_local(volume_id: str) -> bool:
+    """Whether ``volume_id`` is a device volume of this process."""
+    return volume_id in _LOCAL
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+
+
+class _Runtime:
+    """The few CUDA runtime functions the store needs, from torch's own libcudart."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        c_int, vp = ctypes.c_int, ctypes.c_void_p
+        self._malloc = _fn(lib, "cudaMalloc", [ctypes.POINTER(vp), ctypes.c_size_t])
+        self._free = _fn(lib, "cudaFree", [vp])
+        self._get = _fn(lib, "cudaIpcGetMemHandle", [ctypes.POINTER(_IpcHandle), vp])
+        self._open = _fn(
+            lib, "cudaIpcOpenMemHandle", [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
+        )
+        self._close = _fn(lib, "cudaIpcCloseMemHandle", [vp])
+        self._error = lib.cudaGetErrorString
+        self._error.restype, self._error.argtypes = ctypes.c_char_p, [c_int]
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = self._error(rc).decode(errors="replace")
+            raise StoreError(f"CUDA error in {what}: {msg} ({rc})")
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        self.check(self._malloc(ctypes.byref(ptr), nbytes), f"cudaMalloc({nbytes})")
+        assert ptr.value is not None, "cudaMalloc returned no pointer"
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self.check(self._free(ctypes.c_void_p(ptr)), "cudaFree")
+
+    def handle(self, ptr: int) -> bytes:
+        h = _IpcHandle()
+        self.check(self._get(ctypes.byref(h), ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
+        return ctypes.string_at(ctypes.addressof(h), HANDLE_BYTES)
+
+    def open(self, handle: bytes) -> int:
+        if len(handle) != HANDLE_BYTES:
+            raise StoreError(f"a CUDA IPC handle has {HANDLE_BYTES} bytes, got {len(handle)}")
+        h = _IpcHandle.from_buffer_copy(handle)
+        ptr = ctypes.c_void_p()
+        rc = self._open(ctypes.byref(ptr), h, _LAZY_ENABLE_PEER_ACCESS)
+        self.check(rc, "cudaIpcOpenMemHandle")
+        assert ptr.value is not None, "cudaIpcOpenMemHandle returned no pointer"
+        return ptr.value
+
+    def close(self, ptr: int) -> None:
+        self.check(self._close(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
+    f = getattr(lib, name)
+    f.restype, f.argtypes = ctypes.c_int, argtypes
+    return f
+
+
+@functools.cache
+def runtime() -> _Runtime:
+    """The CUDA runtime torch uses (found among this process's mapped libraries once CUDA
+    is initialized). Raises StoreError without CUDA."""
+    if not torch.cuda.is_available():
+        raise StoreError("CUDA IPC needs a CUDA device; none is available in this process")
+    torch.cuda.init()
+    with open("/proc/self/maps") as f:
+        paths = {ln.split()[-1] for ln in f if "/libcudart" in ln and ".so" in ln}
+    if not paths:
+        raise StoreError(
+            "CUDA IPC: torch has not loaded libcudart in this process (a torch build with a "
+            "statically linked CUDA runtime is not supported)"
+        )
+    return _Runtime(sorted(paths)[0])
+
+
+class _DeviceMemory:
+    """Raw device memory seen by torch through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def as_tensor(ptr: int, nbytes: int, device: int) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of device memory at ``ptr`` (no copy)."""
+    return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=f"cuda:{device}")
+
+
+class DeviceVolume:
+    """A writer's slots in its own GPU memory (see the module docstring)."""
+
+    def __init__(self, volume_id: str) -> None:
+        self.volume_id = volume_id
+        self._slots: dict[int, tuple[int, int, int, torch.Tensor]] = {}  # ptr, n, dev, t
+        self._pool: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
+        self._owned: list[int] = []  # every allocation, freed at close
+        self._lock = threading.Lock()
+        _LOCAL[volume_id] = self
+
+    def slot(self, slot: int, nbytes: int, device: int) -> tuple[torch.Tensor, bytes | None]:
+        """The memory of ``slot``; for a slot new to this volume also its IPC handle (to be
+        sent to the controller), else None."""
+        with self._lock:
+            have = self._slots.get(slot)
+            if have is not None:
+                return have[3], None
+            pool = self._pool.get((device, nbytes))
+            if pool:
+                ptr, t = pool.pop()
+            else:
+                with torch.cuda.device(device):
+                    ptr = runtime().malloc(max(nbytes, 1))
+                self._owned.append(ptr)
+                t = as_tensor(ptr, nbytes, device)
+            self._slots[slot] = (ptr, nbytes, device, t)
+            return t, runtime().handle(ptr)
+
+    def local(self, slot: int) -> torch.Tensor:
+        try:
+            return self._slots[slot][3]
+        except KeyError:
+            raise StoreError(f"device volume {self.volume_id} has no slot {slot}") from None
+
+    def release(self, slots: list[int]) -> None:
+        """Slots the controller destroyed: their memory goes back to the pool."""
+        with self._lock:
+            for slot in slots:
+                rec = self._slots.pop(slot, None)
+                if rec is not None:
+                    ptr, n, dev, t = rec
+                    self._pool.setdefault((dev, n), []).append((ptr, t))
+
+    def close(self) -> None:
+        with self._lock:
+            owned, self._owned = self._owned, []
+            self._slots.clear()
+            self._pool.clear()
+        _LOCAL.pop(self.volume_id, None)
+        if owned:
+            torch.cuda.synchronize()
+            for ptr in owned:
+                try:
+                    runtime().free(ptr)
+                except StoreError:
+                    pass  # the process is exiting or the context is gone: nothing to free
+
+
+class Imports:
+    """A reader's opened slots of other processes' device volumes, by (volume, slot)."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def missing(self, volume_id: str, slots: list[int]) -> list[int]:
+        with self._lock:
+            return [s for s in slots if (volume_id, s) not in self._open]
+
+    def add(self, volume_id: str, slot: int, device: int, handle: bytes, nbytes: int) -> None:
+        with self._lock:
+            if (volume_id, slot) in self._open:
+                return
+        with torch.cuda.device(device):
+            ptr = runtime().open(handle)
+        t = as_tensor(ptr, nbytes, device)
+        with self._lock:
+            self._open[(volume_id, slot)] = (ptr, t)
+
+    def get(self, volume_id: str, slot: int) -> torch.Tensor:
+        local = _LOCAL.get(volume_id)
+        if local is not None:
+            return local.local(slot)
+        with self._lock:
+            try:
+                return self._open[(volume_id, slot)][1]
+            except KeyError:
+                raise StoreError(f"slot {slot} of device volume {volume_id} is not open") from None
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = list(self._open.values()), {}
+        for ptr, _ in opened:
+            try:
+                runtime().close(ptr)
+            except StoreError:
+                pass  # the exporter is gone: its memory went with it

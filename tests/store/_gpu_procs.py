@@ -22,13 +22,13 @@ def reader(conn, address: str) -> None:
         "layers": [torch.zeros(1000, device="cuda", dtype=torch.int64) for _ in range(3)],
     }
     while (msg := conn.recv()) is not None:
-        op, v = msg
+        op, key, v = msg
         try:
             if op == "wait":
                 conn.send("waiting")
-                store.get_state_dict("policy", into=into, version=v, wait=60)
+                store.get_state_dict(key, into=into, version=v, wait=60)
             else:
-                store.get_state_dict("policy", into=into, version=v)
+                store.get_state_dict(key, into=into, version=v)
         except VolumeLostError as e:
             conn.send(("VolumeLostError", str(e)))
             continue

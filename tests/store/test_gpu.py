@@ -72,18 +72,23 @@ def test_device_memory_across_processes():
         proc.start()
         child.close()
         try:
+            # A reader waiting for a key's first version: every slot is new to it.
+            parent.send(("wait", "fresh", 0))
+            assert parent.recv() == "waiting"
+            writer.put_state_dict(_gpu_procs.payload(0), "fresh", version=0, memory="cuda")
+            assert parent.recv() == ("ok", 0)
             for v in range(4):
                 writer.put_state_dict(_gpu_procs.payload(v), "policy", version=v, memory="cuda")
-                parent.send(("get", v))
+                parent.send(("get", "policy", v))
                 assert parent.recv() == ("ok", v)
             # A reader waiting for the next version streams it from the writer's GPU memory.
-            parent.send(("wait", 4))
+            parent.send(("wait", "policy", 4))
             assert parent.recv() == "waiting"
             writer.put_state_dict(_gpu_procs.payload(4), "policy", version=4, memory="cuda")
             assert parent.recv() == ("ok", 4)
             # The writer goes away: its GPU memory, and the versions in it, are lost.
             writer.close()
-            parent.send(("get", 4))
+            parent.send(("get", "policy", 4))
             kind, msg = parent.recv()
             assert kind == "VolumeLostError" and "GPU memory of a writer" in msg, msg
             parent.send(None)

@@ -812,14 +812,16 @@ class Store:
                 shm_ops.append(op)
             else:
                 tcp_ops.append((vaddr, op))
-        if dev_ops:
+        if dev_ops and gate is None:
             self._open_device_slots(dev_ops, dtypes, reply)
         devices: set[torch.device] = set()  # CUDA devices with copies in flight
         with torch.no_grad():
             for op in shm_ops + dev_ops:
+                vid, _, _, prefix, vkind = volumes[vols[op.shard]]
                 if gate is not None:
                     gate(slots[op.shard])  # streaming: wait until the writer put it in place
-                vid, _, _, prefix, vkind = volumes[vols[op.shard]]
+                    if vkind == "cuda":  # a slot's handle is registered before it is written
+                        self._open_device_slots([op], dtypes, reply)
                 dtype = dtypes[op.dest]
                 dst = layout.narrow(windows[op.dest][3], op.dst_off, op.sizes)
                 if vkind == "cuda":

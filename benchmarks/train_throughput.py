@@ -205,6 +205,10 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.modes = args.modes.split(",")
+    # NVLink multicast stays off on shared multi-GPU hosts (inherited by every run below).
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
+        os.environ.setdefault(var, value)
     if args.worker:
         result = run_tidal(args, args.worker)
         if result is not None:

@@ -130,7 +130,8 @@ def _ls(args: argparse.Namespace) -> int:
     print()
     for v in listing["volumes"]:
         state = "alive" if v["alive"] else "GONE"
-        print(f"volume {v['volume']}  {v['address']}  host {v['host']}  {state}")
+        where = v["address"] if v.get("kind", "shm") == "shm" else "GPU memory (CUDA IPC)"
+        print(f"volume {v['volume']}  {where}  host {v['host']}  {state}")
     return 0
 
 

@@ -193,11 +193,14 @@ class DeviceVolume:
     def close(self) -> None:
         with self._lock:
             owned, self._owned = self._owned, []
+            devices = {d for _, _, d, _ in self._slots.values()}
+            devices |= {d for d, _ in self._pool}
             self._slots.clear()
             self._pool.clear()
         _LOCAL.pop(self.volume_id, None)
         if owned:
-            torch.cuda.synchronize()
+            for d in devices:
+                torch.cuda.synchronize(d)
             for ptr in owned:
                 try:
                     runtime().free(ptr)

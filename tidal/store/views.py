@@ -95,6 +95,7 @@ class Releaser:
         self._release = release
         self._pending: deque[int] = deque()
         self._sending = threading.Lock()
+        self._fds = threading.RLock()  # the pipe is not written while it is being closed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = False
@@ -115,10 +116,13 @@ class Releaser:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is already due) or closed
+        with self._fds:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass  # the pipe is full: a wake-up is already due
 
     def _send(self) -> None:
         while self._pending:
@@ -141,8 +145,9 @@ class Releaser:
                 self._send()
 
     def close(self) -> None:
-        self._closed = True
+        self._closed = True  # set first: a finalizer running during close returns early
         self._pending.clear()
-        os.close(self._wake_w)  # the thread's read returns b"" and it exits
+        with self._fds:
+            os.close(self._wake_w)  # the thread's read returns b"" and it exits
         self._thread.join(timeout=5)
         os.close(self._wake_r)

@@ -97,3 +97,27 @@ def test_device_memory_across_processes():
         finally:
             if proc.is_alive():
                 proc.kill()
+
+
+@pytest.mark.parametrize("memory", ["host", "cuda"])
+def test_async_copies_wait_for_the_callers_queued_work(memory):
+    """put_async/get_async copy on a side stream, but only after the work the caller queued
+    before the call: a value written by a kernel still queued is the one stored."""
+    with tidal.store.connect() as store:
+        src = torch.zeros(2048, 2048, device="cuda")
+        torch.cuda._sleep(200_000_000)  # keeps the caller's stream busy for ~0.1 s
+        src.fill_(7.0)  # queued behind the sleep
+        store.put_async("x", src, memory=memory).result(timeout=60)
+        assert torch.equal(store.get("x"), torch.full((2048, 2048), 7.0))
+        dst = torch.empty_like(src)
+        torch.cuda._sleep(200_000_000)
+        dst.fill_(-1.0)  # the caller's last write before the prefetch lands
+        store.get_async("x", into=dst).result(timeout=60)
+        assert torch.equal(dst, torch.full_like(src, 7.0))
+        sd = {"a": src * 2, "b": [src[:3] + 1]}
+        torch.cuda._sleep(200_000_000)
+        sd["a"].add_(1.0)
+        store.put_state_dict_async(sd, "sd", memory=memory).result(timeout=60)
+        got = store.get_state_dict("sd")
+        assert torch.equal(got["a"], torch.full((2048, 2048), 15.0))
+        assert torch.equal(got["b"][0], torch.full((3, 2048), 8.0))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tidal.store import cuda_ipc, layout, views, wire
+from tidal.store import cuda_ipc, layout, streams, views, wire
 from tidal.store.conn import Conn
 from tidal.store.controller import Controller
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
@@ -109,6 +109,7 @@ class Store:
         self._releaser: views.Releaser | None = None
         self._device: cuda_ipc.DeviceVolume | None = None  # put(..., memory="cuda") slots
         self._imports = cuda_ipc.Imports()  # other writers' device slots opened here
+        self._streams: streams.SideStreams | None = None  # for *_async CUDA copies
         self._release_conn: Conn | None = None
         self._pinned: dict[str, bool] = {}  # mapped segment -> registered with CUDA
         self._misses = 0  # mapping-cache misses since the last sweep
@@ -305,26 +306,30 @@ class Store:
         return dict(into) if into is not None else layout.unflatten(out)
 
     def put_async(self, key: str, value: torch.Tensor, **kwargs: Any) -> Future[int]:
-        """``put`` in a background thread; returns a Future of the version."""
-        return self._submit(self.put, key, value, **kwargs)
+        """``put`` in a background thread; returns a Future of the version. CUDA copies run
+        on a side stream, after the caller's queued work (see ``tidal/store/streams.py``)."""
+        return self._submit_copies(value, self.put, key, value, **kwargs)
 
     def get_async(
         self, key: str, into: torch.Tensor | None = None, **kwargs: Any
     ) -> Future[torch.Tensor]:
-        """``get`` in a background thread; returns a Future of the tensor."""
-        return self._submit(self.get, key, into, **kwargs)
+        """``get`` in a background thread; returns a Future of the tensor. Copies into CUDA
+        destinations run on a side stream, after the caller's queued work."""
+        return self._submit_copies(into, self.get, key, into, **kwargs)
 
     def put_state_dict_async(
         self, state_dict: Mapping[str, Any], key: str, **kwargs: Any
     ) -> Future[int]:
-        """``put_state_dict`` in a background thread; returns a Future of the version."""
-        return self._submit(self.put_state_dict, state_dict, key, **kwargs)
+        """``put_state_dict`` in a background thread; returns a Future of the version.
+        CUDA copies run on a side stream, overlapping the caller's next kernels."""
+        return self._submit_copies(state_dict, self.put_state_dict, state_dict, key, **kwargs)
 
     def get_state_dict_async(
         self, key: str, into: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> Future[dict[str, Any]]:
-        """``get_state_dict`` in a background thread; returns a Future of the dict."""
-        return self._submit(self.get_state_dict, key, into, **kwargs)
+        """``get_state_dict`` in a background thread; returns a Future of the dict. Copies
+        into CUDA destinations run on a side stream (a generator's prefetch)."""
+        return self._submit_copies(into, self.get_state_dict, key, into, **kwargs)
 
     def keys(self, prefix: str = "") -> list[str]:
         """Keys with at least one committed version that start with ``prefix``, sorted.
@@ -836,7 +841,7 @@ class Store:
                 if asynchronous:
                     devices.add(dst.device)
         for d in devices:  # the lease is released after this: the copies must be done
-            torch.cuda.synchronize(d)
+            torch.cuda.current_stream(d).synchronize()
         if tcp_ops:
             if gate is not None:
                 for _, op in tcp_ops:
@@ -1046,6 +1051,17 @@ class Store:
                 self._io = ThreadPoolExecutor(self._connections, thread_name_prefix="tidal-io")
         for f in [self._io.submit(fn, p) for p in pieces]:
             f.result()
+
+    def _submit_copies(self, tensors: Any, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
+        """``_submit`` with the CUDA copies of ``fn`` on side streams, ordered after the
+        caller's queued work on the devices of ``tensors`` (a tensor or state dict)."""
+        cuda = streams.cuda_tensors(tensors)
+        if not cuda:
+            return self._submit(fn, *args, **kwargs)
+        with self._lock:
+            if self._streams is None:
+                self._streams = streams.SideStreams()
+        return self._submit(self._streams.wrap(lambda: fn(*args, **kwargs), cuda))
 
     def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
         with self._lock:

@@ -55,6 +55,7 @@ class Progress:
             self._report(prev[1])
 
     def synchronize(self) -> None:
-        """Wait for every device copy (the slots left unreported are covered by the commit)."""
+        """Wait for every device copy, on the streams they ran on (the slots left unreported
+        are covered by the commit)."""
         for d in self.devices:
-            torch.cuda.synchronize(d)
+            torch.cuda.current_stream(d).synchronize()

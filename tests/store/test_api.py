@@ -337,8 +337,8 @@ def test_reader_unmaps_deleted_segments(store):
     with tidal.store.connect(store.address) as reader:
         store.put("gone", torch.ones(1000))
         assert torch.equal(reader.get("gone"), torch.ones(1000))
-        assert len(reader._maps) == 1
+        assert len(reader._segments) == 1
         store.delete("gone")
         store.put("gone", torch.ones(10, 10))  # a new layout for the key
         reader.get("gone")
-        assert len(reader._maps) == 1  # the deleted slot's mapping was dropped
+        assert len(reader._segments) == 1  # the deleted slot's mapping was dropped

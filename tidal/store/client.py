@@ -14,7 +14,6 @@ window straight into a view of the destination, ``release``.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import threading
@@ -36,8 +35,9 @@ from tidal.store.controller import Controller
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
 from tidal.store.layout import Dims, Path
 from tidal.store.progress import Progress
+from tidal.store.segments import Segments
 from tidal.store.server import Server
-from tidal.store.volume import Volume, map_segment, new_store_id, reap_stale
+from tidal.store.volume import Volume, new_store_id, reap_stale
 
 Transport = Literal["auto", "shm", "tcp"]
 Memory = Literal["host", "cuda"]
@@ -104,15 +104,12 @@ class Store:
         self._writer = f"{self._host}:{os.getpid()}:{secrets.token_hex(4)}"
         self._lock = threading.Lock()
         self._pools: dict[str, list[Conn]] = {}
-        self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._ro_maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # zero-copy reads
+        self._segments = Segments()  # mapped shared-memory segments of same-host volumes
         self._releaser: views.Releaser | None = None
         self._device: cuda_ipc.DeviceVolume | None = None  # put(..., memory="cuda") slots
         self._imports = cuda_ipc.Imports()  # other writers' device slots opened here
         self._streams: streams.SideStreams | None = None  # for *_async CUDA copies
         self._release_conn: Conn | None = None
-        self._pinned: dict[str, bool] = {}  # mapped segment -> registered with CUDA
-        self._misses = 0  # mapping-cache misses since the last sweep
         self._meta: dict[str, tuple[str, dict[Path, _Stored]]] = {}
         self._plans: OrderedDict[tuple[Any, ...], list[_Op]] = OrderedDict()
         self._shm_ok: dict[str, bool] = {}
@@ -399,10 +396,7 @@ class Store:
                 for c in pool:
                     c.close()
             self._pools.clear()
-            for path, seg in self._maps.items():
-                self._unpin(path, seg)
-            self._maps.clear()
-            self._ro_maps.clear()  # views still alive keep their mapping
+        self._segments.close()
         if self._server is not None:
             self._server.close()
 
@@ -728,8 +722,7 @@ class Store:
         sig = reply["sig"]
         if "meta" in reply:
             self.metadata_fetches += 1
-            with self._lock:
-                self._sweep_maps()  # a new layout: slots of the old one may be gone
+            self._segments.sweep()  # a new layout: slots of the old one may be gone
             stored: dict[Path, _Stored] = {}
             first = 0
             for name, shape, dtype, boxes in reply["meta"]:
@@ -780,8 +773,8 @@ class Store:
                 out.append((path, torch.empty(s.shape, dtype=s.dtype)))
                 continue
             nbytes = layout.numel(s.shape) * s.dtype.itemsize
-            out.append((path, views.alias(self._map_ro(prefix, slot, nbytes), s.dtype, s.shape,
-                                          token)))  # fmt: skip
+            mapping = self._segments.readonly(f"{prefix}{slot}", nbytes)
+            out.append((path, views.alias(mapping, s.dtype, s.shape, token)))
         views.arm(token, self._release_later(), reply["lease"])
         return out
 
@@ -946,76 +939,11 @@ class Store:
             )
         return ok
 
-    def _pin(self, prefix: str, slot: int, seg: torch.Tensor) -> bool:
-        """Register a mapped segment with CUDA (once) so device copies run as DMA: on the
-        H200 host an unpinned segment moved 11 GB/s device->host and 7 GB/s host->device
-        (benchmarks/store_sync.py --device cuda). Returns True when a device copy may be
-        asynchronous. Fallback: where registration fails, copies stay pageable."""
-        path = f"{prefix}{slot}"
-        with self._lock:
-            ok = self._pinned.get(path)
-            if ok is None and seg.numel():
-                rc = torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 1)
-                ok = self._pinned[path] = int(rc) == 0
-        return bool(ok)
-
-    def _unpin(self, path: str, seg: torch.Tensor) -> None:
-        if self._pinned.pop(path, False):
-            torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
-
     def _map(self, prefix: str, slot: int, nbytes: int) -> torch.Tensor:
-        path = f"{prefix}{slot}"
-        with self._lock:
-            t = self._maps.get(path)
-            if t is not None:
-                self._maps.move_to_end(path)
-                return t
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        try:
-            t = map_segment(path, nbytes)
-        except FileNotFoundError:
-            raise StoreError(
-                f"shared-memory segment {path} is gone (its volume was closed or died)"
-            ) from None
-        except OSError as e:
-            raise StoreError(f"cannot map shared-memory segment {path}: {e}") from None
-        with self._lock:
-            self._maps[path] = t
-            self._misses += 1
-            if self._misses >= 64:
-                self._sweep_maps()
-            while len(self._maps) > 65536:
-                self._unpin(*self._maps.popitem(last=False))
-        return t
+        return self._segments.readwrite(f"{prefix}{slot}", nbytes)
 
-    def _map_ro(self, prefix: str, slot: int, nbytes: int) -> mmap.mmap:
-        """A read-only mapping of a segment, for zero-copy views (cached like ``_map``)."""
-        path = f"{prefix}{slot}"
-        with self._lock:
-            m = self._ro_maps.get(path)
-            if m is not None:
-                self._ro_maps.move_to_end(path)
-                return m
-        m = views.map_readonly(path, nbytes)
-        with self._lock:
-            self._ro_maps[path] = m
-            self._misses += 1
-            if self._misses >= 64:
-                self._sweep_maps()
-            while len(self._ro_maps) > 65536:
-                self._ro_maps.popitem(last=False)  # views still alive keep their mapping
-        return m
-
-    def _sweep_maps(self) -> None:
-        """Unmap segments whose files are gone (deleted keys, dead volumes): a mapping keeps
-        its memory alive, so stale ones must not wait for the LRU bound. A read-only
-        mapping that views still use stays alive through them."""
-        self._misses = 0
-        for path in [p for p in self._maps if not os.path.exists(p)]:
-            self._unpin(path, self._maps.pop(path))
-        for path in [p for p in self._ro_maps if not os.path.exists(p)]:
-            del self._ro_maps[path]
+    def _pin(self, prefix: str, slot: int, seg: torch.Tensor) -> bool:
+        return self._segments.pin(f"{prefix}{slot}", seg)
 
     class _Borrowed:
         def __init__(self, store: Store, address: str) -> None:

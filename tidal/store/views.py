@@ -37,25 +37,6 @@ import torch
 from tidal.store.errors import StoreError
 
 
-def map_readonly(path: str, nbytes: int) -> mmap.mmap:
-    """Map an existing segment read-only; raises StoreError if it is gone or has changed."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise StoreError(
-            f"shared-memory segment {path} is gone (its volume was closed or died)"
-        ) from None
-    except OSError as e:
-        raise StoreError(f"cannot open shared-memory segment {path}: {e}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise StoreError(f"segment {path} has {size} bytes, expected {nbytes}")
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-
-
 class _Lease:
     """Held by every array of one zero-copy read; its death releases the version's lease."""
 

@@ -197,6 +197,10 @@ def main() -> None:
             stamp(sd, v)
             parent.send(("stream", v))
             assert parent.recv() == "ready"
+            # Writers report progress only for a version a reader waits for: start the put
+            # once the reader's wait reached the (embedded) controller.
+            while ("policy", v) not in store._server.controller._wanted:
+                time.sleep(0.0005)
             t = time.perf_counter()
             store.put_state_dict(sd, "policy", version=v, memory=args.memory)
             streamed.append(parent.recv() - t)

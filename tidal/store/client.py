@@ -449,7 +449,9 @@ class Store:
         try:
             vid, vaddr, vhost, prefix, vkind = reply["volume"]
             jobs = [(s, t) for s, t in zip(reply["slots"], locals_, strict=True) if s >= 0]
-            progress = Progress(lambda slots: self._report(key, version, slots))
+            streamed = reply["report"]  # a reader waits for this version: tell it what is in
+            progress = Progress((lambda slots: self._report(key, version, slots)) if streamed
+                                else None)  # fmt: skip
             if vkind == "cuda":
                 assert self._device is not None and vid == self._device.volume_id, vid
                 self._device.release(reply.get("freed", []))

@@ -124,6 +124,9 @@ class Controller:
         self._next_slot = 1
         self._leases: dict[int, Lease] = {}
         self._next_lease = 1
+        # (key, version) -> until when a streaming reader waits for it (monotonic seconds):
+        # writers of such a version report their progress, others need not.
+        self._wanted: dict[tuple[str, int], float] = {}
 
     # ---------------------------------------------------------------- volumes
 
@@ -280,6 +283,7 @@ class Controller:
                     del krec.versions[version]
                 raise
             vrec.seen[writer] = conn
+            report = self._wanted.get((key, version), 0.0) > time.monotonic()
             self._changed.notify_all()
         # Segments are made outside the lock: a slow or stopped volume must not stall the
         # controller for everyone else. The version stays invisible until its commit.
@@ -296,6 +300,7 @@ class Controller:
             "version": version,
             "slots": slots,
             "volume": [vol.volume_id, vol.address, vol.host, vol.shm_prefix, vol.kind],
+            "report": report,  # a reader waits for this version: report written slots
         }
         if vol.kind == "cuda":
             with self._lock:
@@ -585,6 +590,11 @@ class Controller:
         if not isinstance(version, int):
             raise ValueError("waiting for a version needs a version number, not 'latest'")
         deadline = time.monotonic() + wait_ms / 1000
+        # The reader asks again after `wait_ms`: keep its interest a little longer than that.
+        if len(self._wanted) > 4096:
+            now = time.monotonic()
+            self._wanted = {k: t for k, t in self._wanted.items() if t > now}
+        self._wanted[(key, version)] = max(self._wanted.get((key, version), 0.0), deadline + 5)
         while True:
             krec = self._keys.get(key)
             vrec = krec.versions.get(version) if krec else None

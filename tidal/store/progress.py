@@ -18,7 +18,10 @@ PROGRESS_BYTES = 64 << 20
 class Progress:
     """Collects written slots; ``report(slots)`` tells the controller about them."""
 
-    def __init__(self, report: Callable[[list[int]], None], every: int | None = None) -> None:
+    def __init__(
+        self, report: Callable[[list[int]], None] | None, every: int | None = None
+    ) -> None:
+        """``report=None``: nobody streams this version; only the devices are tracked."""
         self._report = report
         self._every = PROGRESS_BYTES if every is None else every
         self._slots: list[int] = []
@@ -34,10 +37,11 @@ class Progress:
         if device is not None and device.type == "cuda":
             self._devices.add(device)
             self.devices.add(device)
-        if self._bytes >= self._every:
+        if self._bytes >= self._every and self._report is not None:
             self._flush()
 
     def _flush(self) -> None:
+        assert self._report is not None, "flush without a reporter"
         slots, devices = self._slots, self._devices
         self._slots, self._bytes, self._devices = [], 0, set()
         if not devices:

@@ -11,6 +11,7 @@ import tidal.store
 from tidal.store import ProtocolError, StoreError, VolumeLostError
 
 HANDLE = bytes(range(64))
+GPU = "GPU-00000000-fake"
 
 
 def _register(client, vid: str) -> None:
@@ -41,15 +42,15 @@ def test_device_volume_bookkeeping(monkeypatch):
         slot = r["slots"][0]
         with pytest.raises(ValueError, match="not a slot of volume"):
             writer._ctrl.request(
-                {"op": "put_handles", "volume_id": "cuda.w", "handles": [[slot + 99, 0, HANDLE]]}
+                {"op": "put_handles", "volume_id": "cuda.w", "handles": [[slot + 99, GPU, HANDLE]]}
             )
         writer._ctrl.request(
-            {"op": "put_handles", "volume_id": "cuda.w", "handles": [[slot, 0, HANDLE]]}
+            {"op": "put_handles", "volume_id": "cuda.w", "handles": [[slot, GPU, HANDLE]]}
         )
         _commit(writer, "w", 0)
         # A reader learns where the bytes are, and their handles; without CUDA it cannot read.
         got = store._ctrl.request({"op": "slot_handles", "volume_id": "cuda.w", "slots": [slot]})
-        assert got["handles"] == [[slot, 0, HANDLE]]
+        assert got["handles"] == [[slot, GPU, HANDLE]]
         with pytest.raises(StoreError, match="needs CUDA in this process"):
             store.get("w")
         with pytest.raises(ValueError, match="GPU memory"):
@@ -78,6 +79,9 @@ def test_device_volume_bookkeeping(monkeypatch):
         assert torch.equal(store.get("plain"), torch.zeros(2))  # host volumes unaffected
         with pytest.raises(VolumeLostError):
             store._ctrl.request({"op": "slot_handles", "volume_id": "cuda.w", "slots": [slot]})
+        # Nothing of the dead writer is left: no record piles up per writer process.
+        assert "cuda.w" not in {v["volume"] for v in store.ls()["volumes"]}
+        assert all(owner[0] != "cuda.w" for owner in store._server.controller._slot_owner.values())
 
 
 def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
@@ -91,7 +95,7 @@ def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
         _register(store, "cuda.s")
         with pytest.raises(ProtocolError, match="64 bytes"):
             store._ctrl.request(
-                {"op": "put_handles", "volume_id": "cuda.s", "handles": [[1, 0, b"short"]]}
+                {"op": "put_handles", "volume_id": "cuda.s", "handles": [[1, GPU, b"short"]]}
             )
         with pytest.raises(ValueError, match="already registered"):
             _register(store, "cuda.s")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -80,6 +81,54 @@ def test_waiting_zero_copy_read_returns_the_committed_version():
         pending = reader.get_state_dict_async("m", version=1, wait=30, copy=False)
         writer.put_state_dict({"a": torch.full((1000,), 5.0)}, "m")
         assert torch.equal(pending.result(timeout=30)["a"], torch.full((1000,), 5.0))
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def test_views_keep_their_version_after_the_reader_closes():
+    with tidal.store.connect(keep=1) as writer:
+        reader = tidal.store.connect(writer.address)
+        writer.put("w", torch.zeros(1000))
+        view = reader.get("w", copy=False)
+        reader.close()  # the views connection stays open while a view is alive
+        for v in range(1, 5):
+            writer.put("w", torch.full((1000,), float(v)))
+        assert torch.equal(view, torch.zeros(1000)), "a closed reader's view was overwritten"
+        assert _leases(writer) == 1
+        del view  # the last view: its release closes the views connection
+        _until(lambda: _leases(writer) == 0, "the lease was not released")
+        assert reader._view_conn.sock.fileno() < 0
+
+
+def test_views_dropped_in_a_store_thread_are_released_by_the_releaser():
+    """A drop inside a thread of an in-process server (which may hold the controller's
+    lock) must not send the release itself: the releaser thread does."""
+    with tidal.store.connect() as s:
+        s.put("t", torch.ones(100))
+        sent_by: list[str] = []
+        real = s._release_lease
+
+        def release(lease):
+            sent_by.append(threading.current_thread().name)
+            real(lease)
+
+        s._release_later()._release = release
+
+        def get_and_drop() -> None:
+            view = s.get("t", copy=False)
+            assert view.sum() == 100
+            del view
+
+        worker = threading.Thread(target=get_and_drop, name="tidal-store-test")
+        worker.start()
+        worker.join()
+        _until(lambda: _leases(s) == 0, "the releaser thread did not release the lease")
+        assert sent_by == ["tidal-release"]
 
 
 def test_views_released_from_other_threads():

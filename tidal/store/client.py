@@ -106,10 +106,12 @@ class Store:
         self._pools: dict[str, list[Conn]] = {}
         self._segments = Segments()  # mapped shared-memory segments of same-host volumes
         self._releaser: views.Releaser | None = None
+        self._view_conn: Conn | None = None  # leases of zero-copy views live on it
+        self._views_lock = threading.Lock()  # never held around a request
+        self._live_views = 0  # zero-copy reads whose views are still alive
         self._device: cuda_ipc.DeviceVolume | None = None  # put(..., memory="cuda") slots
         self._imports = cuda_ipc.Imports()  # other writers' device slots opened here
         self._streams: streams.SideStreams | None = None  # for *_async CUDA copies
-        self._release_conn: Conn | None = None
         self._meta: dict[str, tuple[str, dict[Path, _Stored]]] = {}
         self._plans: OrderedDict[tuple[Any, ...], list[_Op]] = OrderedDict()
         self._shm_ok: dict[str, bool] = {}
@@ -382,12 +384,13 @@ class Store:
         for ex in (self._executor, self._io):
             if ex is not None:
                 ex.shutdown(wait=True)
-        if self._releaser is not None:
-            self._releaser.close()
+        with self._views_lock:
+            views_alive = self._live_views > 0
+        if not views_alive:  # else the last view's release closes them
+            self._close_views()
         self._ctrl.close(graceful=True)  # the controller drops this writer's device volume
-        for extra in (self._wait_conn, self._release_conn):
-            if extra is not None:
-                extra.close(graceful=True)
+        if self._wait_conn is not None:
+            self._wait_conn.close(graceful=True)
         self._imports.close()
         if self._device is not None:
             self._device.close()
@@ -495,24 +498,32 @@ class Store:
     def _put_device(self, jobs: list[tuple[int, torch.Tensor]], progress: Progress) -> None:
         """Copy each local shard into its slot in this process's GPU memory (device to
         device for CUDA sources); new slots' IPC handles reach the controller first."""
-        assert self._device is not None
-        fresh, dests = [], []
-        for slot, local in jobs:
-            index = local.device.index if local.is_cuda else torch.cuda.current_device()
-            nbytes = local.numel() * local.element_size()
-            mem, handle = self._device.slot(slot, nbytes, index)
-            if handle is not None:
-                fresh.append([slot, index, handle])
-            dests.append((slot, mem, local, nbytes, torch.device("cuda", index)))
-        if fresh:
-            self._ctrl.request(
-                {"op": "put_handles", "volume_id": self._device.volume_id, "handles": fresh}
-            )
-        with torch.no_grad():
-            for slot, mem, local, nbytes, dev in dests:
-                mem.view(local.dtype).view(local.shape).copy_(local, non_blocking=True)
-                progress.add(slot, nbytes, dev)
-        progress.synchronize()
+        device = self._device
+        assert device is not None
+        with device.writing([slot for slot, _ in jobs]):
+            fresh: list[tuple[int, str, bytes]] = []
+            dests = []
+            for slot, local in jobs:
+                index = local.device.index if local.is_cuda else torch.cuda.current_device()
+                nbytes = local.numel() * local.element_size()
+                mem, handle = device.slot(slot, nbytes, index)
+                if handle is not None:
+                    fresh.append((slot, cuda_ipc.device_uuid(index), handle))
+                dests.append((slot, mem, local, nbytes, torch.device("cuda", index)))
+            if fresh:
+                handles = [list(h) for h in fresh]
+                try:
+                    self._ctrl.request(
+                        {"op": "put_handles", "volume_id": device.volume_id, "handles": handles}
+                    )
+                except BaseException:
+                    device.release([slot for slot, _, _ in fresh])  # unknown to readers
+                    raise
+            with torch.no_grad():
+                for slot, mem, local, nbytes, dev in dests:
+                    mem.view(local.dtype).view(local.shape).copy_(local, non_blocking=True)
+                    progress.add(slot, nbytes, dev)
+            progress.synchronize()
 
     def _report(self, key: str, version: int, slots: list[int]) -> None:
         """Tell the controller these slots of a pending version are written."""
@@ -552,8 +563,10 @@ class Store:
             raise ValueError(f"version must be a non-negative int or 'latest', got {version!r}")
         if wait is not None and (version == "latest" or wait < 0):
             raise ValueError("wait= needs a version number and a non-negative number of seconds")
-        if not copy and dests is not None:
-            raise ValueError("copy=False returns views of the stored bytes; it takes no into=")
+        if not copy:
+            if dests is not None:
+                raise ValueError("copy=False returns views of the stored bytes; it takes no into=")
+            return self._get_views(key, kind, version, wait)
         cached = self._meta.get(key)
         header = {
             "op": "acquire",
@@ -574,22 +587,18 @@ class Store:
             )
         held = True
         try:
-            if not copy:
-                if gate is not None:
-                    gate(None)  # views show committed bytes only
-                stored = self._layout(key, kind, reply, cached)
-                out = self._views(key, stored, reply)
-                held = False  # the views own the lease now
-                return out
             out = self._read(key, kind, dests, reply, cached, gate)
             if gate is not None:
                 gate(None)  # returns once the version is committed (raises if it was not)
             held = False
+            device = any(v[4] == "cuda" for v in reply["volumes"])
             try:
                 lost = self._ctrl.request({"op": "release", "lease": reply["lease"]})["lost"]
             except StoreError:
+                if device:  # the controller cannot confirm the GPU memory was still there
+                    raise
                 lost = False  # the controller drops the lease when this connection closes
-            if lost and any(v[4] == "cuda" for v in reply["volumes"]):
+            if lost and device:
                 # Host segments keep their pages for mapped readers; freed GPU memory does not.
                 raise VolumeLostError(
                     f"version {reply['version']} of key {key!r} was lost while it was read "
@@ -736,6 +745,52 @@ class Store:
         assert cached is not None and cached[0] == sig, "controller skipped a stale layout"
         return cached[1]
 
+    def _get_views(
+        self, key: str, kind: str, version: int | Literal["latest"], wait: float | None
+    ) -> list[tuple[Path, torch.Tensor]]:
+        """A zero-copy read. Its lease is taken on the views connection, which stays open
+        while any view is alive (even past ``close()``), so the version stays pinned."""
+        if wait is not None:
+            assert isinstance(version, int), "wait= was checked to come with a number"
+            self._await_commit(key, version, wait)
+        conn = self._views_conn()
+        cached = self._meta.get(key)
+        reply = conn.request(
+            {"op": "acquire", "key": key, "version": version,
+             "known_sig": cached[0] if cached else None, "wait_ms": None}
+        )  # fmt: skip
+        try:
+            return self._views(key, self._layout(key, kind, reply, cached), reply)
+        except BaseException:
+            try:
+                conn.request({"op": "release", "lease": reply["lease"]})
+            except StoreError:
+                pass  # the controller drops the lease when this connection closes
+            raise
+
+    def _await_commit(self, key: str, version: int, wait: float) -> None:
+        """Return once ``version`` of ``key`` is committed (within ``wait`` seconds)."""
+        deadline = time.monotonic() + wait
+        header = {"op": "acquire", "key": key, "version": version, "known_sig": None,
+                  "wait_ms": None}  # fmt: skip
+        reply = self._acquire_waiting(header, deadline)
+        try:
+            if reply.get("pending"):
+                self._gate(key, version, deadline, wait)(None)
+        finally:
+            try:
+                self._ctrl.request({"op": "release", "lease": reply["lease"]})
+            except StoreError:
+                pass  # the controller drops the lease when this connection closes
+
+    def _views_conn(self) -> Conn:
+        """The connection zero-copy reads take their leases on (made before any exists)."""
+        with self._views_lock:
+            conn = self._view_conn
+            if conn is None or conn.sock.fileno() < 0:
+                conn = self._view_conn = Conn(self.address, self._token, self._timeout)
+            return conn
+
     def _views(
         self, key: str, stored: dict[Path, _Stored], reply: dict[str, Any]
     ) -> list[tuple[Path, torch.Tensor]]:
@@ -777,21 +832,38 @@ class Store:
             nbytes = layout.numel(s.shape) * s.dtype.itemsize
             mapping = self._segments.readonly(f"{prefix}{slot}", nbytes)
             out.append((path, views.alias(mapping, s.dtype, s.shape, token)))
-        views.arm(token, self._release_later(), reply["lease"])
+        releaser = self._release_later()
+        with self._views_lock:
+            self._live_views += 1
+        views.arm(token, releaser, reply["lease"])
         return out
 
     def _release_later(self) -> views.Releaser:
-        with self._lock:
+        with self._views_lock:
             if self._releaser is None:
                 self._releaser = views.Releaser(self._release_lease)
             return self._releaser
 
     def _release_lease(self, lease: int) -> None:
-        """Release a view's lease on a connection of its own (the releaser may run while
-        another thread of this process waits for a reply on the main one)."""
-        if self._release_conn is None or self._release_conn.sock.fileno() < 0:
-            self._release_conn = Conn(self.address, self._token, self._timeout)
-        self._release_conn.request({"op": "release", "lease": lease})
+        """Release a view's lease on the views connection (called by the releaser, possibly
+        inside garbage collection: it takes no lock a store call may hold). After
+        ``close()``, the last release closes the views connection."""
+        conn = self._view_conn
+        try:
+            if conn is not None and conn.sock.fileno() >= 0:  # else the lease died with it
+                conn.request({"op": "release", "lease": lease})
+        finally:
+            with self._views_lock:
+                self._live_views -= 1
+                last = self._closed and self._live_views == 0
+            if last:
+                self._close_views()
+
+    def _close_views(self) -> None:
+        if self._releaser is not None:
+            self._releaser.close()
+        if self._view_conn is not None:
+            self._view_conn.close()
 
     def _execute(
         self,
@@ -866,13 +938,20 @@ class Store:
                 )
             n = layout.numel(op.shard_shape) * dtypes[op.dest].itemsize
             wanted.setdefault(vid, {})[slots[op.shard]] = n
+        known = self._imports.volumes()
+        if set(wanted) - known and known:
+            # A writer this process has not read from yet: close what it holds open of
+            # writers that are gone (their GPU memory stays allocated while it is open).
+            alive = {v["volume"] for v in self._ctrl.request({"op": "volumes"})["volumes"]
+                     if v["alive"]}  # fmt: skip
+            self._imports.drop_volumes(known - alive)
         for vid, sizes in wanted.items():
             missing = self._imports.missing(vid, list(sizes))
             if not missing:
                 continue
             got = self._ctrl.request({"op": "slot_handles", "volume_id": vid, "slots": missing})
-            for slot, device, handle in got["handles"]:
-                self._imports.add(vid, slot, device, handle, sizes[slot])
+            for slot, uuid, handle in got["handles"]:
+                self._imports.add(vid, slot, uuid, handle, sizes[slot])
 
     def _tcp_read(
         self,

@@ -95,7 +95,7 @@ class VolumeRec:
     kind: str = "shm"  # "shm": host shared memory; "cuda": a writer's GPU memory (CUDA IPC)
     owner: int | None = None  # "cuda": the connection of the writer whose memory it is
     handles: dict[int, bytes] = field(default_factory=dict)  # "cuda": slot -> IPC handle
-    devices: dict[int, int] = field(default_factory=dict)  # "cuda": slot -> device index
+    devices: dict[int, str] = field(default_factory=dict)  # "cuda": slot -> GPU uuid
     freed: list[int] = field(default_factory=list)  # "cuda": destroyed, owner not yet told
 
 
@@ -173,9 +173,10 @@ class Controller:
         """The owner of a device volume sends the IPC handles of slots it allocated."""
         with self._lock:
             vol = self._device_volume(conn, volume_id)
-            for slot, device, handle in handles:
+            for slot, _, _ in handles:  # all or nothing
                 if self._slot_owner.get(slot, ("",))[0] != volume_id:
                     raise ValueError(f"slot {slot} is not a slot of volume {volume_id!r}")
+            for slot, device, handle in handles:
                 vol.handles[slot] = handle
                 vol.devices[slot] = device
             return {}
@@ -210,6 +211,16 @@ class Controller:
                 for fk in [fk for fk in krec.free if fk[0] == volume_id]:
                     for slot in krec.free.pop(fk):
                         self._slot_owner.pop(slot, None)
+            self._forget_dead(volume_id)
+
+    def _forget_dead(self, volume_id: str) -> None:
+        """Drop the record of a dead device volume once no slot of it is left (each writer
+        process has its own: a long-lived store would otherwise collect them)."""
+        vol = self._volumes.get(volume_id)
+        if vol is None or vol.kind != "cuda" or vol.alive:
+            return
+        if not any(owner[0] == volume_id for owner in self._slot_owner.values()):
+            del self._volumes[volume_id]
 
     def _check_volumes(self, vrec: VersionRec) -> None:
         for vid in {s.volume for s in vrec.slots()}:
@@ -510,6 +521,8 @@ class Controller:
                     vol.destroy(ss)
                 except (StoreError, OSError):
                     pass  # fallback: an unreachable volume frees its memory when it exits
+            else:
+                self._forget_dead(vid)
 
     # ---------------------------------------------------------------- reads
 

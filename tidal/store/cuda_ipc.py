@@ -29,10 +29,12 @@ is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -143,7 +145,26 @@ class _DeviceMemory:
 
 def as_tensor(ptr: int, nbytes: int, device: int) -> torch.Tensor:
     """A flat uint8 tensor over ``nbytes`` of device memory at ``ptr`` (no copy)."""
-    return torch.as_tensor(_DeviceMemory(ptr, nbytes), device=f"cuda:{device}")
+    t = torch.as_tensor(_DeviceMemory(ptr, nbytes), device=f"cuda:{device}")
+    if t.data_ptr() != ptr:
+        raise StoreError("torch copied device memory it was asked to alias (as_tensor)")
+    return t
+
+
+def device_uuid(index: int) -> str:
+    """A GPU's identity across processes (device indices depend on CUDA_VISIBLE_DEVICES)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index(uuid: str) -> int:
+    """This process's index of the GPU ``uuid``; StoreError if it is not visible here."""
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid:
+            return i
+    raise StoreError(
+        f"the writer's GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES); "
+        "CUDA IPC reads need it"
+    )
 
 
 class DeviceVolume:
@@ -154,6 +175,8 @@ class DeviceVolume:
         self._slots: dict[int, tuple[int, int, int, torch.Tensor]] = {}  # ptr, n, dev, t
         self._pool: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
         self._owned: list[int] = []  # every allocation, freed at close
+        self._writing: set[int] = set()  # slots a put of this process is filling
+        self._deferred: list[int] = []  # released while being written: pooled at the end
         self._lock = threading.Lock()
         _LOCAL[volume_id] = self
 
@@ -182,13 +205,31 @@ class DeviceVolume:
             raise StoreError(f"device volume {self.volume_id} has no slot {slot}") from None
 
     def release(self, slots: list[int]) -> None:
-        """Slots the controller destroyed: their memory goes back to the pool."""
+        """Slots the controller destroyed (or never learned of): their memory goes back to
+        the pool, once no put of this process is still writing them."""
         with self._lock:
             for slot in slots:
+                if slot in self._writing:
+                    self._deferred.append(slot)
+                    continue
                 rec = self._slots.pop(slot, None)
                 if rec is not None:
                     ptr, n, dev, t = rec
                     self._pool.setdefault((dev, n), []).append((ptr, t))
+
+    @contextlib.contextmanager
+    def writing(self, slots: list[int]) -> Iterator[None]:
+        """Mark ``slots`` as being written (by one put) until the block ends."""
+        with self._lock:
+            self._writing.update(slots)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writing.difference_update(slots)
+                done = [s for s in self._deferred if s not in self._writing]
+                self._deferred = [s for s in self._deferred if s in self._writing]
+            self.release(done)
 
     def close(self) -> None:
         with self._lock:
@@ -219,15 +260,34 @@ class Imports:
         with self._lock:
             return [s for s in slots if (volume_id, s) not in self._open]
 
-    def add(self, volume_id: str, slot: int, device: int, handle: bytes, nbytes: int) -> None:
+    def volumes(self) -> set[str]:
+        with self._lock:
+            return {v for v, _ in self._open}
+
+    def add(self, volume_id: str, slot: int, uuid: str, handle: bytes, nbytes: int) -> None:
         with self._lock:
             if (volume_id, slot) in self._open:
                 return
+        device = device_index(uuid)
         with torch.cuda.device(device):
             ptr = runtime().open(handle)
-        t = as_tensor(ptr, nbytes, device)
+            t = as_tensor(ptr, nbytes, device)
         with self._lock:
-            self._open[(volume_id, slot)] = (ptr, t)
+            if (volume_id, slot) not in self._open:
+                self._open[(volume_id, slot)] = (ptr, t)
+                return
+        runtime().close(ptr)  # another thread opened it meanwhile
+
+    def drop_volumes(self, gone: set[str]) -> None:
+        """Close what this process opened of volumes that are gone (dead writers)."""
+        with self._lock:
+            dead = [k for k in self._open if k[0] in gone]
+            closing = [self._open.pop(k)[0] for k in dead]
+        for ptr in closing:
+            try:
+                runtime().close(ptr)
+            except StoreError:
+                pass  # the exporter is gone: its memory went with it
 
     def get(self, volume_id: str, slot: int) -> torch.Tensor:
         local = _LOCAL.get(volume_id)

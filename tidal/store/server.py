@@ -36,6 +36,7 @@ from tidal.store.errors import WIRE_ERRORS, AuthError, ProtocolError, StoreError
 from tidal.store.volume import Volume, new_store_id, reap_stale
 
 _USER_ERRORS = tuple(WIRE_ERRORS.values())
+SERVER_THREAD = "tidal-store"  # name prefix of the threads that serve connections
 
 
 def is_loopback(host: str) -> bool:
@@ -100,7 +101,7 @@ class Server:
                     probe=lambda: True,
                 )
             )
-        self._thread = threading.Thread(target=self._accept_loop, name="tidal-store", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=SERVER_THREAD, daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ plumbing
@@ -116,7 +117,7 @@ class Server:
             with self._lock:
                 self._conns[cid] = sock
             threading.Thread(
-                target=self._serve, args=(sock, cid), name=f"tidal-store-{cid}", daemon=True
+                target=self._serve, args=(sock, cid), name=f"{SERVER_THREAD}-{cid}", daemon=True
             ).start()
 
     def close(self) -> None:
@@ -288,6 +289,8 @@ class Server:
             return c.put_handles(cid, m["volume_id"], m["handles"]), None
         if op == "slot_handles":
             return c.slot_handles(m["volume_id"], m["slots"]), None
+        if op == "volumes":
+            return {"volumes": c.volumes()}, None
         raise ProtocolError(f"op {op!r} is not served here")
 
 

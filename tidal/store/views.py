@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from tidal.store.errors import StoreError
+from tidal.store.server import SERVER_THREAD
 
 
 class _Lease:
@@ -67,9 +68,11 @@ class Releaser:
     """Sends lease releases for dropped views, from any thread, without blocking it.
 
     ``drop`` runs inside garbage collection, possibly while its thread is in the middle of a
-    store request: it only appends to a deque, then sends the pending releases itself when
-    no other thread is sending (so a ``del`` releases the version before it returns), or
-    wakes the releaser thread through a pipe.
+    store request. It appends to a deque, then sends the pending releases itself when that
+    is safe (so a ``del`` releases the version before it returns): no other thread is
+    sending, and this is not a thread of a store server in this process, which may hold the
+    controller's lock that the release needs. Otherwise it wakes the releaser thread
+    through a pipe. Drops in a forked child are ignored: its leases are its parent's.
     """
 
     def __init__(self, release: Callable[[int], None]) -> None:
@@ -79,15 +82,16 @@ class Releaser:
         self._fds = threading.RLock()  # the pipe is not written while it is being closed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._pid = os.getpid()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tidal-release", daemon=True)
         self._thread.start()
 
     def drop(self, lease: int) -> None:
-        if self._closed:
-            return  # the leases died with the connection
+        if self._closed or os.getpid() != self._pid:
+            return  # the leases died with the connection, or belong to the parent process
         self._pending.append(lease)
-        if self._sending.acquire(blocking=False):
+        if not _server_thread() and self._sending.acquire(blocking=False):
             try:
                 self._send()
             finally:
@@ -114,21 +118,30 @@ class Releaser:
                 pass  # the store is closing: its leases die with the connection
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not os.read(self._wake_r, 4096):
+        try:
+            while True:
+                try:
+                    if not os.read(self._wake_r, 4096):
+                        return
+                except OSError:
                     return
-            except OSError:
-                return
-            if self._closed:
-                return
-            with self._sending:
-                self._send()
+                if self._closed:
+                    return
+                with self._sending:
+                    self._send()
+        finally:
+            os.close(self._wake_r)  # only this thread reads it
 
     def close(self) -> None:
-        self._closed = True  # set first: a finalizer running during close returns early
-        self._pending.clear()
+        """Stop: later drops are ignored. Safe to call from a release (no join)."""
         with self._fds:
+            if self._closed:
+                return
+            self._closed = True  # first: a finalizer running during close returns early
+            self._pending.clear()
             os.close(self._wake_w)  # the thread's read returns b"" and it exits
-        self._thread.join(timeout=5)
-        os.close(self._wake_r)
+
+
+def _server_thread() -> bool:
+    """Whether this thread serves connections of a store server in this process."""
+    return threading.current_thread().name.startswith(SERVER_THREAD)

@@ -245,9 +245,10 @@ SCHEMAS: dict[str, dict[str, Checker]] = {
     "device_volume": {"volume_id": s_str(256), "host": s_str(512)},
     "put_handles": {
         "volume_id": s_str(256),
-        "handles": s_list(s_tuple(s_int(), s_int(0, 1 << 16), s_bytes(64)), 1 << 20),
+        "handles": s_list(s_tuple(s_int(), s_str(128), s_bytes(64)), 1 << 20),  # slot, GPU
     },
     "slot_handles": {"volume_id": s_str(256), "slots": s_list(s_int(), 1 << 20)},
+    "volumes": {},
     "vol_create": {"slot": s_int(), "nbytes": s_int()},
     "vol_destroy": {"slots": s_list(s_int(), 1 << 20)},
     "vol_write": {"slot": s_int(), "offset": s_int(), "nbytes": s_int()},

@@ -1,4 +1,6 @@
 import os
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -28,3 +30,19 @@ def shm_segments(pid: int | None = None) -> set[str]:
         for f in os.listdir("/dev/shm")
         if f.startswith("tidal-") and (pid is None or f".{pid}x" in f)
     }
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Return once ``cond()`` holds (another thread or process makes it so); fail with
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def until_waited_for(store, key: str, version: int) -> None:
+    """Return once the embedded controller of ``store`` knows a reader waits for the
+    version (writers report their progress only then)."""
+    wanted = store._server.controller._wanted
+    until(lambda: (key, version) in wanted, "the waiting reader never reached the controller")

@@ -1,7 +1,5 @@
 """CUDA tensors through the store (shared memory registered with CUDA, and TCP)."""
 
-import time
-
 import pytest
 import torch
 
@@ -65,6 +63,7 @@ def test_device_memory_across_processes(monkeypatch):
     import torch.multiprocessing as mp
 
     from tests.store import _gpu_procs
+    from tests.store.conftest import until_waited_for
     from tidal.store import progress
 
     monkeypatch.setattr(progress, "PROGRESS_BYTES", 1)  # the writer reports every tensor
@@ -80,17 +79,11 @@ def test_device_memory_across_processes(monkeypatch):
         real_report = writer._report
         writer._report = lambda key, v, slots: reports.append(slots) or real_report(key, v, slots)
 
-        def until_waited_for(key: str, version: int) -> None:
-            deadline = time.monotonic() + 60
-            while (key, version) not in store._server.controller._wanted:
-                assert time.monotonic() < deadline, "the reader's wait never arrived"
-                time.sleep(0.001)
-
         try:
             # A reader waiting for a key's first version: every slot is new to it.
             parent.send(("wait", "fresh", 0))
             assert parent.recv() == "waiting"
-            until_waited_for("fresh", 0)
+            until_waited_for(store, "fresh", 0)
             writer.put_state_dict(_gpu_procs.payload(0), "fresh", version=0, memory="cuda")
             assert parent.recv() == ("ok", 0)
             for v in range(4):
@@ -100,7 +93,7 @@ def test_device_memory_across_processes(monkeypatch):
             # A reader waiting for the next version streams it from the writer's GPU memory.
             parent.send(("wait", "policy", 4))
             assert parent.recv() == "waiting"
-            until_waited_for("policy", 4)
+            until_waited_for(store, "policy", 4)
             reports.clear()
             writer.put_state_dict(_gpu_procs.payload(4), "policy", version=4, memory="cuda")
             assert parent.recv() == ("ok", 4)

@@ -1,28 +1,18 @@
 """Streaming reads: get(..., wait=) copies a version while its writer is still writing it."""
 
 import threading
-import time
 
 import pytest
 import torch
 
 import tidal.store
+from tests.store.conftest import until_waited_for
 from tidal.store import progress
 from tidal.store.errors import VersionNotFoundError
 
 
 def _sd(v: float) -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.full((256, 1024), v + i) for i in range(6)}  # 1 MiB each
-
-
-def _until_waited_for(store, key: str, version: int) -> None:
-    """Return once the embedded controller of ``store`` knows a reader waits for the
-    version (the reader's request is in flight in another thread)."""
-    controller = store._server.controller
-    deadline = time.monotonic() + 30
-    while (key, version) not in controller._wanted:
-        assert time.monotonic() < deadline, "the waiting reader never reached the controller"
-        time.sleep(0.001)
 
 
 def test_waiting_reader_streams_a_version_as_it_is_written(monkeypatch):
@@ -55,7 +45,7 @@ def test_waiting_reader_streams_a_version_as_it_is_written(monkeypatch):
         monkeypatch.setattr(writer._ctrl, "request", request)
         pending = reader.get_state_dict_async("m", into=into, version=1, wait=30)
         assert not pending.done()
-        _until_waited_for(writer, "m", 1)  # writers report progress only then
+        until_waited_for(writer, "m", 1)  # writers report progress only then
         assert writer.put_state_dict(_sd(10.0), "m") == 1
         pending.result(timeout=30)
         assert copied_all.is_set()
@@ -111,7 +101,7 @@ def test_writers_report_progress_only_when_a_reader_waits(monkeypatch):
         s.put_state_dict(_sd(0.0), "m")  # nobody waits: no round trips for progress
         assert reports == []
         pending = s.get_state_dict_async("m", version=1, wait=30)
-        _until_waited_for(s, "m", 1)
+        until_waited_for(s, "m", 1)
         s.put_state_dict(_sd(1.0), "m")
         assert torch.equal(pending.result(timeout=30)["w2"], _sd(1.0)["w2"])
         assert sum(len(r) for r in reports) >= 5  # every tensor but (at most) the last

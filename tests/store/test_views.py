@@ -7,13 +7,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 import torch
 
 import tidal.store
-from tests.store.conftest import shm_segments
+from tests.store.conftest import shm_segments, until
 from tidal.store import VersionNotFoundError
 
 
@@ -83,13 +82,6 @@ def test_waiting_zero_copy_read_returns_the_committed_version():
         assert torch.equal(pending.result(timeout=30)["a"], torch.full((1000,), 5.0))
 
 
-def _until(cond, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.001)
-
-
 def test_views_keep_their_version_after_the_reader_closes():
     with tidal.store.connect(keep=1) as writer:
         reader = tidal.store.connect(writer.address)
@@ -101,7 +93,7 @@ def test_views_keep_their_version_after_the_reader_closes():
         assert torch.equal(view, torch.zeros(1000)), "a closed reader's view was overwritten"
         assert _leases(writer) == 1
         del view  # the last view: its release closes the views connection
-        _until(lambda: _leases(writer) == 0, "the lease was not released")
+        until(lambda: _leases(writer) == 0, "the lease was not released")
         assert reader._view_conn.sock.fileno() < 0
 
 
@@ -127,7 +119,7 @@ def test_views_dropped_in_a_store_thread_are_released_by_the_releaser():
         worker = threading.Thread(target=get_and_drop, name="tidal-store-test")
         worker.start()
         worker.join()
-        _until(lambda: _leases(s) == 0, "the releaser thread did not release the lease")
+        until(lambda: _leases(s) == 0, "the releaser thread did not release the lease")
         assert sent_by == ["tidal-release"]
 
 

@@ -607,10 +607,7 @@ class Store:
             return out
         finally:
             if held:
-                try:
-                    self._ctrl.request({"op": "release", "lease": reply["lease"]})
-                except StoreError:
-                    pass  # the controller drops the lease when this connection closes
+                _release_quietly(self._ctrl, reply["lease"])
 
     # -------------------------------------------------------- streaming reads
 
@@ -750,9 +747,8 @@ class Store:
     ) -> list[tuple[Path, torch.Tensor]]:
         """A zero-copy read. Its lease is taken on the views connection, which stays open
         while any view is alive (even past ``close()``), so the version stays pinned."""
-        if wait is not None:
-            assert isinstance(version, int), "wait= was checked to come with a number"
-            self._await_commit(key, version, wait)
+        if wait is not None:  # a read of no tensors returns once the version is committed
+            self._get(key, kind, [], version, wait)
         conn = self._views_conn()
         cached = self._meta.get(key)
         reply = conn.request(
@@ -762,26 +758,8 @@ class Store:
         try:
             return self._views(key, self._layout(key, kind, reply, cached), reply)
         except BaseException:
-            try:
-                conn.request({"op": "release", "lease": reply["lease"]})
-            except StoreError:
-                pass  # the controller drops the lease when this connection closes
+            _release_quietly(conn, reply["lease"])
             raise
-
-    def _await_commit(self, key: str, version: int, wait: float) -> None:
-        """Return once ``version`` of ``key`` is committed (within ``wait`` seconds)."""
-        deadline = time.monotonic() + wait
-        header = {"op": "acquire", "key": key, "version": version, "known_sig": None,
-                  "wait_ms": None}  # fmt: skip
-        reply = self._acquire_waiting(header, deadline)
-        try:
-            if reply.get("pending"):
-                self._gate(key, version, deadline, wait)(None)
-        finally:
-            try:
-                self._ctrl.request({"op": "release", "lease": reply["lease"]})
-            except StoreError:
-                pass  # the controller drops the lease when this connection closes
 
     def _views_conn(self) -> Conn:
         """The connection zero-copy reads take their leases on (made before any exists)."""
@@ -816,7 +794,7 @@ class Store:
                     f"copy=False: {shown!r} of key {key!r} is held in a writer's GPU memory "
                     "(put with memory='cuda'); use copy=True"
                 )
-            if self.transport == "tcp" or not self._use_shm(vhost, prefix, slot):
+            if not self._use_shm(vhost, prefix, slot):
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at {vaddr}, "
                     "whose shared memory this process cannot map (another host, or "
@@ -1077,6 +1055,14 @@ class Store:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(2, thread_name_prefix="tidal-async")
         return self._executor.submit(fn, *args, **kwargs)
+
+
+def _release_quietly(conn: Conn, lease: int) -> None:
+    """Release a lease on the way out of a failed read."""
+    try:
+        conn.request({"op": "release", "lease": lease})
+    except StoreError:
+        pass  # the controller drops the lease when this connection closes
 
 
 def _plan(

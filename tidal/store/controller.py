@@ -19,6 +19,7 @@ Consistency model:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -94,8 +95,8 @@ class VolumeRec:
     used: int = 0
     kind: str = "shm"  # "shm": host shared memory; "cuda": a writer's GPU memory (CUDA IPC)
     owner: int | None = None  # "cuda": the connection of the writer whose memory it is
-    handles: dict[int, bytes] = field(default_factory=dict)  # "cuda": slot -> IPC handle
-    devices: dict[int, str] = field(default_factory=dict)  # "cuda": slot -> GPU uuid
+    handles: dict[int, tuple[str, bytes]] = field(default_factory=dict)  # "cuda": slot ->
+    # (GPU uuid, IPC handle)
     freed: list[int] = field(default_factory=list)  # "cuda": destroyed, owner not yet told
 
 
@@ -146,24 +147,22 @@ class Controller:
             host=host,
             shm_prefix="",
             create=lambda slot, nbytes: None,  # the owner allocates when it writes
-            destroy=lambda slots: None,
+            destroy=lambda slots: None,  # replaced below: it needs the record
             probe=lambda: True,  # its death is its connection's close
             kind="cuda",
             owner=conn,
         )
-
-        def destroy(slots: list[int]) -> None:  # the owner frees them at its next put
-            for slot in slots:
-                rec.handles.pop(slot, None)
-                rec.devices.pop(slot, None)
-            rec.freed.extend(slots)
-
-        rec.destroy = destroy
+        rec.destroy = functools.partial(_hand_back, rec)
         self.add_volume(rec)
 
-    def _device_volume(self, conn: int, volume_id: str) -> VolumeRec:
+    def _live_device_volume(self, volume_id: str) -> VolumeRec | None:
         vol = self._volumes.get(volume_id)
-        if vol is None or vol.kind != "cuda" or not vol.alive:
+        return vol if vol is not None and vol.kind == "cuda" and vol.alive else None
+
+    def _device_volume(self, conn: int, volume_id: str) -> VolumeRec:
+        """The live device volume ``volume_id``, which must be ``conn``'s own."""
+        vol = self._live_device_volume(volume_id)
+        if vol is None:
             raise ValueError(f"{volume_id!r} is not a live device volume of this store")
         if vol.owner != conn:
             raise ValueError(f"device volume {volume_id!r} is GPU memory of another writer")
@@ -176,22 +175,21 @@ class Controller:
             for slot, _, _ in handles:  # all or nothing
                 if self._slot_owner.get(slot, ("",))[0] != volume_id:
                     raise ValueError(f"slot {slot} is not a slot of volume {volume_id!r}")
-            for slot, device, handle in handles:
-                vol.handles[slot] = handle
-                vol.devices[slot] = device
+            for slot, uuid, handle in handles:
+                vol.handles[slot] = (uuid, handle)
             return {}
 
     def slot_handles(self, volume_id: str, slots: list[int]) -> dict[str, Any]:
         """IPC handles of a device volume's slots, for a reader opening them."""
         with self._lock:
-            vol = self._volumes.get(volume_id)
-            if vol is None or vol.kind != "cuda" or not vol.alive:
+            vol = self._live_device_volume(volume_id)
+            if vol is None:
                 raise VolumeLostError(f"device volume {volume_id!r} is gone")
             out = []
             for slot in slots:
                 if slot not in vol.handles:
                     raise StoreError(f"slot {slot} of volume {volume_id!r} has no IPC handle")
-                out.append([slot, vol.devices[slot], vol.handles[slot]])
+                out.append([slot, *vol.handles[slot]])
             return {"handles": out}
 
     def volume_gone(self, volume_id: str) -> None:
@@ -767,6 +765,13 @@ class Controller:
     def _suggest(self, key: str) -> str:
         near = [k for k in self._keys if k.startswith(key.split("/")[0])][:5]
         return f"; similar keys: {near}" if near else ""
+
+
+def _hand_back(vol: VolumeRec, slots: list[int]) -> None:
+    """``destroy`` of a device volume: its owner frees the slots at its next put."""
+    for slot in slots:
+        vol.handles.pop(slot, None)
+    vol.freed.extend(slots)
 
 
 def _name_order(name: Name) -> tuple[Any, ...]:

@@ -279,7 +279,8 @@ class Imports:
         runtime().close(ptr)  # another thread opened it meanwhile
 
     def drop_volumes(self, gone: set[str]) -> None:
-        """Close what this process opened of volumes that are gone (dead writers)."""
+        """Close what this process opened of the volumes ``gone`` (dead writers; every
+        volume at close)."""
         with self._lock:
             dead = [k for k in self._open if k[0] in gone]
             closing = [self._open.pop(k)[0] for k in dead]
@@ -300,10 +301,4 @@ class Imports:
                 raise StoreError(f"slot {slot} of device volume {volume_id} is not open") from None
 
     def close(self) -> None:
-        with self._lock:
-            opened, self._open = list(self._open.values()), {}
-        for ptr, _ in opened:
-            try:
-                runtime().close(ptr)
-            except StoreError:
-                pass  # the exporter is gone: its memory went with it
+        self.drop_volumes(self.volumes())

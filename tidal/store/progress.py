@@ -32,16 +32,19 @@ class Progress:
 
     def add(self, slot: int, nbytes: int, device: torch.device | None = None) -> None:
         """Slot ``slot`` was copied (on ``device``'s current stream when a CUDA device)."""
+        if device is not None and device.type == "cuda":
+            self.devices.add(device)
+        if self._report is None:
+            return
         self._slots.append(slot)
         self._bytes += nbytes
         if device is not None and device.type == "cuda":
             self._devices.add(device)
-            self.devices.add(device)
-        if self._bytes >= self._every and self._report is not None:
+        if self._bytes >= self._every:
             self._flush()
 
     def _flush(self) -> None:
-        assert self._report is not None, "flush without a reporter"
+        assert self._report is not None, "only a reporting Progress flushes"
         slots, devices = self._slots, self._devices
         self._slots, self._bytes, self._devices = [], 0, set()
         if not devices:

@@ -21,22 +21,21 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from tidal.store import layout
 
 T = TypeVar("T")
 
 
 def cuda_tensors(obj: Any) -> list[torch.Tensor]:
-    """The local CUDA tensors in a tensor, DTensor or nested state dict (others ignored)."""
-    if isinstance(obj, DTensor):
-        obj = obj.to_local()
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_cuda else []
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, list | tuple):
-        return [t for item in obj for t in cuda_tensors(item)]
-    return []
+    """The local CUDA tensors of a tensor, DTensor or nested state dict. Input the call
+    itself will refuse yields none here: the call reports it."""
+    try:
+        items = layout.flatten(obj) if isinstance(obj, Mapping) else [((), obj)]
+        locals_ = [layout.window(t)[3] for _, t in items]
+    except (TypeError, ValueError):
+        return []
+    return [t for t in locals_ if t.is_cuda]
 
 
 class SideStreams:

@@ -48,7 +48,9 @@ def _keep(token: _Lease) -> None:
     """Finalizer of an array: dropping the reference to ``token`` is all it does."""
 
 
-def alias(mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], token: _Lease):
+def alias(
+    mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], token: _Lease
+) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over the whole (read-only) ``mapping``."""
     arr = np.frombuffer(mapping, dtype=np.uint8)
     weakref.finalize(arr, _keep, token).atexit = False

@@ -63,9 +63,19 @@ def _train(argv: list[str]) -> int:
         return _exec_torchrun(args.nproc, argv)
     if args.dry_run:
         from tidal.parallel.dry_run import dry_run
+        from tidal.train.trainer import model_args_for
 
         try:
-            dry_run(cfg, args.dry_run)
+            dry_run(
+                model_args_for(cfg),
+                cfg.parallelism,
+                cfg.activation_checkpoint,
+                world_size=args.dry_run,
+                seq_len=cfg.training.seq_len,
+                batch_size=cfg.training.batch_size,
+                bf16=cfg.training.mixed_precision != "fp32",  # auto: bf16, as on a GPU
+                model_name=f"model.flavor {cfg.model.flavor!r}",
+            )
         except ValueError as e:
             print(f"tidal train: error: {e}", file=sys.stderr)
             return 2

@@ -115,12 +115,19 @@ def test_context_parallel_flex_forward_matches(tmp_path):
         ({"tp": 3}, 4, "world size 4 is not divisible by"),
         ({"dp_shard": 3}, 4, "multiply to 3"),
         ({"tp": 8, "dp_shard": 1}, 8, "must divide the query heads (4)"),
+        ({"pp": 8, "dp_shard": 1}, 8, "pipeline degree 8 exceeds the 4 layers"),
+        ({"cp": 2, "tp": 2, "dp_shard": 1, "seq_len": 36}, 4, "seq_len=36 must be divisible by 8"),
         ({"pp": 2, "dp_shard": 1, "pp_microbatches": 1}, 2, "needs at least pp=2 micro-batches"),
         ({"pp": 2, "dp_shard": 1, "pp_microbatches": 3}, 2, "divisible by the 3 pipeline"),
         (
             {"pp": 2, "dp_shard": 1, "pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 1},
             2,
             "needs pp_stages_per_rank >= 2",
+        ),
+        (
+            {"pp": 2, "dp_shard": 1, "pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3},
+            2,
+            "ZBVZeroBubble places exactly 2 stages on each pipeline rank",
         ),
         ({"pp": 2, "dp_shard": 1, "pp_split": "9"}, 2, "pp_split='9' must list 1"),
         (
@@ -141,27 +148,59 @@ def test_context_parallel_flex_forward_matches(tmp_path):
             2,
             "tok_embeddings must be on the first stage",
         ),
+        ({"pp": 2, "cp": 2, "dp_shard": 1}, 4, "pipeline and context parallel together"),
+        ({"pp": 2, "dp_shard": 1, "attention": "flex"}, 2, "set --model.attention sdpa"),
+        (
+            {"tp": 2, "dp_shard": 1, "tie_embeddings": True},
+            2,
+            "tensor parallel needs untied embeddings",
+        ),
+        (
+            {"pp": 2, "dp_shard": 1, "tie_embeddings": True},
+            2,
+            "pipeline parallel needs untied embeddings",
+        ),
         ({"cp": 2, "dp_shard": 1}, 2, None),  # valid
     ],
 )
 def test_invalid_layouts_fail_before_any_process_group(overrides, world, message):
     import torch.distributed as dist
 
-    from tidal.train.config_parse import apply_overrides
-    from tidal.train.configs import get_config
-    from tidal.train.trainer import parallel_dims
+    from tidal.parallel.dims import check_layout
 
-    argv = ["--model.flavor", "tiny", "--training.batch_size", "4", "--training.seq_len", "32"]
-    for k, v in overrides.items():
-        argv += [f"--parallelism.{k}", str(v)]
-    cfg = apply_overrides(get_config("debug"), argv)
+    overrides = dict(overrides)
+    seq_len = overrides.pop("seq_len", 32)
+    model = {k: overrides.pop(k) for k in ("attention", "tie_embeddings") if k in overrides}
+    cfg, args = ParallelismConfig(**overrides), get_flavor("tiny", **model)
+
+    def check():
+        return check_layout(
+            cfg, args, world_size=world, seq_len=seq_len, batch_size=4, model_name="tiny"
+        )
+
     if message is None:
-        assert parallel_dims(cfg, world).cp == 2
+        assert check().degrees == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1}
     else:
         with pytest.raises(ValueError) as e:
-            parallel_dims(cfg, world)
+            check()
         assert message in str(e.value)
     assert not dist.is_initialized()
+
+
+def test_trainer_checks_the_layout_with_the_flavor_name():
+    from tidal.parallel.launch import DistInfo
+    from tidal.train.config_parse import apply_overrides
+    from tidal.train.configs import get_config
+    from tidal.train.trainer import Trainer
+
+    cfg = apply_overrides(get_config("debug"), ["--parallelism.tp", "3"])
+    with pytest.raises(ValueError, match="world size 1 is not divisible by"):
+        Trainer(cfg)
+    cfg = apply_overrides(
+        get_config("debug"), ["--model.flavor", "qwen3_0_6b", "--parallelism.tp", "2"]
+    )
+    with pytest.raises(ValueError, match="model.flavor 'qwen3_0_6b' ties them"):
+        Trainer(cfg, dist_info=DistInfo(world_size=2))
 
 
 def test_dry_run_large_layout(capsys):

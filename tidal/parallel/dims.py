@@ -1,7 +1,8 @@
 """Parallel dimensions: how the world's ranks split into pp x dp_replicate x dp_shard x cp x tp.
 
-`ParallelDims` validates the degrees against the world size (before any process-group work)
-and builds one named DeviceMesh. Mesh dimension order, outermost first:
+`check_layout` validates a `ParallelismConfig` against the world size, the model and the batch
+shape (before any process-group work) and returns the `ParallelDims`, which build one named
+DeviceMesh. Mesh dimension order, outermost first:
 
     pp, dp_replicate, dp_shard, cp, tp
 
@@ -22,43 +23,142 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tidal.models.transformer import ModelArgs
+from tidal.parallel.config import ParallelismConfig
+from tidal.parallel.pipeline import SINGLE_STAGE, stage_layers
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def check_layout(
+    cfg: ParallelismConfig,
+    args: ModelArgs,
+    *,
+    world_size: int,
+    seq_len: int,
+    batch_size: int,
+    model_name: str = "the model",
+) -> ParallelDims:
+    """The layout `cfg` on `world_size` ranks, checked against the model `args` and each rank's
+    micro-batch (`batch_size` sequences of `seq_len` tokens). Needs no process group.
+
+    Every check that involves more than one field or the world size is here; checks of one
+    field alone are in `ParallelismConfig.__post_init__`. `model_name` names the model in
+    messages (the trainer passes "model.flavor 'NAME'").
+
+    Raises:
+        ValueError: naming the field to change and what it must satisfy.
+    """
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    # The degrees multiply to the world size; dp_shard=-1 takes what the others leave.
+    others = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
+    if cfg.dp_shard == -1 and world_size % others:
+        raise ValueError(
+            f"world size {world_size} is not divisible by dp_replicate * cp * tp * pp"
+            f" = {cfg.dp_replicate} * {cfg.cp} * {cfg.tp} * {cfg.pp} = {others}"
+        )
+    dp_shard = world_size // others if cfg.dp_shard == -1 else cfg.dp_shard
+    if others * dp_shard != world_size:
+        raise ValueError(
+            f"parallel degrees multiply to {others * dp_shard} (dp_replicate={cfg.dp_replicate} "
+            f"x dp_shard={dp_shard} x cp={cfg.cp} x tp={cfg.tp} x pp={cfg.pp}) but the world "
+            f"size is {world_size}"
+        )
+
+    # The model and the sequence divide over the degrees.
+    if args.n_heads % cfg.tp or args.n_kv_heads % cfg.tp:
+        raise ValueError(
+            f"tensor parallel degree {cfg.tp} must divide the query heads ({args.n_heads}) and "
+            f"the key/value heads ({args.n_kv_heads})"
+        )
+    if cfg.pp > args.n_layers:
+        raise ValueError(f"pipeline degree {cfg.pp} exceeds the {args.n_layers} layers")
+    required = (2 * cfg.cp if cfg.cp > 1 else 1) * cfg.tp
+    if seq_len % required:
+        raise ValueError(
+            f"training.seq_len={seq_len} must be divisible by {required}: sequence "
+            f"parallel splits it over tp={cfg.tp} ranks and load-balanced context "
+            f"parallel into 2 x cp={cfg.cp} chunks"
+        )
+    if args.tie_embeddings and (cfg.tp > 1 or cfg.pp > 1):
+        why = (
+            "tensor parallel needs untied embeddings (the embedding is sharded by rows, the "
+            "output projection by columns)"
+            if cfg.tp > 1
+            else "pipeline parallel needs untied embeddings (the first and last stages would "
+            "share a weight)"
+        )
+        raise ValueError(f"{why}; {model_name} ties them: use a flavor with tie_embeddings=False")
+
+    if cfg.pp > 1:
+        spr = cfg.stages_per_rank
+        if cfg.pp_schedule in SINGLE_STAGE and spr != 1:
+            raise ValueError(
+                f"pp_schedule {cfg.pp_schedule} runs one stage per rank, got "
+                f"pp_stages_per_rank={spr}"
+            )
+        if cfg.pp_schedule not in SINGLE_STAGE and spr < 2:
+            raise ValueError(f"pp_schedule {cfg.pp_schedule} needs pp_stages_per_rank >= 2")
+        if cfg.pp_schedule == "ZBVZeroBubble" and spr != 2:
+            raise ValueError(
+                f"pp_schedule ZBVZeroBubble places exactly 2 stages on each pipeline rank, got "
+                f"pp_stages_per_rank={spr}"
+            )
+        stage_layers(args.n_layers, cfg.pp * spr, cfg.pp_split)  # raises on a bad split
+        n_micro = cfg.microbatches
+        if batch_size % n_micro:
+            raise ValueError(
+                f"training.batch_size={batch_size} must be divisible by the {n_micro} pipeline "
+                f"micro-batches (parallelism.pp_microbatches)"
+            )
+        if cfg.pp_schedule != "GPipe" and n_micro < cfg.pp:
+            raise ValueError(
+                f"pp_schedule {cfg.pp_schedule} needs at least pp={cfg.pp} micro-batches, got "
+                f"{n_micro}; raise parallelism.pp_microbatches (and training.batch_size)"
+            )
+        if cfg.pp_schedule not in SINGLE_STAGE and n_micro % cfg.pp:
+            raise ValueError(
+                f"pp_schedule {cfg.pp_schedule} needs the micro-batch count ({n_micro}) to be a "
+                f"multiple of pp={cfg.pp}"
+            )
+        if args.attention == "flex":
+            raise ValueError(
+                "pipeline parallel runs the sdpa attention path only; set --model.attention sdpa"
+            )
+        if cfg.cp > 1:
+            raise ValueError(
+                "pipeline and context parallel together are not supported yet; "
+                "use parallelism.pp=1 or parallelism.cp=1"
+            )
+    return ParallelDims(
+        dp_replicate=cfg.dp_replicate,
+        dp_shard=dp_shard,
+        cp=cfg.cp,
+        tp=cfg.tp,
+        pp=cfg.pp,
+        world_size=world_size,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
 class ParallelDims:
-    """Degrees of each parallelism; `dp_shard=-1` takes whatever the others leave."""
+    """Degrees of each parallelism, resolved and multiplying to the world size (made by
+    `check_layout`; tests may build one directly)."""
 
     dp_replicate: int = 1
-    dp_shard: int = -1
+    dp_shard: int = 1
     cp: int = 1
     tp: int = 1
     pp: int = 1
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "cp", "tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
-        if self.world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {self.world_size}")
-        others = self.dp_replicate * self.cp * self.tp * self.pp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ValueError(
-                    f"world size {self.world_size} is not divisible by dp_replicate * cp * tp * pp"
-                    f" = {self.dp_replicate} * {self.cp} * {self.tp} * {self.pp} = {others}"
-                )
-            self.dp_shard = self.world_size // others
-        elif self.dp_shard < 1:
-            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1, got {self.dp_shard}")
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise ValueError(
-                f"parallel degrees multiply to {product} (dp_replicate={self.dp_replicate} x "
-                f"dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp} x pp={self.pp}) but "
-                f"the world size is {self.world_size}"
-            )
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        assert min(self.degrees.values()) >= 1 and product == self.world_size, (
+            f"degrees {self.degrees} must be >= 1 and multiply to the world size "
+            f"{self.world_size}; check_layout validates a layout"
+        )
 
     @property
     def dp(self) -> int:
@@ -84,23 +184,6 @@ class ParallelDims:
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         return NamedMesh(mesh, flat)
-
-    def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int) -> None:
-        """Raise ValueError when the model's shape does not divide over these degrees."""
-        if n_heads % self.tp or n_kv_heads % self.tp:
-            raise ValueError(
-                f"tensor parallel degree {self.tp} must divide the query heads ({n_heads}) and "
-                f"the key/value heads ({n_kv_heads})"
-            )
-        if self.pp > n_layers:
-            raise ValueError(f"pipeline degree {self.pp} exceeds the {n_layers} layers")
-        required = (2 * self.cp if self.cp > 1 else 1) * self.tp
-        if seq_len % required:
-            raise ValueError(
-                f"training.seq_len={seq_len} must be divisible by {required}: sequence "
-                f"parallel splits it over tp={self.tp} ranks and load-balanced context "
-                f"parallel into 2 x cp={self.cp} chunks"
-            )
 
 
 class NamedMesh:

@@ -1,19 +1,25 @@
 """Validate a large layout in one CPU process: fake process group, meta-device model.
 
-`dry_run(cfg, world_size)` checks the config against the world size, joins a fake process
-group as rank 0 of `world_size`, builds the named mesh, cuts pipeline stages, applies the full
-`parallelize` (TP, activation checkpointing, FSDP; compile is skipped) to meta-device models
-and reports, per pipeline stage, what one rank holds: parameters, and the bytes of parameters,
-gradients and AdamW state. No tensor is allocated and no math runs.
+`dry_run(args, parallelism, activation_checkpoint, world_size=...)` checks the layout with
+`check_layout`, joins a fake process group as rank 0 of `world_size`, builds the named mesh,
+cuts pipeline stages, applies the full `parallelize` (TP, activation checkpointing, FSDP;
+compile is skipped) to meta-device models and reports, per pipeline stage, what one rank
+holds: parameters, and the bytes of parameters, gradients and AdamW state. No tensor is
+allocated and no math runs. `tidal train --dry-run WORLD_SIZE` calls it with the pieces of
+the training config (tidal/cli.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tidal.models.transformer import Transformer
+from tidal.models.transformer import ModelArgs, Transformer
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
+from tidal.parallel.dims import check_layout
 from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import build_stages
 
@@ -24,14 +30,32 @@ def local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def dry_run(cfg, world_size: int, log=print) -> list[dict]:
-    """Report per-rank parameter counts and memory for each pipeline stage of `cfg`."""
+def dry_run(
+    args: ModelArgs,
+    parallelism: ParallelismConfig,
+    activation_checkpoint: ActivationCheckpointConfig,
+    *,
+    world_size: int,
+    seq_len: int,
+    batch_size: int,
+    bf16: bool = True,
+    model_name: str = "the model",
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Report per-rank parameter counts and memory for each pipeline stage of the model `args`
+    spread as `parallelism` over `world_size` ranks, each with micro-batches of `batch_size`
+    sequences of `seq_len` tokens; `bf16` sets FSDP's compute dtype as training would. Raises
+    ValueError (from `check_layout`) before any process group for an invalid layout."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from tidal.train.trainer import model_args_for, parallel_dims
-
-    dims = parallel_dims(cfg, world_size)  # all validation, before any process group
-    args = model_args_for(cfg)
+    dims = check_layout(
+        parallelism,
+        args,
+        world_size=world_size,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        model_name=model_name,
+    )
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -41,11 +65,10 @@ def dry_run(cfg, world_size: int, log=print) -> list[dict]:
             full = Transformer(args)
         total = sum(p.numel() for p in full.parameters())
         if dims.pp > 1:
-            stage_sets = [build_stages(args, cfg.parallelism, r) for r in range(dims.pp)]
+            stage_sets = [build_stages(args, parallelism, r) for r in range(dims.pp)]
             per_rank = [(r, s.ids, s.modules) for r, s in enumerate(stage_sets)]
         else:
             per_rank = [(0, [0], [full])]
-        bf16 = cfg.training.mixed_precision != "fp32"
         reports: list[dict] = []
         for pp_rank, ids, modules in per_rank:
             n = 0
@@ -54,8 +77,8 @@ def dry_run(cfg, world_size: int, log=print) -> list[dict]:
                     m,
                     mesh,
                     dims,
-                    cfg.parallelism,
-                    cfg.activation_checkpoint,
+                    parallelism,
+                    activation_checkpoint,
                     compile=False,
                     param_dtype=torch.bfloat16 if bf16 else None,
                 )
@@ -72,8 +95,7 @@ def dry_run(cfg, world_size: int, log=print) -> list[dict]:
             )
         layout = ", ".join(f"{k}={v}" for k, v in dims.degrees.items())
         log(
-            f"dry run: {cfg.model.flavor} ({total / 1e9:.2f}B parameters) on {world_size} "
-            f"ranks: {layout}"
+            f"dry run: {model_name} ({total / 1e9:.2f}B parameters) on {world_size} ranks: {layout}"
         )
         for r in reports:
             log(

@@ -74,7 +74,7 @@ def tp_plan_block() -> dict:
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     root = {k: v for k, v in tp_plan_root(loss_parallel).items() if getattr(model, k) is not None}
     # The embedding is sharded row-wise and the output column-wise: they cannot share a
-    # weight. Configs with both are rejected earlier, before any process group exists.
+    # weight. check_layout rejects such layouts before any process group exists.
     assert not model.args.tie_embeddings, "tensor parallel needs untied embeddings"
     parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():

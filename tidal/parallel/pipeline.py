@@ -94,48 +94,9 @@ def _module_lists(n_layers: int, n_stages: int, split: str) -> list[list[int]]:
 
 def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
     if schedule == "ZBVZeroBubble":
-        if stages_per_rank != 2:
-            raise ValueError("ZBVZeroBubble places exactly 2 stages on each pipeline rank")
+        assert stages_per_rank == 2, "ZBVZeroBubble places 2 stages per rank (check_layout)"
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(stages_per_rank)]
-
-
-def check_pipeline(cfg: ParallelismConfig, n_layers: int, batch_size: int, args: ModelArgs) -> None:
-    """Validate the pipeline settings before any process-group work."""
-    spr = cfg.stages_per_rank
-    if cfg.pp_schedule in SINGLE_STAGE and spr != 1:
-        raise ValueError(
-            f"pp_schedule {cfg.pp_schedule} runs one stage per rank, got pp_stages_per_rank={spr}"
-        )
-    if cfg.pp_schedule not in SINGLE_STAGE and spr < 2:
-        raise ValueError(f"pp_schedule {cfg.pp_schedule} needs pp_stages_per_rank >= 2")
-    n_stages = cfg.pp * spr
-    stage_layers(n_layers, n_stages, cfg.pp_split)  # raises on a bad split
-    n_micro = cfg.microbatches
-    if batch_size % n_micro:
-        raise ValueError(
-            f"training.batch_size={batch_size} must be divisible by the {n_micro} pipeline "
-            f"micro-batches (parallelism.pp_microbatches)"
-        )
-    if cfg.pp_schedule != "GPipe" and n_micro < cfg.pp:
-        raise ValueError(
-            f"pp_schedule {cfg.pp_schedule} needs at least pp={cfg.pp} micro-batches, got "
-            f"{n_micro}; raise parallelism.pp_microbatches (and training.batch_size)"
-        )
-    if cfg.pp_schedule not in SINGLE_STAGE and n_micro % cfg.pp:
-        raise ValueError(
-            f"pp_schedule {cfg.pp_schedule} needs the micro-batch count ({n_micro}) to be a "
-            f"multiple of pp={cfg.pp}"
-        )
-    if args.tie_embeddings:
-        raise ValueError(
-            "pipeline parallel needs untied embeddings (the first and last "
-            "stages would share a weight); use a flavor with tie_embeddings=False"
-        )
-    if args.attention == "flex":
-        raise ValueError(
-            "pipeline parallel runs the sdpa attention path only; set --model.attention sdpa"
-        )
 
 
 def build_stage_model(args: ModelArgs, layers: list[int], first: bool, last: bool) -> Transformer:

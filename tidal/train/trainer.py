@@ -35,11 +35,11 @@ from torch.distributed.tensor import DTensor
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.parallel.context import ContextParallel
-from tidal.parallel.dims import ParallelDims
+from tidal.parallel.dims import check_layout
 from tidal.parallel.grad_norm import clip_grad_norm
 from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
 from tidal.parallel.parallelize import parallelize
-from tidal.parallel.pipeline import PipelineRunner, build_stages, check_pipeline
+from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.config import Config
 from tidal.train.data import IGNORE_INDEX, Batch, DataBundle, build_data
 from tidal.train.loss import cross_entropy_sum
@@ -83,34 +83,6 @@ def model_args_for(cfg: Config) -> ModelArgs:
     return get_flavor(cfg.model.flavor, **overrides)
 
 
-def parallel_dims(cfg: Config, world_size: int) -> ParallelDims:
-    """The layout of `cfg` checked against the world size and the model (no process group
-    needed)."""
-    p, t = cfg.parallelism, cfg.training
-    dims = ParallelDims(
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
-        world_size=world_size,
-    )
-    args = model_args_for(cfg)
-    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, t.seq_len)
-    if dims.pp > 1:
-        check_pipeline(p, args.n_layers, t.batch_size, args)
-    if dims.pp > 1 and dims.cp > 1:
-        raise ValueError(
-            "pipeline and context parallel together are not supported yet; "
-            "use parallelism.pp=1 or parallelism.cp=1"
-        )
-    if dims.tp > 1 and args.tie_embeddings:
-        raise ValueError(
-            f"tensor parallel needs untied embeddings; model.flavor {cfg.model.flavor!r} ties them"
-        )
-    return dims
-
-
 def _plain(x: torch.Tensor) -> torch.Tensor:
     """A loss-parallel loss is a replicated DTensor; every rank holds the whole value."""
     return x.full_tensor() if isinstance(x, DTensor) else x
@@ -140,7 +112,15 @@ class Trainer:
         self.dist = dist_info or DistInfo()
         self.log = log if self.dist.is_main else (lambda *a, **k: None)
         t = cfg.training
-        self.dims = parallel_dims(cfg, self.dist.world_size)  # fails before any comms
+        self.args = model_args_for(cfg)
+        self.dims = check_layout(  # fails before any comms
+            cfg.parallelism,
+            self.args,
+            world_size=self.dist.world_size,
+            seq_len=t.seq_len,
+            batch_size=t.batch_size,
+            model_name=f"model.flavor {cfg.model.flavor!r}",
+        )
         self.device = resolve_device(cfg.job.device, self.dist.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -161,7 +141,6 @@ class Trainer:
             dp_world=self.dims.dp,
             log=self.log,
         )
-        self.args = model_args_for(cfg)
         vocab = self.data.tokenizer.vocab_size
         if vocab > self.args.vocab_size:
             raise ValueError(
@@ -215,7 +194,7 @@ class Trainer:
                 self._dim("pp").get_group(),
                 self.device,
                 cfg.parallelism.pp_schedule,
-                cfg.parallelism.microbatches,  # validated by parallel_dims
+                cfg.parallelism.microbatches,  # validated by check_layout
                 self._pp_loss,
             )
         self.params = [p for m in self.modules for p in m.parameters()]

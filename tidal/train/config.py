@@ -11,13 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tidal.models.flavors import FLAVORS
-from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, _check
 from tidal.train.data.config import DataConfig
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,6 +23,7 @@ import functools
 import torch
 
 IGNORE_INDEX = -100
+"""Label value for positions excluded from the loss (cross_entropy's default ignore_index)."""
 
 
 def _chunk_loss_and_grad(x_CV: torch.Tensor, labels_C: torch.Tensor, grad_CV: torch.Tensor | None):

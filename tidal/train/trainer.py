@@ -41,8 +41,8 @@ from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_
 from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.config import Config
-from tidal.train.data import IGNORE_INDEX, Batch, DataBundle, build_data
-from tidal.train.loss import cross_entropy_sum
+from tidal.train.data import Batch, DataBundle, build_data
+from tidal.train.loss import IGNORE_INDEX, cross_entropy_sum
 from tidal.train.metrics import (
     MetricsLogger,
     Stopwatch,

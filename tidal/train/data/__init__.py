@@ -23,10 +23,11 @@ from pathlib import Path
 
 from tidal.train.data.config import DataConfig
 from tidal.train.data.fetch import fetch_shakespeare, main_fetch, shakespeare_dir
-from tidal.train.data.loader import IGNORE_INDEX, Batch, PackedLoader
+from tidal.train.data.loader import Batch, PackedLoader
 from tidal.train.data.packing import PackedSplit, encode_split
 from tidal.train.data.sources import load_documents, split_documents
 from tidal.train.data.tokenizer import Tokenizer, train_bpe
+from tidal.train.loss import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",

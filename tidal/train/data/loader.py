@@ -23,9 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-"""Label value for positions excluded from the loss (cross_entropy's default ignore_index)."""
-
 
 @dataclass(kw_only=True, slots=True)
 class Batch:
@@ -36,7 +33,7 @@ class Batch:
 
     labels: torch.Tensor
     """[B, T] int64, `labels[:, t]` is the token after `input_ids[:, t]`; `IGNORE_INDEX`
-    (-100) where excluded (nowhere, for pre-training batches)."""
+    (-100, tidal.train.loss) where excluded (nowhere, for pre-training batches)."""
 
     document_ids: torch.Tensor
     """[B, T] int32, index of the document each input token belongs to, counted from 0 in each

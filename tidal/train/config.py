@@ -79,7 +79,8 @@ class TrainingConfig:
     """Compute precision: bf16 autocast with fp32 master weights, or plain fp32. auto is bf16
     on CUDA and fp32 on CPU."""
     compile: bool = False
-    """torch.compile each transformer block and the loss."""
+    """torch.compile each transformer block. The loss is not affected: its per-chunk kernels
+    are always compiled on CUDA and run eagerly on CPU (tidal/train/loss.py)."""
     seed: int = 0
     """Seed for weight init, data order and sampling."""
     deterministic: bool = False

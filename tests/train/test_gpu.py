@@ -54,3 +54,23 @@ def test_compiled_blocks_train():
 def test_flex_attention_trains_with_document_masking():
     losses = _overfit(_model(attention="flex"), steps=20)
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_trainer_pins_batches_and_copies_them_to_the_device(tmp_path, monkeypatch):
+    from tests.train.test_trainer import fixed_batch_data, tiny_trainer
+    from tidal.train.data import Batch
+
+    pinned = []
+    real_pin = Batch.pin_memory
+
+    def pin_memory(self):
+        out = real_pin(self)
+        pinned.append(out.input_ids.is_pinned() and out.labels.is_pinned())
+        return out
+
+    monkeypatch.setattr(Batch, "pin_memory", pin_memory)
+    trainer = tiny_trainer(tmp_path, "--job.device", "cuda")
+    (batch,), _, _ = trainer.next_batches()
+    expected = next(iter(fixed_batch_data().train))
+    assert pinned == [True] and batch.input_ids.is_cuda
+    assert torch.equal(batch.input_ids.cpu(), expected.input_ids)  # .cpu() waits for the copy

@@ -126,6 +126,33 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=0)
 
 
+def test_batches_are_pinned_only_for_cuda(tmp_path, monkeypatch):
+    trainer = tiny_trainer(tmp_path)
+    expected = next(iter(fixed_batch_data().train))
+    calls = []
+
+    def pin_memory(self):
+        calls.append("pin")
+        return self
+
+    monkeypatch.setattr(Batch, "pin_memory", pin_memory)
+    # CPU: the loader's tensors, unpinned and uncopied.
+    (batch,), n_tokens, _ = trainer.next_batches()
+    assert calls == [] and n_tokens == expected.labels.numel()
+    assert torch.equal(batch.input_ids, expected.input_ids) and not batch.input_ids.is_pinned()
+    # CUDA (faked: no GPU needed): pinned first, then copied without blocking the host.
+    real_to = Batch.to
+
+    def to(self, device, non_blocking=False):
+        calls.append((torch.device(device).type, non_blocking))
+        return real_to(self, "cpu")
+
+    monkeypatch.setattr(Batch, "to", to)
+    trainer.device = torch.device("cuda", 0)
+    trainer.next_batches()
+    assert calls == ["pin", ("cuda", True)]
+
+
 def test_ctrl_c_stops_cleanly(tmp_path):
     trainer = tiny_trainer(tmp_path, "--metrics.log_every", "1")
     real_step = trainer.train_step

@@ -268,7 +268,16 @@ class Trainer:
         start = time.perf_counter()
         host = [next(self.train_iter) for _ in range(self.cfg.training.grad_accum_steps)]
         n_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in host)
-        batches = [b.to(self.device, non_blocking=True) for b in host]
+        if self.device.type == "cuda":
+            # Pinned: a non_blocking copy from pageable memory is staged by the driver, which
+            # may wait for the stream, so the host could not run ahead of the device. From
+            # pinned memory the copy is queued and the call returns. The pinned blocks come
+            # from torch's caching host allocator, which reuses a block only after the copies
+            # reading it have finished, so `host` may be dropped at once.
+            batches = [b.pin_memory().to(self.device, non_blocking=True) for b in host]
+        else:
+            # On CPU the loader's tensors are used as they are (no copy; pinning needs CUDA).
+            batches = [b.to(self.device) for b in host]
         return batches, n_tokens, time.perf_counter() - start
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:

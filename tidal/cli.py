@@ -5,8 +5,11 @@
     tidal configs | tidal models
     tidal store serve|ls ...
 
-Environment variables are read here and nowhere below: TIDAL_CACHE_DIR sets the default of
-`data.cache_dir` for `tidal train` and `tidal fetch`.
+Environment variables read here: TIDAL_CACHE_DIR sets the default of `data.cache_dir` for
+`tidal train` and `tidal fetch`; torchrun's RANK, LOCAL_RANK and WORLD_SIZE (through
+`DistInfo.from_env`) place a `tidal train` process. Below the command line only
+`tidal.store.connect()` reads any: TIDAL_STORE, TIDAL_STORE_TOKEN and TIDAL_STORE_TRANSPORT
+when no address or transport is passed.
 """
 
 from __future__ import annotations

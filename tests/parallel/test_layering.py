@@ -12,18 +12,20 @@ PARALLEL_DIR = Path(tidal.parallel.__file__).parent
 
 def _imported_modules(path: Path) -> set[str]:
     """Every module an `import` or `from ... import` in the file names, at any depth (function
-    bodies included), with relative imports resolved against tidal.parallel."""
+    bodies included), with relative imports resolved against tidal.parallel; for `from a
+    import b` both a and a.b."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
             if node.level:  # from . import x / from ..train import y
                 base = "tidal.parallel".rsplit(".", node.level - 1)[0]
-                names.add(f"{base}.{node.module}" if node.module else base)
-            else:
-                assert node.module is not None
-                names.add(node.module)
+                module = f"{base}.{module}" if module else base
+            names.add(module)
+            # `from tidal import train` names the module tidal.train.
+            names.update(f"{module}.{alias.name}" for alias in node.names)
     return names
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 import tidal.store
+from tidal.store import testing
 
 
 def make_sd(small: bool, fill: float = 0.0, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -199,7 +200,7 @@ def main() -> None:
             assert parent.recv() == "ready"
             # Writers report progress only for a version a reader waits for: start the put
             # once the reader's wait reached the (embedded) controller.
-            while ("policy", v) not in store._server.controller._wanted:
+            while not testing.readers_waiting(store, "policy", v):
                 time.sleep(0.0005)
             t = time.perf_counter()
             store.put_state_dict(sd, "policy", version=v, memory=args.memory)

@@ -5,6 +5,7 @@ from collections.abc import Callable
 import pytest
 
 import tidal.store
+from tidal.store import testing
 
 
 @pytest.fixture
@@ -44,5 +45,5 @@ def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 def until_waited_for(store, key: str, version: int) -> None:
     """Return once the embedded controller of ``store`` knows a reader waits for the
     version (writers report their progress only then)."""
-    wanted = store._server.controller._wanted
-    until(lambda: (key, version) in wanted, "the waiting reader never reached the controller")
+    until(lambda: testing.readers_waiting(store, key, version),
+          "the waiting reader never reached the controller")  # fmt: skip

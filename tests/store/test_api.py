@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tidal.store
-from tidal.store import KeyNotFoundError, VersionNotFoundError
+from tidal.store import KeyNotFoundError, VersionNotFoundError, ops, testing
 from tidal.store.layout import check_cover, flatten, intersect, unflatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
@@ -120,10 +120,18 @@ def test_bad_input_errors(store):
         store.put("", x)
     with pytest.raises(ValueError, match="explicit version"):
         store.put("multi", x, writers=2)
-    with pytest.raises(TypeError, match="is a int"):
-        store.put_state_dict({"a": x, "step": 3}, "sd")
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(TypeError, match="is a object"):
+        store.put_state_dict({"a": x, "step": object()}, "sd")
+    with pytest.raises(ValueError, match="version must be a non-negative int"):
         store.get("w", version=-1)
+    with pytest.raises(ValueError, match="version must be an int >= 0"):
+        store.put("w", x, version=-1)
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        store.put("w", x, keep=0)
+    with pytest.raises(ValueError, match="writers must be an int >= 1"):
+        store.put("w", x, writers=0)
+    with pytest.raises(ValueError, match="version must be an int >= 0"):
+        store.put("w", x, version=True)
     # Nothing stored was disturbed by the failures.
     assert torch.equal(store.get("w"), x)
 
@@ -212,21 +220,23 @@ def test_deleted_version_while_leased_keeps_bytes(store):
     writer does not get its slot."""
     x = torch.arange(1000.0)
     store.put("k", x)
-    reply = store._ctrl.request({"op": "acquire", "key": "k", "version": 0, "known_sig": None})
+    conn = testing.raw(store.address)
+    acquire = {"key": "k", "known_sig": None, "wait_ms": None}
+    reply = conn.request(ops.ACQUIRE, version=0, **acquire)
     store.delete("k", version=0)
     store.put("k", x + 1, version=1)
-    assert (
-        reply["slots"][0]
-        not in store._ctrl.request({"op": "acquire", "key": "k", "version": 1, "known_sig": None})[
-            "slots"
-        ]
-    )
-    # The leased read still sees version 0's bytes.
-    out = store._read("k", "tensor", None, reply)
-    assert torch.equal(out[0][1], x)
-    store._ctrl.request({"op": "release", "lease": reply["lease"]})
+    assert reply["slots"][0] not in conn.request(ops.ACQUIRE, version=1, **acquire)["slots"]
+    # The leased version still holds version 0's bytes.
+    seg = torch.empty(1000)
+    testing_read = testing.read_slot(reply["volumes"][0], reply["slots"][0], seg)
+    assert torch.equal(testing_read, x)
+    conn.request(ops.RELEASE, lease=reply["lease"])
     with pytest.raises(VersionNotFoundError, match="deleted"):
         store.get("k", version=0)
+    with pytest.raises(ValueError, match="not held by this connection"):
+        store_conn = testing.raw(store.address)
+        store_conn.request(ops.RELEASE, lease=reply["lease"] + 1)
+    conn.close()
 
 
 def test_slots_are_reused_as_a_ring(store):
@@ -271,64 +281,57 @@ def test_layout_helpers():
     assert isinstance(back["l"], list) and torch.equal(back["l"][1], torch.ones(2))
 
 
+def _declare(conn, rows, writers=2, key="mw"):
+    """A plan for rows lo:hi of a 6 x 4 float32 tensor, declared on a raw connection."""
+    lo, hi = rows
+    decl = {"name": [], "shape": [6, 4], "dtype": "float32", "offsets": [lo, 0],
+            "sizes": [hi - lo, 4]}  # fmt: skip
+    return conn.request(ops.PUT_DECLARE, key=key, kind="tensor", writers=writers, keep=None,
+                        host="h", volume=None, tensors=[decl])  # fmt: skip
+
+
+def _begin(conn, plan, version, writer, key="mw"):
+    return conn.request(ops.PUT_BEGIN, key=key, plan=plan, version=version, writer=writer,
+                        reservation=None, objects=[])  # fmt: skip
+
+
+def _commit(conn, version, writer, key="mw"):
+    return conn.request(ops.PUT_COMMIT, key=key, version=version, writer=writer,
+                        reserve=False)["visible"]  # fmt: skip
+
+
 def test_multi_writer_versions(store):
     """Two writers of one version: visible only after both commit; a writer that closes
     after committing does not abort it; one that leaves before committing does."""
     full = torch.arange(24.0).view(6, 4)
-    a = tidal.store.connect(store.address)
-    b = tidal.store.connect(store.address)
-    msg = {"op": "put_begin", "key": "mw", "version": 0, "writers": 2, "keep": None,
-           "host": "h", "volume": None, "kind": "tensor"}  # fmt: skip
+    a, b = testing.raw(store.address), testing.raw(store.address)
 
-    def half(client, rows):
+    def half(conn, rows, writer):
         lo, hi = rows
-        r = client._ctrl.request(
-            {
-                **msg,
-                "writer": client._writer,
-                "tensors": [[[], [6, 4], "float32", [lo, 0], [hi - lo, 4]]],
-            }  # fmt: skip
-        )
-        seg = client._map(r["volume"][3], r["slots"][0], (hi - lo) * 16)
-        seg.view(torch.float32).view(hi - lo, 4).copy_(full[lo:hi])
-        return client._ctrl.request(
-            {"op": "put_commit", "key": "mw", "version": 0, "writer": client._writer}
-        )["visible"]
+        declared = _declare(conn, rows)
+        slot = _begin(conn, declared["plan"], 0, writer)["slots"][0]
+        testing.write_slot(declared["volume"], slot, full[lo:hi])
+        return _commit(conn, 0, writer)
 
-    assert half(a, (0, 2)) is False
+    assert half(a, (0, 2), "wa") is False
     a.close()  # committed, then gone: the version stays pending, not aborted
     assert not store.exists("mw", 0)
     with pytest.raises(VersionNotFoundError, match="1 of 2 writers"):
         store.get("mw", version=0)
-    assert half(b, (2, 6)) is True
+    assert half(b, (2, 6), "wb") is True
     assert torch.equal(store.get("mw"), full)
     b.close()
     # A writer that disconnects before committing aborts the version.
-    c = tidal.store.connect(store.address)
-    c._ctrl.request(
-        {
-            **msg,
-            "version": 1,
-            "writer": c._writer,
-            "tensors": [[[], [6, 4], "float32", [0, 0], [2, 4]]],
-        }  # fmt: skip
-    )
+    c = testing.raw(store.address)
+    _begin(c, _declare(c, (0, 2))["plan"], 1, "wc")
     c.close()
     with pytest.raises(VersionNotFoundError, match="aborted: a writer disconnected"):
         store.get("mw", version=1)
     # Writers whose shards leave a gap: the last commit fails, readers never see it.
-    d = tidal.store.connect(store.address)
-    d._ctrl.request(
-        {
-            **msg,
-            "version": 2,
-            "writers": 1,
-            "writer": d._writer,
-            "tensors": [[[], [6, 4], "float32", [0, 0], [2, 4]]],
-        }  # fmt: skip
-    )
+    d = testing.raw(store.address)
+    _begin(d, _declare(d, (0, 2), writers=1)["plan"], 2, "wd")
     with pytest.raises(ValueError, match="cover 8 of 24"):
-        d._ctrl.request({"op": "put_commit", "key": "mw", "version": 2, "writer": d._writer})
+        _commit(d, 2, "wd")
     d.close()
     assert store.versions("mw") == [0]
 
@@ -337,8 +340,8 @@ def test_reader_unmaps_deleted_segments(store):
     with tidal.store.connect(store.address) as reader:
         store.put("gone", torch.ones(1000))
         assert torch.equal(reader.get("gone"), torch.ones(1000))
-        assert len(reader._segments) == 1
+        assert testing.mapped_segments(reader) == 1
         store.delete("gone")
         store.put("gone", torch.ones(10, 10))  # a new layout for the key
         reader.get("gone")
-        assert len(reader._segments) == 1  # the deleted slot's mapping was dropped
+        assert testing.mapped_segments(reader) == 1  # the deleted slot's mapping was dropped

@@ -8,80 +8,100 @@ import pytest
 import torch
 
 import tidal.store
-from tidal.store import ProtocolError, StoreError, VolumeLostError
+from tidal.store import ProtocolError, StoreError, VolumeLostError, ops, testing
 
 HANDLE = bytes(range(64))
 GPU = "GPU-00000000-fake"
 
 
-def _register(client, vid: str) -> None:
-    client._ctrl.request({"op": "device_volume", "volume_id": vid, "host": client._host})
+def _handle(slot: int, handle: bytes = HANDLE) -> dict:
+    return {"slot": slot, "uuid": GPU, "handle": handle}
 
 
-def _put_begin(client, key, version, shape, volume):
-    sizes = list(shape)
-    return client._ctrl.request(
-        {"op": "put_begin", "key": key, "version": version, "writers": 1, "keep": None,
-         "host": client._host, "volume": volume, "kind": "tensor", "writer": client._writer,
-         "tensors": [[[], sizes, "float32", [0] * len(sizes), sizes]]}
-    )  # fmt: skip
+class Writer:
+    """A writer driving the protocol by hand on one connection (as a store handle's writer
+    connection does), with plans per (key, shape, volume)."""
 
+    def __init__(self, store, name: str = "w") -> None:
+        self.conn = testing.raw(store.address)
+        self.host = testing.host(store)
+        self.name = name
+        self.plans: dict = {}
 
-def _commit(client, key, version):
-    client._ctrl.request(
-        {"op": "put_commit", "key": key, "version": version, "writer": client._writer}
-    )
+    def register(self, vid: str) -> None:
+        self.conn.request(ops.DEVICE_VOLUME, volume_id=vid, host=self.host)
+
+    def begin(self, key, version, shape, volume):
+        sizes = list(shape)
+        if (key, tuple(shape), volume) not in self.plans:
+            decl = {"name": [], "shape": sizes, "dtype": "float32", "offsets": [0] * len(sizes),
+                    "sizes": sizes}  # fmt: skip
+            d = self.conn.request(ops.PUT_DECLARE, key=key, kind="tensor", writers=1, keep=None,
+                                  host=self.host, volume=volume, tensors=[decl])  # fmt: skip
+            self.plans[key, tuple(shape), volume] = d
+        d = self.plans[key, tuple(shape), volume]
+        r = self.conn.request(ops.PUT_BEGIN, key=key, plan=d["plan"], version=version,
+                              writer=self.name, reservation=None, objects=[])  # fmt: skip
+        return d["volume"], r
+
+    def commit(self, key, version) -> dict:
+        return self.conn.request(ops.PUT_COMMIT, key=key, version=version, writer=self.name,
+                                 reserve=False)  # fmt: skip
 
 
 def test_device_volume_bookkeeping(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with tidal.store.connect(keep=1) as store, tidal.store.connect(store.address) as writer:
-        _register(writer, "cuda.w")
-        r = _put_begin(writer, "w", 0, (4, 4), "cuda.w")
-        assert r["volume"][0] == "cuda.w" and r["volume"][4] == "cuda" and r["freed"] == []
+    with tidal.store.connect(keep=1) as store:
+        writer = Writer(store)
+        writer.register("cuda.w")
+        vol, r = writer.begin("w", 0, (4, 4), "cuda.w")
+        assert vol["id"] == "cuda.w" and vol["kind"] == "cuda" and r["freed"] == []
         slot = r["slots"][0]
+        assert r["fresh"] == [slot]  # the owner allocates it
         with pytest.raises(ValueError, match="not a slot of volume"):
-            writer._ctrl.request(
-                {"op": "put_handles", "volume_id": "cuda.w", "handles": [[slot + 99, GPU, HANDLE]]}
-            )
-        writer._ctrl.request(
-            {"op": "put_handles", "volume_id": "cuda.w", "handles": [[slot, GPU, HANDLE]]}
-        )
-        _commit(writer, "w", 0)
+            writer.conn.request(ops.PUT_HANDLES, volume_id="cuda.w", handles=[_handle(slot + 99)])
+        writer.conn.request(ops.PUT_HANDLES, volume_id="cuda.w", handles=[_handle(slot)])
+        writer.commit("w", 0)
         # A reader learns where the bytes are, and their handles; without CUDA it cannot read.
-        got = store._ctrl.request({"op": "slot_handles", "volume_id": "cuda.w", "slots": [slot]})
-        assert got["handles"] == [[slot, GPU, HANDLE]]
+        reader = testing.raw(store.address)
+        got = reader.request(ops.SLOT_HANDLES, volume_id="cuda.w", slots=[slot])
+        assert got["handles"] == [_handle(slot)]
         with pytest.raises(StoreError, match="needs CUDA in this process"):
             store.get("w")
         with pytest.raises(ValueError, match="GPU memory"):
             store.get("w", copy=False)
         # Nobody else writes into a writer's GPU memory, and automatic placement skips it.
+        other = Writer(store, "other")
         with pytest.raises(ValueError, match="GPU memory of another writer"):
-            _put_begin(store, "x", 0, (2,), "cuda.w")
-        assert _put_begin(writer, "plain", 0, (2,), None)["volume"][0] == "v0"
+            other.begin("x", 0, (2,), "cuda.w")
+        with pytest.raises(ValueError, match="GPU memory of another writer"):
+            other.conn.request(ops.PUT_HANDLES, volume_id="cuda.w", handles=[_handle(slot)])
+        assert writer.begin("plain", 0, (2,), None)[0]["id"] == "v0"
         # The ring reuses the slot; a new layout destroys it and the owner is told to free it.
-        _commit(writer, "plain", 0)
-        r1 = _put_begin(writer, "w", 1, (4, 4), "cuda.w")
-        _commit(writer, "w", 1)
-        r2 = _put_begin(writer, "w", 2, (4, 4), "cuda.w")
-        assert r2["slots"] == [slot] and r2["freed"] == []  # back from the ring
-        _commit(writer, "w", 2)
-        r3 = _put_begin(writer, "w", 3, (8,), "cuda.w")  # another shape: old slots go
-        _commit(writer, "w", 3)
-        r4 = _put_begin(writer, "w", 4, (8,), "cuda.w")
-        assert sorted(r4["freed"]) == sorted([slot, r1["slots"][0]]), (r3, r4)
+        writer.commit("plain", 0)
+        _, r1 = writer.begin("w", 1, (4, 4), "cuda.w")
+        writer.commit("w", 1)
+        _, r2 = writer.begin("w", 2, (4, 4), "cuda.w")
+        assert r2["slots"] == [slot] and r2["freed"] == [] and r2["fresh"] == []  # the ring
+        writer.commit("w", 2)
+        writer.begin("w", 3, (8,), "cuda.w")  # another shape: old slots go
+        freed = writer.commit("w", 3)["freed"]
+        _, r4 = writer.begin("w", 4, (8,), "cuda.w")
+        assert sorted(freed + r4["freed"]) == sorted([slot, r1["slots"][0]])
         listing = {v["volume"]: v for v in store.ls()["volumes"]}
         assert listing["cuda.w"]["kind"] == "cuda" and listing["cuda.w"]["alive"]
         # The writer's connection goes: its GPU memory and the versions in it are lost.
-        writer._ctrl.close(graceful=True)  # "bye": the server cleans up before answering
+        writer.conn.close(graceful=True)  # "bye": the server cleans up before answering
         with pytest.raises(VolumeLostError, match="GPU memory of a writer"):
             store.get("w", version=3)
         assert torch.equal(store.get("plain"), torch.zeros(2))  # host volumes unaffected
         with pytest.raises(VolumeLostError):
-            store._ctrl.request({"op": "slot_handles", "volume_id": "cuda.w", "slots": [slot]})
+            reader.request(ops.SLOT_HANDLES, volume_id="cuda.w", slots=[slot])
         # Nothing of the dead writer is left: no record piles up per writer process.
         assert "cuda.w" not in {v["volume"] for v in store.ls()["volumes"]}
-        assert all(owner[0] != "cuda.w" for owner in store._server.controller._slot_owner.values())
+        assert testing.controller(store).counts()["slots"] == 1  # "plain" alone
+        reader.close()
+        other.conn.close()
 
 
 def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
@@ -92,12 +112,13 @@ def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
         with pytest.raises(ValueError, match="memory must be"):
             store.put("w", torch.ones(3), memory="gpu")
         assert store.keys() == []
-        _register(store, "cuda.s")
+        writer = Writer(store)
+        writer.register("cuda.s")
         with pytest.raises(ProtocolError, match="64 bytes"):
-            store._ctrl.request(
-                {"op": "put_handles", "volume_id": "cuda.s", "handles": [[1, GPU, b"short"]]}
-            )
+            writer.conn.request(ops.PUT_HANDLES, volume_id="cuda.s",
+                                handles=[_handle(1, b"short")])  # fmt: skip
         with pytest.raises(ValueError, match="already registered"):
-            _register(store, "cuda.s")
-        store.put("w", torch.ones(3))  # the connection still serves
+            writer.register("cuda.s")
+        store.put("w", torch.ones(3))  # the store still serves
         assert torch.equal(store.get("w"), torch.ones(3))
+        writer.conn.close()

@@ -13,10 +13,18 @@ import pytest
 import torch
 
 import tidal.store
-from tidal.store import AuthError, KeyNotFoundError, StoreError, VolumeLostError, wire
+from tidal.store import (
+    AuthError,
+    KeyNotFoundError,
+    StoreError,
+    VolumeLostError,
+    ops,
+    testing,
+    wire,
+)
 from tidal.store.controller import Controller
 from tidal.store.server import Server
-from tidal.store.volume import Volume
+from tidal.store.volume import Volume, new_store_id, reap_stale
 
 
 def _start(args):
@@ -81,11 +89,11 @@ def test_killed_volume_gives_clear_errors_and_store_keeps_serving():
             with pytest.raises(VolumeLostError, match="vk"):
                 store.get("big")
             assert torch.equal(store.get("small"), torch.ones(10))
-            assert {v["volume"]: v["alive"] for v in store.ls()["volumes"]} == {
-                "v0": True,
-                "vk": False,
-            }
-            assert not {f for f in shm_segments(proc.pid) if "-vk-" in f}  # its segments unlinked
+            # The dead volume is forgotten once none of its slots is left.
+            assert {v["volume"]: v["alive"] for v in store.ls()["volumes"]} == {"v0": True}
+            # A killed process cannot unlink its segments; the next store on the host does.
+            reap_stale()
+            assert not {f for f in shm_segments(proc.pid) if "-vk-" in f}
             store.put("after", torch.zeros(3))  # new writes go to live volumes
             assert store.ls("after")["entries"][0]["volumes"] == ["v0"]
         finally:
@@ -119,9 +127,10 @@ def _closed(sock: socket.socket) -> bool:
 def test_malformed_and_oversized_messages(store):
     x = torch.randn(100)
     store.put("safe", x)
-    slot = store._ctrl.request(
-        {"op": "acquire", "key": "safe", "version": "latest", "known_sig": None}
-    )["slots"][0]
+    conn = testing.raw(store.address)
+    slot = conn.request(ops.ACQUIRE, key="safe", version="latest", known_sig=None,
+                        wait_ms=None)["slots"][0]  # fmt: skip
+    conn.close()
     # Bad magic: error, connection closed.
     s = _raw(store.address)
     s.sendall(b"GET / HTTP/1.1\r\n\r\n")
@@ -143,7 +152,10 @@ def test_malformed_and_oversized_messages(store):
         ({"op": "pickle", "data": b"x"}, "unknown op"),
         ({"op": "get"}, "unknown op"),
         ({"op": "acquire", "key": "safe"}, "missing field 'version'"),
-        ({"op": "acquire", "key": 3, "version": 0, "known_sig": None}, "field 'key'"),
+        (
+            {"op": "acquire", "key": 3, "version": 0, "known_sig": None, "wait_ms": None},
+            "field 'key'",
+        ),
         ({"op": "keys", "prefix": "", "evil": 1}, "unknown fields"),
         ([1, 2, 3], "must be a map"),
     ]:
@@ -153,13 +165,13 @@ def test_malformed_and_oversized_messages(store):
         assert not r["ok"] and msg in r["error"], (bad, r)
     wire.send(s, {"op": "keys", "prefix": ""})
     assert _reply(s)["keys"] == ["safe"]
-    # A write bigger than the slot: refused, payload drained, slot untouched.
+    # A write into a committed slot: refused, payload drained, slot untouched.
     wire.send(
         s,
-        {"op": "vol_write", "slot": slot, "offset": 300, "nbytes": 200},
+        {"op": "vol_write", "slot": slot, "offset": 300, "nbytes": 200, "grant": bytes(16)},
         memoryview(b"\xff" * 200),
     )
-    assert "exceeds slot" in _reply(s)["error"]
+    assert "not open for writing" in _reply(s)["error"]
     wire.send(s, {"op": "vol_read", "slot": slot, "shape": [100], "itemsize": 4,
                   "offsets": [0], "sizes": [200]})  # fmt: skip
     assert "exceeds shape" in _reply(s)["error"]
@@ -176,7 +188,8 @@ def test_malformed_and_oversized_messages(store):
 def test_token_and_non_loopback():
     with pytest.raises(ValueError, match="requires a token"):
         Server(controller=Controller("t"), host="0.0.0.0")
-    server = Server(controller=Controller("tk"), volume=Volume("v0", "tk"), token="s3cret")
+    sid = new_store_id()
+    server = Server(controller=Controller(sid), volume=Volume("v0", sid), token="s3cret")
     try:
         with pytest.raises(AuthError, match="wrong or missing token"):
             tidal.store.connect(server.address)
@@ -194,7 +207,7 @@ def test_unreachable_store_is_a_clear_error():
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    with pytest.raises(StoreError, match="cannot connect"):
+    with pytest.raises(StoreError, match="cannot reach tidal store"):
         tidal.store.connect(f"tcp://127.0.0.1:{port}")
     with pytest.raises(ValueError, match="tcp://host:port"):
         tidal.store.connect("http://x")
@@ -231,7 +244,7 @@ def test_cli_serve_and_ls():
 
 
 def test_segments_of_killed_processes_are_reaped():
-    from tidal.store.volume import _pid_namespace, reap_stale
+    from tidal.store.volume import _pid_namespace
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # a pid that no longer runs
@@ -252,7 +265,8 @@ def test_segments_of_killed_processes_are_reaped():
 
 
 def test_full_volume_is_a_clear_error():
-    server = Server(controller=Controller("cap"), volume=Volume("v0", "cap", capacity=4000))
+    sid = new_store_id()
+    server = Server(controller=Controller(sid), volume=Volume("v0", sid, capacity=4000))
     try:
         with tidal.store.connect(server.address) as s:
             s.put("fits", torch.ones(500))  # 2000 bytes

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import tidal.store
+from tidal.store import ops, testing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,7 +55,8 @@ def test_device_memory_in_one_process():
             host = writer.get_state_dict("policy")  # the writer reads its own GPU memory too
             assert host["w"].device.type == "cpu" and torch.equal(host["w"].cuda(), _sd(v)["w"])
         assert writer.ls()["entries"][0]["volumes"][0].startswith("cuda.")
-        assert len(writer._device._owned) == 4  # a ring of keep + 1 = 2 slots per tensor
+        # keep=1 and the slots reserved for the next put: 2 allocations per tensor.
+        assert testing.device_allocations(writer) == 4
         writer.put("other", torch.ones(3, device="cuda"))  # no memory=: host shared memory
         assert writer.ls("other")["entries"][0]["volumes"] == ["v0"]
 
@@ -76,8 +78,9 @@ def test_device_memory_across_processes(monkeypatch):
         proc.start()
         child.close()
         reports: list[list[int]] = []
-        real_report = writer._report
-        writer._report = lambda key, v, slots: reports.append(slots) or real_report(key, v, slots)
+        testing.on_request(
+            writer, lambda c, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
+        )
 
         try:
             # A reader waiting for a key's first version: every slot is new to it.

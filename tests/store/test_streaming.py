@@ -7,7 +7,7 @@ import torch
 
 import tidal.store
 from tests.store.conftest import until_waited_for
-from tidal.store import progress
+from tidal.store import ops, progress, testing
 from tidal.store.errors import VersionNotFoundError
 
 
@@ -23,36 +23,32 @@ def test_waiting_reader_streams_a_version_as_it_is_written(monkeypatch):
         # Hold the writer's commit until the reader has copied every tensor and waits for
         # the commit: the bytes were read while the version was still invisible.
         copied_all = threading.Event()
-        real_gate, real_request = reader._gate, writer._ctrl.request
 
-        def gate(*args):
-            g = real_gate(*args)
+        def reader_sends(conn, op, fields):
+            if op is ops.WAIT and fields["slots"] == []:  # the wait for the commit
+                copied_all.set()
 
-            def wrapped(slot):
-                if slot is None:
-                    copied_all.set()
-                g(slot)
-
-            return wrapped
-
-        def request(header, *a, **kw):
-            if header["op"] == "put_commit":
+        def writer_sends(conn, op, fields):
+            if op is ops.PUT_COMMIT:
                 assert copied_all.wait(30), "the reader did not stream the pending version"
-                assert reader.versions("m") == [0]  # still invisible to everyone else
-            return real_request(header, *a, **kw)
+                assert reader.versions("m") == list(range(fields["version"]))  # invisible
 
-        monkeypatch.setattr(reader, "_gate", gate)
-        monkeypatch.setattr(writer._ctrl, "request", request)
-        pending = reader.get_state_dict_async("m", into=into, version=1, wait=30)
-        assert not pending.done()
-        until_waited_for(writer, "m", 1)  # writers report progress only then
-        assert writer.put_state_dict(_sd(10.0), "m") == 1
-        pending.result(timeout=30)
-        assert copied_all.is_set()
-        for k, v in _sd(10.0).items():
-            assert torch.equal(into[k], v), k
+        testing.on_request(reader, reader_sends)
+        testing.on_request(writer, writer_sends)
+        # Version 1 takes put_begin's slots; version 2 copies into the slots version 1's
+        # commit reserved, its put_begin in flight: both stream.
+        for v in (1, 2):
+            copied_all.clear()
+            pending = reader.get_state_dict_async("m", into=into, version=v, wait=30)
+            until_waited_for(writer, "m", v)  # writers report progress only then
+            assert writer.put_state_dict(_sd(10.0 * v), "m") == v
+            pending.result(timeout=30)
+            assert copied_all.is_set()
+            for k, t in _sd(10.0 * v).items():
+                assert torch.equal(into[k], t), (v, k)
+        testing.on_request(writer, None)
         # A version nobody waits for is read as before, and waiting on a committed one too.
-        assert torch.equal(reader.get_state_dict("m", version=0, wait=1)["w3"], _sd(0.0)["w3"])
+        assert torch.equal(reader.get_state_dict("m", version=1, wait=1)["w3"], _sd(10.0)["w3"])
 
 
 def test_waiting_reader_of_an_aborted_version_gets_a_clear_error():
@@ -68,17 +64,19 @@ def test_waiting_reader_of_an_aborted_version_gets_a_clear_error():
 
         thread = threading.Thread(target=read)
         thread.start()
-        begin = writer._ctrl.request({
-            "op": "put_begin", "key": "t", "version": 1, "writers": 1, "writer": "w1",
-            "keep": None, "host": "h", "volume": None, "kind": "tensor",
-            "tensors": [[[], [4], "float32", [0], [4]]],
-        })  # fmt: skip
+        conn = testing.raw(writer.address)
+        decl = {"name": [], "shape": [4], "dtype": "float32", "offsets": [0], "sizes": [4]}
+        plan = conn.request(ops.PUT_DECLARE, key="t", kind="tensor", writers=1, keep=None,
+                            host="h", volume=None, tensors=[decl])["plan"]  # fmt: skip
+        begin = conn.request(ops.PUT_BEGIN, key="t", plan=plan, version=1, writer="w1",
+                             reservation=None, objects=[])  # fmt: skip
         assert begin["version"] == 1
-        writer._ctrl.request({"op": "put_abort", "key": "t", "version": 1, "writer": "w1"})
+        conn.request(ops.PUT_ABORT, key="t", version=1, writer="w1")
         thread.join(timeout=30)
         assert isinstance(result.get("error"), VersionNotFoundError)
         assert "aborted" in str(result["error"])
         assert torch.equal(reader.get("t"), torch.zeros(4))  # version 0 untouched
+        conn.close()
 
 
 def test_wait_times_out_with_a_clear_error():
@@ -94,14 +92,14 @@ def test_writers_report_progress_only_when_a_reader_waits(monkeypatch):
     monkeypatch.setattr(progress, "PROGRESS_BYTES", 1)  # a report per tensor, if any
     with tidal.store.connect() as s:
         reports: list[list[int]] = []
-        real = s._report
-        monkeypatch.setattr(
-            s, "_report", lambda key, v, slots: reports.append(slots) or real(key, v, slots)
+        testing.on_request(
+            s, lambda conn, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
         )
-        s.put_state_dict(_sd(0.0), "m")  # nobody waits: no round trips for progress
+        for _ in range(3):  # nobody waits: no round trips for progress, reserved or not
+            s.put_state_dict(_sd(0.0), "m")
         assert reports == []
-        pending = s.get_state_dict_async("m", version=1, wait=30)
-        until_waited_for(s, "m", 1)
+        pending = s.get_state_dict_async("m", version=3, wait=30)
+        until_waited_for(s, "m", 3)
         s.put_state_dict(_sd(1.0), "m")
         assert torch.equal(pending.result(timeout=30)["w2"], _sd(1.0)["w2"])
         assert sum(len(r) for r in reports) >= 5  # every tensor but (at most) the last

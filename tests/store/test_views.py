@@ -13,11 +13,11 @@ import torch
 
 import tidal.store
 from tests.store.conftest import shm_segments, until
-from tidal.store import VersionNotFoundError
+from tidal.store import VersionNotFoundError, ops, testing
 
 
 def _leases(store) -> int:
-    return len(store._server.controller._leases)
+    return testing.leases(store)
 
 
 def test_view_aliases_the_store_and_holds_its_version():
@@ -94,7 +94,7 @@ def test_views_keep_their_version_after_the_reader_closes():
         assert _leases(writer) == 1
         del view  # the last view: its release closes the views connection
         until(lambda: _leases(writer) == 0, "the lease was not released")
-        assert reader._view_conn.sock.fileno() < 0
+        assert not testing.connection_open(reader, "views")
 
 
 def test_views_dropped_in_a_store_thread_are_released_by_the_releaser():
@@ -103,13 +103,12 @@ def test_views_dropped_in_a_store_thread_are_released_by_the_releaser():
     with tidal.store.connect() as s:
         s.put("t", torch.ones(100))
         sent_by: list[str] = []
-        real = s._release_lease
 
-        def release(lease):
-            sent_by.append(threading.current_thread().name)
-            real(lease)
+        def sends(conn, op, fields):
+            if op is ops.RELEASE and conn == "views":
+                sent_by.append(threading.current_thread().name)
 
-        s._release_later()._release = release
+        testing.on_request(s, sends)
 
         def get_and_drop() -> None:
             view = s.get("t", copy=False)
@@ -148,17 +147,16 @@ def _put_two_row_shards(store, key: str, full: torch.Tensor) -> None:
     """Version 0 of ``key`` written by two writers, one row half each (as two ranks of an
     FSDP job would), through the put protocol itself."""
     rows = full.shape[0] // 2
-    writers = [tidal.store.connect(store.address) for _ in range(2)]
+    writers = [testing.raw(store.address) for _ in range(2)]
     for i, w in enumerate(writers):
-        r = w._ctrl.request(
-            {"op": "put_begin", "key": key, "version": 0, "writers": 2, "keep": None,
-             "host": w._host, "volume": None, "kind": "tensor", "writer": w._writer,
-             "tensors": [[[], list(full.shape), "float32", [i * rows, 0],
-                          [rows, full.shape[1]]]]}
-        )  # fmt: skip
-        seg = w._map(r["volume"][3], r["slots"][0], rows * full.shape[1] * 4)
-        seg.view(torch.float32).view(rows, -1).copy_(full[i * rows : (i + 1) * rows])
-        w._ctrl.request({"op": "put_commit", "key": key, "version": 0, "writer": w._writer})
+        decl = {"name": [], "shape": list(full.shape), "dtype": "float32",
+                "offsets": [i * rows, 0], "sizes": [rows, full.shape[1]]}  # fmt: skip
+        d = w.request(ops.PUT_DECLARE, key=key, kind="tensor", writers=2, keep=None,
+                      host=testing.host(store), volume=None, tensors=[decl])  # fmt: skip
+        r = w.request(ops.PUT_BEGIN, key=key, plan=d["plan"], version=0, writer=f"w{i}",
+                      reservation=None, objects=[])  # fmt: skip
+        testing.write_slot(d["volume"], r["slots"][0], full[i * rows : (i + 1) * rows])
+        w.request(ops.PUT_COMMIT, key=key, version=0, writer=f"w{i}", reserve=False)
     for w in writers:
         w.close()
 

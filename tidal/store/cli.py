@@ -1,7 +1,8 @@
 """tidal store serve | volume | ls: run a store service, add a volume, list its contents.
 
-The top-level ``tidal`` command mounts these with :func:`add_store_subcommands`;
-``python -m tidal.store ...`` runs them directly.
+``tidal store ...`` and ``python -m tidal.store ...`` both run :func:`main`. This is an entry
+point: it is where the token is read from ``--token-file`` or ``TIDAL_STORE_TOKEN`` (``--token``
+works too, but shows the secret to ``ps``) and the address from ``TIDAL_STORE``.
 """
 
 from __future__ import annotations
@@ -15,22 +16,20 @@ import threading
 from tidal.store.client import connect
 from tidal.store.controller import Controller
 from tidal.store.errors import StoreError
-from tidal.store.server import Server, run_volume
+from tidal.store.server import Server
+from tidal.store.standalone import run_volume
 from tidal.store.volume import Volume, new_store_id, reap_stale
 
-
-def add_store_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``store`` with ``serve``, ``volume`` and ``ls`` to a ``tidal`` argument parser."""
-    store = subparsers.add_parser("store", help="run or inspect a tidal tensor store")
-    build_parser(store)
+PROG = "tidal store"
 
 
-def build_parser(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="store_cmd", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="{serve,volume,ls}")
     serve = sub.add_parser("serve", help="run a controller and a shared-memory volume")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     serve.add_argument("--port", type=int, default=0, help="TCP port (0: pick a free one)")
-    serve.add_argument("--token", default=None, help="shared secret; required off loopback")
+    _token_args(serve, "shared secret clients must present; required off loopback")
     serve.add_argument("--keep", type=int, default=2, help="versions retained per key")
     serve.add_argument("--capacity-gb", type=float, default=None, help="volume memory cap")
     serve.add_argument("--shm-dir", default="/dev/shm", help="where segments live")
@@ -42,7 +41,7 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     vol.add_argument("--id", required=True, help="volume name, unique in the store")
     vol.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     vol.add_argument("--port", type=int, default=0)
-    vol.add_argument("--token", default=None)
+    _token_args(vol, "the store's shared secret")
     vol.add_argument("--capacity-gb", type=float, default=None)
     vol.add_argument("--shm-dir", default="/dev/shm")
     vol.set_defaults(func=_volume)
@@ -50,8 +49,30 @@ def build_parser(parser: argparse.ArgumentParser) -> None:
     ls = sub.add_parser("ls", help="list keys, versions, sizes and where shards live")
     ls.add_argument("address", nargs="?", default=None, help="tcp://host:port (or $TIDAL_STORE)")
     ls.add_argument("--prefix", default="")
-    ls.add_argument("--token", default=None)
+    _token_args(ls, "the store's shared secret")
     ls.set_defaults(func=_ls)
+    return parser
+
+
+def _token_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--token-file", default=None,
+                   help=f"file holding {what} (or set TIDAL_STORE_TOKEN)")  # fmt: skip
+    p.add_argument("--token", default=None, help="the secret itself (visible to ps; prefer "
+                   "--token-file)")  # fmt: skip
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The token from --token-file, --token or $TIDAL_STORE_TOKEN, in that order."""
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --token-file {args.token_file}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty")
+        return token
+    return args.token or os.environ.get("TIDAL_STORE_TOKEN") or None
 
 
 def _gb(x: float | None) -> int | None:
@@ -76,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
         volume=volume,
         host=args.host,
         port=args.port,
-        token=args.token,
+        token=_token(args),
     )
     print(f"tidal store serving at {server.address} (pid {os.getpid()})", flush=True)
     print(f"export TIDAL_STORE={server.address}", flush=True)
@@ -96,7 +117,7 @@ def _volume(args: argparse.Namespace) -> int:
         args.id,
         host=args.host,
         port=args.port,
-        token=args.token,
+        token=_token(args),
         shm_dir=args.shm_dir,
         capacity=_gb(args.capacity_gb),
         ready=ready,
@@ -107,30 +128,20 @@ def _volume(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
     address = args.address or os.environ.get("TIDAL_STORE")
     if not address:
-        print("tidal store ls: give an address or set TIDAL_STORE", file=sys.stderr)
-        return 2
-    with connect(address, token=args.token or os.environ.get("TIDAL_STORE_TOKEN")) as store:
+        raise ValueError("give an address (tcp://host:port) or set TIDAL_STORE")
+    with connect(address, token=_token(args)) as store:
         listing = store.ls(args.prefix)
     rows = [("KEY", "VERSION", "KIND", "TENSORS", "SHARDS", "BYTES", "VOLUMES")]
     for e in listing["entries"]:
-        rows.append(
-            (
-                e["key"],
-                str(e["version"]),
-                e["kind"],
-                str(e["tensors"]),
-                str(e["shards"]),
-                _size(e["bytes"]),
-                ",".join(e["volumes"]),
-            )
-        )
+        rows.append((e["key"], str(e["version"]), e["kind"], str(e["tensors"]),
+                     str(e["shards"]), _size(e["bytes"]), ",".join(e["volumes"])))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     print()
     for v in listing["volumes"]:
         state = "alive" if v["alive"] else "GONE"
-        where = v["address"] if v.get("kind", "shm") == "shm" else "GPU memory (CUDA IPC)"
+        where = v["address"] if v["kind"] == "shm" else "GPU memory (CUDA IPC)"
         print(f"volume {v['volume']}  {where}  host {v['host']}  {state}")
     return 0
 
@@ -145,16 +156,18 @@ def _size(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``tidal store ...`` with ``argv`` (default: sys.argv[1:]); returns the exit code."""
-    parser = argparse.ArgumentParser(prog="tidal store", description=__doc__.splitlines()[0])
-    build_parser(parser)
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return run(args)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``store`` subcommand (for parsers built by add_store_subcommands)."""
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print(f"\n{PROG}: error: choose a command: serve, volume or ls", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, StoreError) as e:
-        print(f"tidal store {args.store_cmd}: error: {e}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
+    except BrokenPipeError:  # `tidal store ls | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's flush is quiet
+        return 0

@@ -1,542 +1,56 @@
-"""Controller: the store's metadata, and nothing else.
+"""Controller: the store's metadata service, and nothing else.
 
-key -> version -> tensors -> shards (volume, slot, box in the global tensor). It also hands
-out slots (reusing freed ones as a ring per key), counts reader leases, applies retention and
-notices lost volumes. It never touches tensor bytes.
+It never touches tensor bytes. The state and its rules are in tidal/store/catalog.py, the
+write ops in tidal/store/writes.py; this file has the read ops (leases, streaming waits),
+the queries and what a closed connection leaves behind.
 
 Lifecycle: one controller per store, inside the process that runs ``tidal store serve`` or
-the embedded store. The server's connection threads call its methods; one lock guards all
-state. Each method takes the id of the calling connection so that leases and half-written
-versions die with the connection that held them.
+the embedded store. The server's connection threads call the methods named after the ops in
+tidal/store/ops.py with the id of the calling connection; one lock guards all state. Leases,
+half-written versions, plans, reservations and device volumes belong to the connection that
+made them and die with it. Calls into volumes (creating, granting and sealing segments,
+which for a volume process is a round trip) are made outside the lock, so a slow volume does
+not stall everyone else.
 
-Consistency model:
-- A version becomes visible when every expected writer has committed and its shards tile
-  each tensor exactly.
-- A slot holds one version's bytes. It is reused (for a later version) only after its
-  version was dropped and every lease on that version was released, so a reader holding a
-  lease on version v reads bytes of v only.
+Authorization: a version is written, reported on, committed or aborted only by the
+connection that began it under that writer name; a device volume is written only by the
+connection that registered it; a lease is released only by the connection that holds it; a
+volume's slots are granted for network writes only while their version is pending, and
+sealed before it becomes visible.
+
+Consistency: a version becomes visible when every expected writer has committed and its
+shards tile each tensor exactly; a reader holding a lease on version v reads bytes of v
+only (see the slot rules in catalog.py).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.store import layout, wire
+from tidal.store.catalog import _version_sig
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError, VolumeLostError
-
-Name = tuple[Any, ...]
-
-
-@dataclass(slots=True)
-class ShardRec:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    slot: int  # -1: empty shard, no bytes
-    volume: str
-    nbytes: int
+from tidal.store.records import KeyRec, Lease, VersionRec, name_order
+from tidal.store.writes import Writes
 
 
-@dataclass(slots=True)
-class TensorRec:
-    shape: tuple[int, ...]
-    dtype: str
-    shards: list[ShardRec] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class VersionRec:
-    version: int
-    kind: str
-    writers: int
-    keep: int
-    seen: dict[str, int] = field(default_factory=dict)  # writer -> connection id
-    done: set[str] = field(default_factory=set)
-    tensors: dict[Name, TensorRec] = field(default_factory=dict)
-    committed: bool = False
-    written: set[int] = field(default_factory=set)  # slots whose bytes are in (streaming reads)
-    leases: int = 0
-    dropped: str | None = None  # why the version is gone (evicted, deleted, lost)
-    destroy: bool = False  # free its slots for good (not into the ring) once unleased
-    sig: str = ""
-
-    def slots(self) -> list[ShardRec]:
-        return [s for t in self.tensors.values() for s in t.shards if s.slot >= 0]
-
-
-@dataclass(slots=True)
-class KeyRec:
-    kind: str
-    keep: int | None = None  # retention set by a put for this key (sticky), else the store's
-    versions: dict[int, VersionRec] = field(default_factory=dict)
-    next_version: int = 0
-    # Freed slots waiting for reuse: (volume, name, nbytes) -> slot ids.
-    free: dict[tuple[str, Name, int], list[int]] = field(default_factory=dict)
-    gone: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dropped versions
-
-
-@dataclass(slots=True)
-class VolumeRec:
-    volume_id: str
-    address: str
-    host: str
-    shm_prefix: str
-    create: Callable[[int, int], None]
-    destroy: Callable[[list[int]], None]
-    probe: Callable[[], bool]  # False once the volume is known dead
-    cleanup: Callable[[], None] = lambda: None  # after death: unlink what it left behind
-    alive: bool = True
-    used: int = 0
-    kind: str = "shm"  # "shm": host shared memory; "cuda": a writer's GPU memory (CUDA IPC)
-    owner: int | None = None  # "cuda": the connection of the writer whose memory it is
-    handles: dict[int, tuple[str, bytes]] = field(default_factory=dict)  # "cuda": slot ->
-    # (GPU uuid, IPC handle)
-    freed: list[int] = field(default_factory=list)  # "cuda": destroyed, owner not yet told
-
-
-@dataclass(slots=True)
-class Lease:
-    key: str
-    vrec: VersionRec
-    conn: int
-
-
-class Controller:
-    """Metadata service. Every public method is called with the caller's connection id."""
-
-    def __init__(self, store_id: str, keep: int = 2) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
-        self.store_id = store_id
-        self.keep = keep
-        self._lock = threading.RLock()
-        # Woken on every change a streaming reader may wait for: a version begun, slots
-        # written, a commit, a drop.
-        self._changed = threading.Condition(self._lock)
-        self._keys: dict[str, KeyRec] = {}
-        self._volumes: dict[str, VolumeRec] = {}
-        self._slot_owner: dict[int, tuple[str, int]] = {}  # slot -> (volume id, nbytes)
-        self._next_slot = 1
-        self._leases: dict[int, Lease] = {}
-        self._next_lease = 1
-        # (key, version) -> until when a streaming reader waits for it (monotonic seconds):
-        # writers of such a version report their progress, others need not.
-        self._wanted: dict[tuple[str, int], float] = {}
-
-    # ---------------------------------------------------------------- volumes
-
-    def add_volume(self, rec: VolumeRec) -> None:
-        with self._lock:
-            old = self._volumes.get(rec.volume_id)
-            if old is not None and old.alive:
-                raise ValueError(f"a volume named {rec.volume_id!r} is already registered")
-            self._volumes[rec.volume_id] = rec
-
-    def add_device_volume(self, conn: int, volume_id: str, host: str) -> None:
-        """Register a writer's GPU memory as a volume of kind "cuda", owned by (and dying
-        with) connection ``conn`` (see tidal/store/cuda_ipc.py)."""
-        rec = VolumeRec(
-            volume_id=volume_id,
-            address="",
-            host=host,
-            shm_prefix="",
-            create=lambda slot, nbytes: None,  # the owner allocates when it writes
-            destroy=lambda slots: None,  # replaced below: it needs the record
-            probe=lambda: True,  # its death is its connection's close
-            kind="cuda",
-            owner=conn,
-        )
-        rec.destroy = functools.partial(_hand_back, rec)
-        self.add_volume(rec)
-
-    def _live_device_volume(self, volume_id: str) -> VolumeRec | None:
-        vol = self._volumes.get(volume_id)
-        return vol if vol is not None and vol.kind == "cuda" and vol.alive else None
-
-    def _device_volume(self, conn: int, volume_id: str) -> VolumeRec:
-        """The live device volume ``volume_id``, which must be ``conn``'s own."""
-        vol = self._live_device_volume(volume_id)
-        if vol is None:
-            raise ValueError(f"{volume_id!r} is not a live device volume of this store")
-        if vol.owner != conn:
-            raise ValueError(f"device volume {volume_id!r} is GPU memory of another writer")
-        return vol
-
-    def put_handles(self, conn: int, volume_id: str, handles: list[list[Any]]) -> dict[str, Any]:
-        """The owner of a device volume sends the IPC handles of slots it allocated."""
-        with self._lock:
-            vol = self._device_volume(conn, volume_id)
-            for slot, _, _ in handles:  # all or nothing
-                if self._slot_owner.get(slot, ("",))[0] != volume_id:
-                    raise ValueError(f"slot {slot} is not a slot of volume {volume_id!r}")
-            for slot, uuid, handle in handles:
-                vol.handles[slot] = (uuid, handle)
-            return {}
-
-    def slot_handles(self, volume_id: str, slots: list[int]) -> dict[str, Any]:
-        """IPC handles of a device volume's slots, for a reader opening them."""
-        with self._lock:
-            vol = self._live_device_volume(volume_id)
-            if vol is None:
-                raise VolumeLostError(f"device volume {volume_id!r} is gone")
-            out = []
-            for slot in slots:
-                if slot not in vol.handles:
-                    raise StoreError(f"slot {slot} of volume {volume_id!r} has no IPC handle")
-                out.append([slot, *vol.handles[slot]])
-            return {"handles": out}
-
-    def volume_gone(self, volume_id: str) -> None:
-        """Forget a dead volume: versions with bytes on it become lost."""
-        with self._lock:
-            vol = self._volumes.get(volume_id)
-            if vol is None or not vol.alive:
-                return
-            vol.alive = False
-            vol.cleanup()
-            for key, krec in list(self._keys.items()):
-                for _v, vrec in list(krec.versions.items()):
-                    if any(s.volume == volume_id for s in vrec.slots()):
-                        where = vol.address or f"GPU memory of a writer on {vol.host}"
-                        reason = f"lost: volume {volume_id!r} at {where} went away"
-                        self._drop(key, krec, vrec, reason, destroy=True)
-                for fk in [fk for fk in krec.free if fk[0] == volume_id]:
-                    for slot in krec.free.pop(fk):
-                        self._slot_owner.pop(slot, None)
-            self._forget_dead(volume_id)
-
-    def _forget_dead(self, volume_id: str) -> None:
-        """Drop the record of a dead device volume once no slot of it is left (each writer
-        process has its own: a long-lived store would otherwise collect them)."""
-        vol = self._volumes.get(volume_id)
-        if vol is None or vol.kind != "cuda" or vol.alive:
-            return
-        if not any(owner[0] == volume_id for owner in self._slot_owner.values()):
-            del self._volumes[volume_id]
-
-    def _check_volumes(self, vrec: VersionRec) -> None:
-        for vid in {s.volume for s in vrec.slots()}:
-            vol = self._volumes[vid]
-            if vol.alive and not vol.probe():
-                self.volume_gone(vid)
-
-    # ---------------------------------------------------------------- writes
-
-    def put_begin(self, conn: int, msg: dict[str, Any]) -> dict[str, Any]:
-        key, writer, kind = msg["key"], msg["writer"], msg["kind"]
-        with self._lock:
-            krec = self._keys.get(key)
-            if krec is None:
-                krec = self._keys[key] = KeyRec(kind=kind)
-            elif krec.kind != kind:
-                raise TypeError(
-                    f"key {key!r} holds a {krec.kind.replace('_', ' ')}; cannot put a "
-                    f"{kind.replace('_', ' ')} under it (delete the key first)"
-                )
-            version = msg["version"]
-            if version is None:
-                if msg["writers"] > 1:
-                    raise ValueError(
-                        f"key {key!r}: pass an explicit version= when {msg['writers']} "
-                        "processes write one version (they must agree on it)"
-                    )
-                version = krec.next_version
-            vrec = krec.versions.get(version)
-            if vrec is None:
-                if version in krec.gone:
-                    raise ValueError(
-                        f"version {version} of key {key!r} was already written and dropped "
-                        f"({krec.gone[version]}); versions are immutable, use a new number"
-                    )
-                if msg["keep"] is not None:
-                    krec.keep = msg["keep"]
-                keep = krec.keep if krec.keep is not None else self.keep
-                vrec = krec.versions[version] = VersionRec(version, kind, msg["writers"], keep)
-                krec.next_version = max(krec.next_version, version + 1)
-            elif vrec.committed:
-                raise ValueError(
-                    f"version {version} of key {key!r} already exists; versions are immutable"
-                )
-            elif vrec.writers != msg["writers"]:
-                raise ValueError(
-                    f"version {version} of key {key!r}: this writer expects {msg['writers']} "
-                    f"writers, an earlier one said {vrec.writers}"
-                )
-            if writer in vrec.seen:
-                raise ValueError(f"writer {writer} already put version {version} of key {key!r}")
-            if len(vrec.seen) >= vrec.writers:
-                raise ValueError(
-                    f"version {version} of key {key!r} already has its {vrec.writers} writers"
-                )
-            vol = self._pick_volume(conn, msg["host"], msg["volume"])
-            slots: list[int] = []
-            fresh: list[tuple[int, int]] = []  # (slot, nbytes) the volume must create
-            try:
-                for name_l, shape_l, dtype, offs_l, sizes_l in msg["tensors"]:
-                    slots.append(
-                        self._claim(
-                            key, krec, vrec, vol, tuple(name_l), tuple(shape_l), dtype,
-                            tuple(offs_l), tuple(sizes_l), fresh,
-                        )
-                    )  # fmt: skip
-            except BaseException:
-                # Leave the version as it was before this writer (free what it claimed).
-                self._unclaim(krec, vrec, set(slots), {s for s, _ in fresh})
-                if not vrec.seen:
-                    del krec.versions[version]
-                raise
-            vrec.seen[writer] = conn
-            report = self._wanted.get((key, version), 0.0) > time.monotonic()
-            self._changed.notify_all()
-        # Segments are made outside the lock: a slow or stopped volume must not stall the
-        # controller for everyone else. The version stays invisible until its commit.
-        try:
-            for slot, nbytes in fresh:
-                vol.create(slot, nbytes)
-        except BaseException as e:
-            with self._lock:
-                if vrec.dropped is None:
-                    reason = f"aborted: volume {vol.volume_id!r} could not allocate: {e}"
-                    self._drop(key, krec, vrec, reason, destroy=True)
-            raise
-        out: dict[str, Any] = {
-            "version": version,
-            "slots": slots,
-            "volume": [vol.volume_id, vol.address, vol.host, vol.shm_prefix, vol.kind],
-            "report": report,  # a reader waits for this version: report written slots
-        }
-        if vol.kind == "cuda":
-            with self._lock:
-                out["freed"], vol.freed = vol.freed, []
-        return out
-
-    def _pick_volume(self, conn: int, host: str, wanted: str | None) -> VolumeRec:
-        alive = [v for v in self._volumes.values() if v.alive]
-        if wanted is not None:
-            for v in alive:
-                if v.volume_id == wanted:
-                    if v.kind == "cuda":
-                        self._device_volume(conn, wanted)  # raises for another's memory
-                    return v
-            raise ValueError(
-                f"volume {wanted!r} is not registered (alive: {[v.volume_id for v in alive]})"
-            )
-        alive = [v for v in alive if v.kind == "shm"]  # device volumes take their owner's only
-        if not alive:
-            raise StoreError("the store has no live storage volume")
-        local = [v for v in alive if v.host == host] or alive
-        return min(local, key=lambda v: v.used)
-
-    def _claim(
-        self,
-        key: str,
-        krec: KeyRec,
-        vrec: VersionRec,
-        vol: VolumeRec,
-        name: Name,
-        shape: tuple[int, ...],
-        dtype: str,
-        offs: tuple[int, ...],
-        sizes: tuple[int, ...],
-        fresh: list[tuple[int, int]],
-    ) -> int:
-        """Record one shard of a writer; return its slot, -1 (empty) or -2 (a replica).
-        A new slot is appended to ``fresh`` for the caller to create on the volume."""
-        shown = layout.path_str(name) or key
-        if len(offs) != len(shape) or len(sizes) != len(shape):
-            raise ValueError(f"{shown}: box {offs}/{sizes} does not match shape {shape}")
-        if any(o + s > d for o, s, d in zip(offs, sizes, shape, strict=True)):
-            raise ValueError(f"{shown}: box {offs}/{sizes} lies outside shape {shape}")
-        trec = vrec.tensors.get(name)
-        if trec is None:
-            trec = vrec.tensors[name] = TensorRec(shape, dtype)
-        elif trec.shape != shape or trec.dtype != dtype:
-            raise ValueError(
-                f"{shown} in version {vrec.version} of key {key!r}: this writer has global "
-                f"shape {list(shape)} {dtype}, another has {list(trec.shape)} {trec.dtype}"
-            )
-        if layout.numel(sizes) == 0:
-            return -1
-        if any(s.offsets == offs and s.sizes == sizes for s in trec.shards):
-            return -2  # a replica of a shard another writer stores
-        nbytes = layout.numel(sizes) * wire.DTYPES[dtype].itemsize
-        pool = krec.free.get((vol.volume_id, name, nbytes))
-        if pool:
-            slot = pool.pop()
-        else:
-            slot = self._next_slot
-            self._next_slot += 1
-            fresh.append((slot, nbytes))
-            self._slot_owner[slot] = (vol.volume_id, nbytes)
-            vol.used += nbytes
-        trec.shards.append(ShardRec(offs, sizes, slot, vol.volume_id, nbytes))
-        return slot
-
-    def _unclaim(self, krec: KeyRec, vrec: VersionRec, slots: set[int], fresh: set[int]) -> None:
-        for name, trec in list(vrec.tensors.items()):
-            keep = []
-            for s in trec.shards:
-                if s.slot in fresh:  # never created: forget it
-                    self._slot_owner.pop(s.slot, None)
-                    self._volumes[s.volume].used -= s.nbytes
-                elif s.slot in slots and s.slot >= 0:
-                    krec.free.setdefault((s.volume, name, s.nbytes), []).append(s.slot)
-                else:
-                    keep.append(s)
-            trec.shards = keep
-
-    def put_commit(self, conn: int, key: str, version: int, writer: str) -> dict[str, Any]:
-        with self._lock:
-            krec, vrec = self._pending(key, version, writer)
-            vrec.done.add(writer)
-            if len(vrec.done) < vrec.writers:
-                return {"visible": False}
-            for name, trec in vrec.tensors.items():
-                trec.shards.sort(key=lambda s: s.offsets)
-                problem = layout.check_cover(
-                    trec.shape, [(s.offsets, s.sizes) for s in trec.shards]
-                )
-                if problem is not None:
-                    shown = layout.path_str(name) or key
-                    self._drop(key, krec, vrec, f"aborted: {shown}: {problem}", destroy=False)
-                    raise ValueError(
-                        f"version {version} of key {key!r} is incomplete after all "
-                        f"{vrec.writers} writers committed: {shown}: {problem}"
-                    )
-            vrec.committed = True
-            vrec.sig = _signature(vrec)
-            self._retain(key, krec, vrec.keep)
-            self._changed.notify_all()
-            return {"visible": True}
-
-    def put_abort(self, conn: int, key: str, version: int, writer: str) -> dict[str, Any]:
-        with self._lock:
-            krec, vrec = self._pending(key, version, writer)
-            self._drop(key, krec, vrec, f"aborted by writer {writer}", destroy=False)
-            return {}
-
-    def put_progress(
-        self, conn: int, key: str, version: int, writer: str, slots: list[int]
-    ) -> dict[str, Any]:
-        """A writer's bytes for `slots` of a pending version are in place (for readers that
-        stream a version while it is written; it stays invisible to others until commit)."""
-        with self._lock:
-            _, vrec = self._pending(key, version, writer)
-            vrec.written.update(slots)
-            self._changed.notify_all()
-            return {}
-
-    def wait(
-        self, conn: int, key: str, version: int, slots: list[int], wait_ms: int
-    ) -> dict[str, Any]:
-        """Block up to `wait_ms` until `slots` of a pending version are written (or, with no
-        slots, until it is committed). Returns {"done": bool, "committed": bool}; raises if
-        the version was aborted, evicted or deleted meanwhile."""
-        deadline = time.monotonic() + wait_ms / 1000
-        with self._changed:
-            while True:
-                krec = self._keys.get(key)
-                vrec = krec.versions.get(version) if krec else None
-                if vrec is None:
-                    why = krec.gone.get(version) if krec else None
-                    raise VersionNotFoundError(
-                        f"version {version} of key {key!r} is gone ({why or 'never written'})"
-                    )
-                if vrec.committed:
-                    return {"done": True, "committed": True}
-                if slots and set(slots) <= vrec.written:
-                    return {"done": True, "committed": False}
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return {"done": False, "committed": False}
-                self._changed.wait(left)
-
-    def _pending(self, key: str, version: int, writer: str) -> tuple[KeyRec, VersionRec]:
-        krec = self._keys.get(key)
-        vrec = krec.versions.get(version) if krec else None
-        if vrec is None or writer not in vrec.seen or vrec.committed:
-            reason = krec.gone.get(version) if krec else None
-            raise ValueError(
-                f"version {version} of key {key!r} has no pending write by {writer}"
-                + (f" ({reason})" if reason else "")
-            )
-        assert krec is not None, f"pending version {version} of {key!r} without its key record"
-        return krec, vrec
-
-    def _retain(self, key: str, krec: KeyRec, keep: int) -> None:
-        committed = sorted(v for v, r in krec.versions.items() if r.committed)
-        for v in committed[:-keep]:
-            self._drop(key, krec, krec.versions[v], f"evicted: key keeps the last {keep}")
-        # Free slots of a shape the latest version no longer uses are dead weight.
-        latest = krec.versions[committed[-1]]
-        live = {(s.volume, n, s.nbytes) for n, t in latest.tensors.items() for s in t.shards}
-        for fk in [fk for fk in krec.free if fk not in live]:
-            self._destroy_slots(krec.free.pop(fk))
-
-    def _drop(
-        self, key: str, krec: KeyRec, vrec: VersionRec, reason: str, destroy: bool = False
-    ) -> None:
-        """Remove a version; its slots return to the key's ring (or are destroyed) once no
-        lease holds them."""
-        krec.versions.pop(vrec.version, None)
-        krec.gone[vrec.version] = reason
-        while len(krec.gone) > 1024:
-            krec.gone.popitem(last=False)
-        vrec.dropped = reason
-        vrec.committed = False
-        vrec.destroy = vrec.destroy or destroy
-        self._changed.notify_all()
-        if vrec.leases == 0:
-            self._release_slots(krec, vrec, vrec.destroy)
-
-    def _release_slots(self, krec: KeyRec | None, vrec: VersionRec, destroy: bool) -> None:
-        shards = [(n, s) for n, t in vrec.tensors.items() for s in t.shards if s.slot >= 0]
-        vrec.tensors = {}
-        if destroy or krec is None:
-            self._destroy_slots([s.slot for _, s in shards])
-            return
-        for name, s in shards:
-            if self._volumes[s.volume].alive:
-                krec.free.setdefault((s.volume, name, s.nbytes), []).append(s.slot)
-
-    def _destroy_slots(self, slots: list[int]) -> None:
-        by_vol: dict[str, list[int]] = {}
-        for slot in slots:
-            owner = self._slot_owner.pop(slot, None)
-            if owner is not None:
-                by_vol.setdefault(owner[0], []).append(slot)
-                self._volumes[owner[0]].used -= owner[1]
-        for vid, ss in by_vol.items():
-            vol = self._volumes[vid]
-            if vol.alive:
-                try:
-                    vol.destroy(ss)
-                except (StoreError, OSError):
-                    pass  # fallback: an unreachable volume frees its memory when it exits
-            else:
-                self._forget_dead(vid)
-
-    # ---------------------------------------------------------------- reads
+class Controller(Writes):
+    """Metadata service. Public methods take the caller's connection id first."""
 
     def acquire(
         self,
         conn: int,
+        *,
         key: str,
         version: int | str,
         known_sig: str | None,
-        wait_ms: int | None = None,
+        wait_ms: int | None,
     ) -> dict[str, Any]:
         """Pin a committed version for reading; returns its layout and slots.
 
-        With `wait_ms` (an int version only), wait up to that long for the version to exist
+        With ``wait_ms`` (an int version only), wait up to that long for the version to exist
         and have all its writers begun, and pin it even before its commit: the reply then
-        says "pending" and the reader gates each slot on `wait` (streaming read)."""
+        says "pending" and the reader gates each slot on ``wait`` (streaming read)."""
         with self._changed:
             vrec = self._await_begun(key, version, wait_ms) if wait_ms is not None else None
             if vrec is None and wait_ms is not None:
@@ -551,11 +65,10 @@ class Controller:
             self._check_volumes(vrec)
             if vrec.dropped:  # the probe found a dead volume
                 raise VolumeLostError(f"version {vrec.version} of key {key!r} is {vrec.dropped}")
-            lease = self._next_lease
-            self._next_lease += 1
+            lease = self._new_id()
             self._leases[lease] = Lease(key, vrec, conn)
             vrec.leases += 1
-            names = sorted(vrec.tensors, key=_name_order)
+            names = sorted(vrec.tensors, key=name_order)
             vols: list[str] = []
             slots: list[int] = []
             for n in names:
@@ -563,41 +76,33 @@ class Controller:
                     slots.append(s.slot)
                     vols.append(s.volume)
             vol_ids = sorted(set(vols))
-            sig = vrec.sig or _signature(vrec)  # a pending version has no cached signature
+            index = {v: i for i, v in enumerate(vol_ids)}
+            sig = vrec.sig or _version_sig(vrec)  # a pending version has no cached signature
             out: dict[str, Any] = {
+                "waiting": False,
                 "version": vrec.version,
                 "lease": lease,
                 "kind": vrec.kind,
                 "sig": sig,
                 "pending": not vrec.committed,
                 "slots": slots,
-                "vols": [vol_ids.index(v) for v in vols],
-                "volumes": [
-                    [
-                        v,
-                        self._volumes[v].address,
-                        self._volumes[v].host,
-                        self._volumes[v].shm_prefix,
-                        self._volumes[v].kind,
-                    ]
-                    for v in vol_ids
-                ],
+                "vols": [index[v] for v in vols],
+                "volumes": [self._volumes[v].info() for v in vol_ids],
+                "objects": [{"name": list(n), "value": v} for n, v in vrec.objects.items()],
             }
             if known_sig != sig:
                 out["meta"] = [
-                    [
-                        list(n),
-                        list(vrec.tensors[n].shape),
-                        vrec.tensors[n].dtype,
-                        [[list(s.offsets), list(s.sizes)] for s in vrec.tensors[n].shards],
-                    ]
+                    {"name": list(n), "shape": list(vrec.tensors[n].shape),
+                     "dtype": vrec.tensors[n].dtype,
+                     "boxes": [{"offsets": list(s.offsets), "sizes": list(s.sizes)}
+                               for s in vrec.tensors[n].shards]}
                     for n in names
-                ]
+                ]  # fmt: skip
             return out
 
     def _await_begun(self, key: str, version: int | str, wait_ms: int) -> VersionRec | None:
-        """The record of `version` once every writer has begun it (committed or not); None if
-        it does not get there within `wait_ms` (the caller then reports why)."""
+        """The record of ``version`` once every writer has begun it (committed or not); None
+        if it does not get there within ``wait_ms`` (the caller then reports why)."""
         if not isinstance(version, int):
             raise ValueError("waiting for a version needs a version number, not 'latest'")
         deadline = time.monotonic() + wait_ms / 1000
@@ -631,7 +136,7 @@ class Controller:
                     f"key {key!r} has no committed version yet (being written: {pending})"
                 )
             return krec.versions[committed[-1]]
-        assert isinstance(version, int)
+        assert isinstance(version, int), f"version {version!r} is neither an int nor 'latest'"
         vrec = krec.versions.get(version)
         if vrec is not None and vrec.committed:
             return vrec
@@ -648,65 +153,103 @@ class Controller:
             f"version {version} of key {key!r} was never written; available: {committed}"
         )
 
-    def release(self, conn: int, lease: int) -> dict[str, Any]:
+    def wait(
+        self, conn: int, *, key: str, version: int, slots: list[int], wait_ms: int
+    ) -> dict[str, Any]:
+        """Block up to ``wait_ms`` until ``slots`` of a pending version are written (or, with
+        no slots, until it is committed). Raises if the version was aborted, evicted or
+        deleted meanwhile."""
+        deadline = time.monotonic() + wait_ms / 1000
+        with self._changed:
+            while True:
+                krec = self._keys.get(key)
+                vrec = krec.versions.get(version) if krec else None
+                if vrec is None:
+                    why = krec.gone.get(version) if krec else None
+                    raise VersionNotFoundError(
+                        f"version {version} of key {key!r} is gone ({why or 'never written'})"
+                    )
+                if vrec.committed:
+                    return {"done": True, "committed": True}
+                if slots and set(slots) <= vrec.written:
+                    return {"done": True, "committed": False}
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"done": False, "committed": False}
+                self._changed.wait(left)
+
+    def release(self, conn: int, *, lease: int) -> dict[str, Any]:
         with self._lock:
-            rec = self._leases.pop(lease, None)
-            if rec is None:
-                raise ValueError(f"lease {lease} is not held")
+            rec = self._leases.get(lease)
+            if rec is None or rec.conn != conn:
+                raise ValueError(f"lease {lease} is not held by this connection")
+            del self._leases[lease]
             self._unlease(rec)
             # Whether the version's volume died while it was leased (readers of GPU memory
             # then know their copy may hold freed bytes).
             return {"lost": (rec.vrec.dropped or "").startswith("lost")}
 
-    def _unlease(self, rec: Lease) -> None:
-        vrec = rec.vrec
-        vrec.leases -= 1
-        if vrec.dropped is not None and vrec.leases == 0:
-            self._release_slots(self._keys.get(rec.key), vrec, vrec.destroy)
+    def slot_handles(self, conn: int, *, volume_id: str, slots: list[int]) -> dict[str, Any]:
+        """IPC handles of a device volume's slots, for a reader opening them."""
+        with self._lock:
+            vol = self._live_device_volume(volume_id)
+            if vol is None:
+                raise VolumeLostError(f"device volume {volume_id!r} is gone")
+            out = []
+            for slot in slots:
+                if slot not in vol.handles:
+                    raise StoreError(f"slot {slot} of volume {volume_id!r} has no IPC handle")
+                uuid, handle = vol.handles[slot]
+                out.append({"slot": slot, "uuid": uuid, "handle": handle})
+            return {"handles": out}
 
     def connection_closed(self, conn: int) -> None:
-        """Release the leases and abort the pending writes of a closed connection."""
+        """Release what a closed connection held: leases, pending writes, plans,
+        reservations, and the device volume or registered volume it was."""
         with self._lock:
             for lease in [k for k, r in self._leases.items() if r.conn == conn]:
                 self._unlease(self._leases.pop(lease))
+            for rid in [r for r, res in self._reservations.items() if res.conn == conn]:
+                self._destroy_slots([s for s in self._reservations.pop(rid).slots if s])
+            for (c, key, _, writer), vrec in list(self._writing.items()):
+                if c != conn:
+                    continue
+                krec = self._keys.get(key)
+                if vrec.dropped is None and krec is not None:
+                    self._drop(key, krec, vrec, "aborted: a writer disconnected")
+                self._end_write(conn, key, vrec, writer)
+            self._flush_quarantine(conn)
             for vol in list(self._volumes.values()):
-                if vol.kind == "cuda" and vol.owner == conn:
-                    self.volume_gone(vol.volume_id)  # the writer's GPU memory goes with it
-            for key, krec in list(self._keys.items()):
-                for vrec in list(krec.versions.values()):
-                    if vrec.committed:
-                        continue
-                    if any(c == conn and w not in vrec.done for w, c in vrec.seen.items()):
-                        self._drop(key, krec, vrec, "aborted: a writer disconnected")
+                if vol.owner == conn:
+                    self.volume_gone(vol.volume_id)  # a writer's GPU memory, a volume process
+            for pid in [p for p, rec in self._plans.items() if rec.conn == conn]:
+                del self._plans[pid]
 
-    # ---------------------------------------------------------------- queries
-
-    def keys(self, prefix: str) -> list[str]:
+    def keys(self, conn: int, *, prefix: str) -> dict[str, Any]:
         with self._lock:
-            return sorted(
-                k
-                for k, r in self._keys.items()
+            return {"keys": sorted(
+                k for k, r in self._keys.items()
                 if k.startswith(prefix) and any(v.committed for v in r.versions.values())
-            )
+            )}  # fmt: skip
 
-    def versions(self, key: str) -> list[int]:
+    def versions(self, conn: int, *, key: str) -> dict[str, Any]:
         with self._lock:
             krec = self._keys.get(key)
             if krec is None:
                 raise KeyNotFoundError(f"key {key!r} not found{self._suggest(key)}")
-            return sorted(v for v, r in krec.versions.items() if r.committed)
+            return {"versions": sorted(v for v, r in krec.versions.items() if r.committed)}
 
-    def exists(self, key: str, version: int | None) -> bool:
+    def exists(self, conn: int, *, key: str, version: int | None) -> dict[str, Any]:
         with self._lock:
             krec = self._keys.get(key)
             if krec is None:
-                return False
+                return {"exists": False}
             if version is None:
-                return any(r.committed for r in krec.versions.values())
+                return {"exists": any(r.committed for r in krec.versions.values())}
             vrec = krec.versions.get(version)
-            return vrec is not None and vrec.committed
+            return {"exists": vrec is not None and vrec.committed}
 
-    def delete(self, key: str, version: int | None) -> int:
+    def delete(self, conn: int, *, key: str, version: int | None) -> dict[str, Any]:
         """Drop one version or the whole key; returns how many committed versions went."""
         with self._lock:
             krec = self._keys.get(key)
@@ -718,7 +261,7 @@ class Controller:
                     self._resolve(key, krec, version)  # raises the precise error
                     raise VersionNotFoundError(f"version {version} of key {key!r} not found")
                 self._drop(key, krec, vrec, "deleted", destroy=True)
-                return 1
+                return {"deleted": 1}
             n = sum(1 for r in krec.versions.values() if r.committed)
             for vrec in list(krec.versions.values()):
                 self._drop(key, krec, vrec, "deleted", destroy=True)
@@ -726,9 +269,9 @@ class Controller:
                 self._destroy_slots(pool)
             krec.free.clear()
             del self._keys[key]
-            return n
+            return {"deleted": n}
 
-    def ls(self, prefix: str) -> list[dict[str, Any]]:
+    def ls(self, conn: int, *, prefix: str) -> dict[str, Any]:
         """Keys with their committed versions, bytes, tensor count and volumes."""
         with self._lock:
             out = []
@@ -740,7 +283,7 @@ class Controller:
                     vrec = krec.versions[v]
                     if not vrec.committed:
                         continue
-                    shards = vrec.slots()
+                    shards = [s for _, s in vrec.shards()]
                     out.append(
                         {
                             "key": key,
@@ -752,35 +295,26 @@ class Controller:
                             "volumes": sorted({s.volume for s in shards}),
                         }
                     )
-            return out
+            return {"entries": out, "volumes": self._volume_states()}
 
-    def volumes(self) -> list[dict[str, Any]]:
+    def volumes(self, conn: int) -> dict[str, Any]:
         with self._lock:
-            return [
-                {"volume": v.volume_id, "address": v.address, "host": v.host, "alive": v.alive,
-                 "kind": v.kind}
-                for v in self._volumes.values()
-            ]  # fmt: skip
+            return {"volumes": self._volume_states()}
 
-    def _suggest(self, key: str) -> str:
-        near = [k for k in self._keys if k.startswith(key.split("/")[0])][:5]
-        return f"; similar keys: {near}" if near else ""
+    def _volume_states(self) -> list[dict[str, Any]]:
+        return [
+            {"volume": v.volume_id, "kind": v.kind, "host": v.host, "address": v.address,
+             "alive": v.alive}
+            for v in self._volumes.values()
+        ]  # fmt: skip
 
+    def readers_waiting(self, key: str, version: int) -> bool:
+        """Whether a streaming reader waits for ``version`` of ``key`` (tidal.store.testing)."""
+        with self._lock:
+            return self._wanted.get((key, version), 0.0) > time.monotonic()
 
-def _hand_back(vol: VolumeRec, slots: list[int]) -> None:
-    """``destroy`` of a device volume: its owner frees the slots at its next put."""
-    for slot in slots:
-        vol.handles.pop(slot, None)
-    vol.freed.extend(slots)
-
-
-def _name_order(name: Name) -> tuple[Any, ...]:
-    return tuple((0, c) if isinstance(c, int) else (1, c) for c in name)
-
-
-def _signature(vrec: VersionRec) -> str:
-    h = hashlib.sha1(vrec.kind.encode())
-    for n in sorted(vrec.tensors, key=_name_order):
-        t = vrec.tensors[n]
-        h.update(repr((n, t.shape, t.dtype, [(s.offsets, s.sizes) for s in t.shards])).encode())
-    return h.hexdigest()[:20]
+    def counts(self) -> dict[str, int]:
+        """Live leases, slots, plans and reservations (tidal.store.testing)."""
+        with self._lock:
+            return {"leases": len(self._leases), "slots": len(self._slot_owner),
+                    "plans": len(self._plans), "reservations": len(self._reservations)}  # fmt: skip

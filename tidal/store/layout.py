@@ -91,27 +91,39 @@ def check_cover(global_shape: Dims, boxes: list[tuple[Dims, Dims]]) -> str | Non
     return None
 
 
-def flatten(state_dict: Mapping[str, Any], prefix: Path = ()) -> list[tuple[Path, torch.Tensor]]:
-    """Leaves of a nested dict/list state dict as (path, tensor) pairs, in insertion order."""
-    out: list[tuple[Path, torch.Tensor]] = []
+def flatten(state_dict: Mapping[str, Any], prefix: Path = ()) -> list[tuple[Path, Any]]:
+    """Leaves of a nested dict/list state dict as (path, leaf) pairs, in insertion order.
+    Leaves are tensors (and DTensors) or plain values; dicts, lists and tuples holding a
+    tensor are walked, those holding none are one plain value."""
+    out: list[tuple[Path, Any]] = []
     items: Any = state_dict.items() if isinstance(state_dict, Mapping) else enumerate(state_dict)
     for k, v in items:
         if isinstance(state_dict, Mapping) and not isinstance(k, str):
             raise TypeError(f"state dict keys must be strings; got {k!r} at {path_str(prefix)}")
         path = (*prefix, k)
-        if isinstance(v, torch.Tensor):
-            out.append((path, v))
-        elif isinstance(v, Mapping | list | tuple):
-            out.extend(flatten(v, path))  # type: ignore[arg-type]  # lists are indexed too
+        if _holds_tensor(v):
+            out.extend(flatten(v, path))  # lists are indexed too
         else:
-            raise TypeError(
-                f"state dict entry {path_str(path)!r} is a {type(v).__name__}; "
-                "tidal.store holds tensors and DTensors (nested in dicts and lists) only"
-            )
+            out.append((path, v))
     return out
 
 
-def unflatten(items: list[tuple[Path, torch.Tensor]]) -> dict[str, Any]:
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return False  # a leaf itself
+    if isinstance(v, Mapping):
+        return any(isinstance(x, torch.Tensor) or _holds_tensor(x) for x in v.values())
+    if isinstance(v, list | tuple):
+        return any(isinstance(x, torch.Tensor) or _holds_tensor(x) for x in v)
+    return False
+
+
+def tensors_of(items: list[tuple[Path, Any]]) -> list[tuple[Path, torch.Tensor]]:
+    """The tensor leaves of flattened items."""
+    return [(p, v) for p, v in items if isinstance(v, torch.Tensor)]
+
+
+def unflatten(items: list[tuple[Path, Any]]) -> dict[str, Any]:
     """Inverse of :func:`flatten`; integer path components become list positions."""
     root: dict[Any, Any] = {}
     for path, t in items:

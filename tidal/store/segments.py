@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 
 from tidal.store.errors import StoreError
-from tidal.store.volume import map_segment
+from tidal.store.volume import as_bytes, map_segment
 
 M = TypeVar("M")
 _LIMIT = 65536  # mappings per cache
@@ -28,27 +28,11 @@ _SWEEP_EVERY = 64  # misses
 
 
 def _open(path: str, map_: Callable[[], M]) -> M:
-    """``map_()``, with a missing or unmappable segment reported as a StoreError."""
+    """``map_()``, with an unmappable segment reported as a StoreError."""
     try:
         return map_()
-    except FileNotFoundError:
-        raise StoreError(
-            f"shared-memory segment {path} is gone (its volume was closed or died)"
-        ) from None
     except OSError as e:
         raise StoreError(f"cannot map shared-memory segment {path}: {e}") from None
-
-
-def map_readonly(path: str, nbytes: int) -> mmap.mmap:
-    """Map an existing segment read-only; raises StoreError if it is gone or has changed."""
-    fd = _open(path, lambda: os.open(path, os.O_RDONLY))
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise StoreError(f"segment {path} has {size} bytes, expected {nbytes}")
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
 
 
 class Segments:
@@ -68,12 +52,13 @@ class Segments:
         """The segment as a flat uint8 tensor sharing its memory."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        open_ = lambda: _open(path, lambda: map_segment(path, nbytes))  # noqa: E731
+        open_ = lambda: _open(path, lambda: as_bytes(map_segment(path, nbytes)))  # noqa: E731
         return self._cached(self._rw, path, open_, self._unpin)
 
     def readonly(self, path: str, nbytes: int) -> mmap.mmap:
         """The segment mapped read-only, for zero-copy views."""
-        return self._cached(self._ro, path, lambda: map_readonly(path, nbytes), lambda *_: None)
+        open_ = lambda: _open(path, lambda: map_segment(path, nbytes, writable=False))  # noqa: E731
+        return self._cached(self._ro, path, open_, lambda *_: None)
 
     def _cached(
         self,

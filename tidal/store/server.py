@@ -4,39 +4,55 @@ Lifecycle:
 - ``tidal store serve`` and the embedded store (``connect()`` with no address) run one
   :class:`Server` holding a :class:`Controller` and a local :class:`Volume`, in background
   threads of the calling process.
-- ``python -m tidal.store volume --controller tcp://...`` runs a :class:`Server` with a
-  volume only and registers it with the controller (:func:`run_volume`); the controller
-  treats the registration connection as the volume's heartbeat: when it closes, the volume's
-  versions become lost and readers get VolumeLostError.
+- ``tidal store volume --controller tcp://...`` runs a :class:`Server` with a volume only
+  and registers it with the controller (:func:`run_volume`). The controller then sends the
+  volume its ``registration`` ops over that same connection (tidal/store/backends.py), and
+  the connection closing means the volume is gone: its versions become lost and readers get
+  VolumeLostError.
 
-One thread per connection. A connection starts with ``hello`` (checking the token), then
-carries request/reply pairs. A framing error (bad magic, oversized or undecodable header)
-gets an error reply and the connection is closed; a schema or user error gets an error reply
-and the connection stays usable. Neither disturbs other connections or stored data.
+One thread per connection. A connection must say ``hello`` (with the token, if the server
+has one) within ``hello_timeout`` seconds, with a small header and no payload; at most
+``max_pending`` connections may be waiting to do so and at most ``max_connections`` be open,
+so idle or hostile peers cannot exhaust the server's threads or file descriptors. After
+hello, a connection may idle between messages for as long as it likes, but a message once
+started must keep arriving (``io_timeout`` seconds without progress drops it). The accept
+loop survives running out of file descriptors (it backs off and keeps serving).
+
+A framing error (bad magic, oversized or undecodable header, a message cut short) gets an
+error reply where possible and the connection is closed; a schema or user error gets an
+error reply and the connection stays usable. Whatever ends a connection, its socket is
+closed and the controller releases what it held (leases, pending writes, plans). Nothing
+disturbs other connections or stored data.
+
+Ops are dispatched from their declaration in tidal/store/ops.py: a ``controller`` op calls
+the controller's method of the same name with the connection id, a ``volume`` op the
+volume's data path; ``registration`` ops are never served on a port.
 """
 
 from __future__ import annotations
 
-import glob
+import errno
 import hmac
 import ipaddress
 import itertools
-import os
-import select
 import socket
 import sys
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
-from tidal.store import wire
-from tidal.store.conn import Conn
-from tidal.store.controller import Controller, VolumeRec
+from tidal.store import ops, wire
+from tidal.store.backends import LocalBackend, RemoteBackend
+from tidal.store.controller import Controller
 from tidal.store.errors import WIRE_ERRORS, AuthError, ProtocolError, StoreError
-from tidal.store.volume import Volume, new_store_id, reap_stale
+from tidal.store.records import VolumeRec
+from tidal.store.volume import Volume
 
 _USER_ERRORS = tuple(WIRE_ERRORS.values())
 SERVER_THREAD = "tidal-store"  # name prefix of the threads that serve connections
+_OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 def is_loopback(host: str) -> bool:
@@ -46,6 +62,30 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _stderr(msg: str) -> None:
+    print(f"tidal store: {msg}", file=sys.stderr, flush=True)
+
+
+class _RateLimited:
+    """Log each kind of message at most once per ``every`` seconds, counting the rest."""
+
+    def __init__(self, log: Callable[[str], None], every: float = 10.0) -> None:
+        self._log, self._every = log, every
+        self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, msg: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, skipped = self._last.get(kind, (-1e9, 0))
+            if now - last < self._every:
+                self._last[kind] = (last, skipped + 1)
+                return
+            self._last[kind] = (now, 0)
+        more = f" ({skipped} more like it since)" if skipped else ""
+        self._log(msg + more)
 
 
 class Server:
@@ -58,6 +98,15 @@ class Server:
         port: TCP port, 0 for a random free one.
         token: shared secret every client must present in its hello.
         max_payload: largest payload accepted in one message, in bytes.
+        hello_timeout: seconds a new connection has to say hello.
+        io_timeout: seconds a started message may go without progress.
+        max_pending: connections allowed to be waiting for their hello at once.
+        max_connections: connections allowed open at once.
+        log: where warnings go (default: stderr).
+
+    Raises:
+        ValueError: a non-loopback host without a token.
+        StoreError: the address cannot be listened on (in use, not local).
     """
 
     def __init__(
@@ -69,64 +118,113 @@ class Server:
         port: int = 0,
         token: str | None = None,
         max_payload: int = 1 << 40,
+        hello_timeout: float = 10.0,
+        io_timeout: float = 60.0,
+        max_pending: int = 64,
+        max_connections: int = 1024,
+        log: Callable[[str], None] = _stderr,
     ) -> None:
         if not is_loopback(host) and not token:
             raise ValueError(
-                f"listening on {host!r} (not loopback) requires a token; pass --token or "
-                "listen on 127.0.0.1"
+                f"listening on {host!r} (not loopback) requires a token; pass --token-file "
+                "(or set TIDAL_STORE_TOKEN) or listen on 127.0.0.1"
             )
         self.controller = controller
         self.volume = volume
         self.token = token
         self.max_payload = max_payload
+        self.hello_timeout = hello_timeout
+        self.io_timeout = io_timeout
+        self.max_pending = max_pending
+        self.max_connections = max_connections
         self.host_id = wire.host_id()
+        self._warn = _RateLimited(log)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        try:
+            self._listener = socket.create_server((host, port), family=family, backlog=128)
+        except OSError as e:
+            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise StoreError(f"cannot listen on {host}:{port}: {why}") from None
         bound = self._listener.getsockname()
         shown = f"[{host}]" if ":" in host else host
         self.address = f"tcp://{shown}:{bound[1]}"
         self._conns: dict[int, socket.socket] = {}
+        self._pending = 0
         self._ids = itertools.count(1)
-        self._closed = False
+        self._closing = threading.Event()
         self._lock = threading.Lock()
+        self._handlers = self._build_handlers()
         if controller is not None and volume is not None:
             controller.add_volume(
                 VolumeRec(
-                    volume_id=volume.volume_id,
-                    address=self.address,
-                    host=self.host_id,
-                    shm_prefix=volume.shm_prefix,
-                    create=volume.create,
-                    destroy=volume.destroy,
-                    probe=lambda: True,
-                )
+                    volume.volume_id,
+                    "shm",
+                    self.host_id,
+                    self.address,
+                    volume.shm_dir,
+                    volume.store_id,
+                    LocalBackend(volume),
+                )  # fmt: skip
             )
         self._thread = threading.Thread(target=self._accept_loop, name=SERVER_THREAD, daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------------ plumbing
+    def _build_handlers(self) -> dict[str, Callable[..., dict[str, Any]]]:
+        """op name -> handler(conn id, **fields), from the ops this server can serve."""
+        out: dict[str, Callable[..., dict[str, Any]]] = {}
+        for name, op in ops.OPS.items():
+            if op.served_by == "controller" and self.controller is not None:
+                if name not in ("hello", "bye", "register_volume"):  # served here
+                    out[name] = getattr(self.controller, name)
+        return out
+
+    # ------------------------------------------------------------------ connections
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        backoff = 0.01
+        while not self._closing.is_set():
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            cid = next(self._ids)
+            except OSError as e:
+                if self._closing.is_set():
+                    return
+                if e.errno in _OUT_OF_FDS:
+                    self._warn("fds", f"out of file descriptors accepting a connection ({e}); "
+                               "backing off")  # fmt: skip
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                elif e.errno not in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
+                    self._warn("accept", f"accept failed: {e}")
+                    time.sleep(0.05)
+                continue
+            backoff = 0.01
             with self._lock:
-                self._conns[cid] = sock
-            threading.Thread(
-                target=self._serve, args=(sock, cid), name=f"{SERVER_THREAD}-{cid}", daemon=True
-            ).start()
+                full = len(self._conns) >= self.max_connections
+                crowded = self._pending >= self.max_pending
+                if not (full or crowded):
+                    cid = next(self._ids)
+                    self._conns[cid] = sock
+                    self._pending += 1
+            if full or crowded:
+                why = (f"{self.max_connections} connections are open" if full else
+                       f"{self.max_pending} connections are waiting to say hello")  # fmt: skip
+                self._warn("refused", f"refused a connection: {why}")
+                _close(sock)
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve, args=(sock, cid), name=f"{SERVER_THREAD}-{cid}",
+                    daemon=True,
+                ).start()  # fmt: skip
+            except RuntimeError as e:  # no thread left to start
+                self._warn("threads", f"cannot start a connection thread: {e}")
+                self._forget(cid, hello_done=False)
+                _close(sock)
 
     def close(self) -> None:
         """Stop listening, drop every connection and free the local volume's memory."""
-        self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        self._closing.set()
+        _close(self._listener)
         with self._lock:
             conns = list(self._conns.values())
         for sock in conns:
@@ -137,6 +235,12 @@ class Server:
         if self.volume is not None:
             self.volume.close()
 
+    def _forget(self, cid: int, hello_done: bool) -> None:
+        with self._lock:
+            self._conns.pop(cid, None)
+            if not hello_done:
+                self._pending -= 1
+
     def _reply_error(self, sock: socket.socket, e: BaseException) -> None:
         etype = type(e).__name__ if type(e).__name__ in WIRE_ERRORS else "StoreError"
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
@@ -146,241 +250,134 @@ class Server:
             pass
 
     def _serve(self, sock: socket.socket, cid: int) -> None:
-        volume_id: str | None = None
+        hello_done = False
         try:
-            # Before the token is checked, accept only a small header and no payload.
-            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0)
-            op = wire.check_request(header, plen)
-            if op != "hello":
-                raise AuthError(f"the first message must be 'hello', got {op!r}")
-            if header["proto"] != wire.PROTOCOL_VERSION:
-                raise ProtocolError(
-                    f"protocol version {header['proto']} unsupported "
-                    f"(server speaks {wire.PROTOCOL_VERSION})"
-                )
-            if self.token is not None and not hmac.compare_digest(
-                (header["token"] or "").encode(), self.token.encode()
-            ):
-                raise AuthError("wrong or missing token for this tidal store")
-            wire.send(sock, {"ok": True, "host": self.host_id, "proto": wire.PROTOCOL_VERSION})
-            while True:
-                header, plen = wire.recv_header(sock, max_payload=self.max_payload)
-                try:
-                    op = wire.check_request(header, plen)
-                except ProtocolError as e:
-                    if plen:  # framing is unsure: do not read an unvalidated payload
-                        raise
-                    self._reply_error(sock, e)  # well framed: answer, keep the connection
-                    continue
-                try:
-                    reply, payload = self._dispatch(op, header, plen, sock, cid)
-                    if op == "register_volume":
-                        volume_id = header["volume_id"]
-                except _USER_ERRORS as e:
-                    self._reply_error(sock, e)
-                    continue
-                except OSError:
-                    raise
-                except Exception as e:  # a bug: report it to the caller, keep serving others
-                    traceback.print_exc(file=sys.stderr)
-                    self._reply_error(sock, StoreError(f"internal error in {op!r}: {e!r}"))
-                    continue
-                reply["ok"] = True
-                wire.send(sock, reply, payload)
-                if op == "bye":
-                    break
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._hello(sock)
+            with self._lock:
+                self._pending -= 1
+            hello_done = True
+            self._messages(sock, cid)
         except wire.ConnectionClosed:
             pass
         except (ProtocolError, AuthError) as e:
             self._reply_error(sock, e)
-        except OSError:
-            pass
-        self._cleanup(sock, cid, volume_id)
+        except (OSError, StoreError):
+            pass  # the peer went away, timed out, or the server is closing
+        except BaseException as e:  # a bug: say so, and still clean up below
+            self._warn("bug", f"connection {cid} failed: {e!r}\n{traceback.format_exc()}")
+        finally:
+            self._forget(cid, hello_done)
+            _close(sock)
+            if self.controller is not None:
+                self.controller.connection_closed(cid)
 
-    def _cleanup(self, sock: socket.socket, cid: int, volume_id: str | None) -> None:
-        with self._lock:
-            self._conns.pop(cid, None)
+    def _hello(self, sock: socket.socket) -> None:
+        # Before the token is checked: a deadline, a small header and no payload.
+        sock.settimeout(self.hello_timeout)
         try:
-            sock.close()
-        except OSError:
-            pass
-        if self.controller is not None:
-            self.controller.connection_closed(cid)
-            if volume_id is not None:
-                self.controller.volume_gone(volume_id)
+            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0)
+        except TimeoutError:
+            raise ProtocolError(f"no hello within {self.hello_timeout:g} s") from None
+        op = ops.check_request(header, plen)
+        if op is not ops.HELLO:
+            raise AuthError(f"the first message must be 'hello', got {op.name!r}")
+        if header["proto"] != wire.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {header['proto']} unsupported "
+                f"(server speaks {wire.PROTOCOL_VERSION}; upgrade tidal on both sides)"
+            )
+        if self.token is not None and not hmac.compare_digest(
+            (header["token"] or "").encode(), self.token.encode()
+        ):
+            raise AuthError("wrong or missing token for this tidal store")
+        wire.send(sock, {"ok": True, "host": self.host_id, "proto": wire.PROTOCOL_VERSION})
 
-    # ------------------------------------------------------------------ ops
-
-    def _need_controller(self, op: str) -> Controller:
-        if self.controller is None:
-            raise ValueError(f"op {op!r} needs a controller; this server runs a volume only")
-        return self.controller
-
-    def _need_volume(self, op: str) -> Volume:
-        if self.volume is None:
-            raise ValueError(f"op {op!r} needs a volume; this server runs none")
-        return self.volume
+    def _messages(self, sock: socket.socket, cid: int) -> None:
+        while True:
+            sock.settimeout(None)  # idle between messages as long as the peer likes
+            if not sock.recv(1, socket.MSG_PEEK):
+                return  # closed cleanly
+            sock.settimeout(self.io_timeout)  # but a started message must keep coming
+            header, plen = wire.recv_header(sock, max_payload=self.max_payload)
+            try:
+                op = ops.check_request(header, plen)
+            except ProtocolError as e:
+                if plen:  # framing is unsure: do not read an unvalidated payload
+                    raise
+                self._reply_error(sock, e)  # well framed: answer, keep the connection
+                continue
+            if op is ops.REGISTER_VOLUME and self.controller is not None:
+                self._register(sock, cid, header)
+                return
+            try:
+                reply, payload = self._dispatch(op, header, plen, sock, cid)
+            except _USER_ERRORS as e:
+                self._reply_error(sock, e)
+                continue
+            except OSError:
+                raise
+            except Exception as e:  # a bug: report it to the caller, keep serving others
+                self._warn("bug", f"op {op.name!r} failed: {e!r}\n{traceback.format_exc()}")
+                self._reply_error(sock, StoreError(f"internal error in {op.name!r}: {e!r}"))
+                continue
+            reply["ok"] = True
+            wire.send(sock, reply, payload)
+            if op is ops.BYE:
+                return
 
     def _dispatch(
-        self, op: str, m: dict[str, Any], plen: int, sock: socket.socket, cid: int
+        self, op: ops.Op, m: dict[str, Any], plen: int, sock: socket.socket, cid: int
     ) -> tuple[dict[str, Any], memoryview | None]:
-        if op == "vol_write":
-            vol = self.volume
-            if vol is None or m["nbytes"] != plen:
-                wire.discard(sock, plen)
-                if vol is None:
-                    self._need_volume(op)
-                raise ValueError(f"vol_write declares {m['nbytes']} bytes, payload has {plen}")
-            try:
-                vol.segment(m["slot"])
-            except StoreError:
-                wire.discard(sock, plen)
-                raise
-            vol.write_from(sock, m["slot"], m["offset"], m["nbytes"])
-            return {}, None
-        if op == "vol_read":
-            view = self._need_volume(op).read_view(
-                m["slot"], m["shape"], m["itemsize"], m["offsets"], m["sizes"]
-            )
-            return {"nbytes": view.nbytes}, view
-        if op == "vol_create":
-            self._need_volume(op).create(m["slot"], m["nbytes"])
-            return {}, None
-        if op == "vol_destroy":
-            self._need_volume(op).destroy(m["slots"])
-            return {}, None
-        if op == "bye":  # a graceful close: leases and pending writes go before the reply
+        fields = {k: v for k, v in m.items() if k != "op"}
+        if op is ops.BYE:  # a graceful close: leases and pending writes go before the reply
             if self.controller is not None:
                 self.controller.connection_closed(cid)
             return {}, None
-        c = self._need_controller(op)
-        if op == "put_begin":
-            return c.put_begin(cid, m), None
-        if op == "put_commit":
-            return c.put_commit(cid, m["key"], m["version"], m["writer"]), None
-        if op == "put_abort":
-            return c.put_abort(cid, m["key"], m["version"], m["writer"]), None
-        if op == "acquire":
-            wait = m.get("wait_ms")
-            return c.acquire(cid, m["key"], m["version"], m["known_sig"], wait), None
-        if op == "put_progress":
-            return c.put_progress(cid, m["key"], m["version"], m["writer"], m["slots"]), None
-        if op == "wait":
-            return c.wait(cid, m["key"], m["version"], m["slots"], m["wait_ms"]), None
-        if op == "release":
-            return c.release(cid, m["lease"]), None
-        if op == "keys":
-            return {"keys": c.keys(m["prefix"])}, None
-        if op == "versions":
-            return {"versions": c.versions(m["key"])}, None
-        if op == "exists":
-            return {"exists": c.exists(m["key"], m["version"])}, None
-        if op == "delete":
-            return {"deleted": c.delete(m["key"], m["version"])}, None
-        if op == "ls":
-            return {"entries": c.ls(m["prefix"]), "volumes": c.volumes()}, None
-        if op == "register_volume":
-            c.add_volume(_remote_volume(m, sock, self.token, self.host_id))
+        if op is ops.VOL_WRITE:
+            if self.volume is None:
+                wire.discard(sock, plen)
+                raise ValueError("op 'vol_write' needs a volume; this server runs none")
+            if fields["nbytes"] != plen:
+                wire.discard(sock, plen)
+                raise ValueError(f"vol_write declares {fields['nbytes']} bytes, payload has {plen}")
+            self.volume.write_from(sock, **{k: fields[k] for k in ("slot", "offset", "nbytes",
+                                                                   "grant")})  # fmt: skip
             return {}, None
-        if op == "device_volume":
-            c.add_device_volume(cid, m["volume_id"], m["host"])
-            return {}, None
-        if op == "put_handles":
-            return c.put_handles(cid, m["volume_id"], m["handles"]), None
-        if op == "slot_handles":
-            return c.slot_handles(m["volume_id"], m["slots"]), None
-        if op == "volumes":
-            return {"volumes": c.volumes()}, None
-        raise ProtocolError(f"op {op!r} is not served here")
+        if op is ops.VOL_READ:
+            if self.volume is None:
+                raise ValueError("op 'vol_read' needs a volume; this server runs none")
+            view = self.volume.read_view(**fields)
+            return {"nbytes": view.nbytes}, view
+        handler = self._handlers.get(op.name)
+        if handler is None:
+            where = {
+                "controller": "a controller",
+                "volume": "a volume",
+                "registration": "a volume's registration connection",
+            }[op.served_by]
+            raise ValueError(f"op {op.name!r} is served by {where}, not on this port")
+        return handler(cid, **fields), None
 
-
-def _remote_volume(
-    m: dict[str, Any], sock: socket.socket, token: str | None, host: str
-) -> VolumeRec:
-    """A VolumeRec whose create/destroy are RPCs to the volume's own server, and whose probe
-    peeks at the registration connection (EOF there means the volume process is gone)."""
-    lock = threading.Lock()
-    rpc: list[Conn] = []
-
-    def call(header: dict[str, Any]) -> None:
-        with lock:
-            if not rpc:
-                rpc.append(Conn(m["address"], token, timeout=30.0))
+    def _register(self, sock: socket.socket, cid: int, m: dict[str, Any]) -> None:
+        """A volume process joins: from now on this connection carries the controller's
+        requests to it; this thread watches it until it closes."""
+        assert self.controller is not None, "registration needs a controller"
+        backend = RemoteBackend(sock, m["volume_id"])
+        rec = VolumeRec(m["volume_id"], "shm", m["host"], m["address"], m["shm_dir"],
+                        m["store_id"], backend, owner=cid)  # fmt: skip
+        with backend.holding():  # no request of the controller's goes out before the reply
             try:
-                rpc[0].request(header)
-            except StoreError:
-                if rpc[0].sock.fileno() < 0:
-                    rpc.clear()
-                raise
-
-    def probe() -> bool:
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if not readable:
-                return True
-            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True
-        except (OSError, ValueError):
-            return False
-
-    def cleanup() -> None:
-        # A killed volume process cannot unlink its segments; on its host we can.
-        if m["host"] == host and m["shm_prefix"].startswith("/dev/shm/tidal-"):
-            for path in glob.glob(glob.escape(m["shm_prefix"]) + "*"):
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-
-    return VolumeRec(
-        volume_id=m["volume_id"],
-        address=m["address"],
-        host=m["host"],
-        shm_prefix=m["shm_prefix"],
-        create=lambda slot, n: call({"op": "vol_create", "slot": slot, "nbytes": n}),
-        destroy=lambda slots: call({"op": "vol_destroy", "slots": slots}),
-        probe=probe,
-        cleanup=cleanup,
-    )
+                self.controller.add_volume(rec)
+            except _USER_ERRORS as e:
+                self._reply_error(sock, e)
+                return
+            wire.send(sock, {"ok": True})
+        backend.monitor(self._closing)
 
 
-def run_volume(
-    controller_address: str,
-    volume_id: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    token: str | None = None,
-    shm_dir: str = "/dev/shm",
-    capacity: int | None = None,
-    ready: Any = None,
-) -> None:
-    """Serve a volume and register it with a controller; return when the controller goes.
-
-    ``ready``, if given, is called with the volume server's address once registered.
-    """
-    reg = Conn(controller_address, token, timeout=30.0)
-    reap_stale(shm_dir)
-    vol = Volume(volume_id, new_store_id(), shm_dir=shm_dir, capacity=capacity)
-    server = Server(volume=vol, host=host, port=port, token=token)
+def _close(sock: socket.socket) -> None:
     try:
-        reg.request(
-            {
-                "op": "register_volume",
-                "volume_id": volume_id,
-                "address": server.address,
-                "host": server.host_id,
-                "shm_prefix": vol.shm_prefix,
-            }
-        )
-        if ready is not None:
-            ready(server.address)
-        reg.sock.settimeout(None)
-        try:  # block until the controller closes the registration connection
-            wire.recv_header(reg.sock)
-        except (StoreError, OSError):
-            pass
-    finally:
-        reg.close()
-        server.close()
+        sock.close()
+    except OSError:
+        pass

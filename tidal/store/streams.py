@@ -31,8 +31,10 @@ def cuda_tensors(obj: Any) -> list[torch.Tensor]:
     """The local CUDA tensors of a tensor, DTensor or nested state dict. Input the call
     itself will refuse yields none here: the call reports it."""
     try:
-        items = layout.flatten(obj) if isinstance(obj, Mapping) else [((), obj)]
-        locals_ = [layout.window(t)[3] for _, t in items]
+        items: list[tuple[layout.Path, Any]] = (
+            layout.flatten(obj) if isinstance(obj, Mapping) else [((), obj)]
+        )
+        locals_ = [layout.window(t)[3] for _, t in layout.tensors_of(items)]
     except (TypeError, ValueError):
         return []
     return [t for t in locals_ if t.is_cuda]

@@ -10,7 +10,7 @@ Lifecycle, per view:
   (once per slot: mappings are cached, and slots are reused as a ring, so later versions map
   nothing new);
 - each returned tensor holds a numpy array over the mapping; every array of the version
-  holds one :class:`_Lease` token;
+  holds one :class:`Lease` token;
 - when the last tensor (or view of one, or parameter made from one) is garbage, its array
   goes, then the token, whose finalizer hands the lease to :class:`Releaser`, which sends the
   ``release`` at once if no other thread is sending one, or from its own thread otherwise.
@@ -38,18 +38,18 @@ from tidal.store.errors import StoreError
 from tidal.store.server import SERVER_THREAD
 
 
-class _Lease:
+class Lease:
     """Held by every array of one zero-copy read; its death releases the version's lease."""
 
     __slots__ = ("__weakref__",)
 
 
-def _keep(token: _Lease) -> None:
+def _keep(token: Lease) -> None:
     """Finalizer of an array: dropping the reference to ``token`` is all it does."""
 
 
 def alias(
-    mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], token: _Lease
+    mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], token: Lease
 ) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over the whole (read-only) ``mapping``."""
     arr = np.frombuffer(mapping, dtype=np.uint8)
@@ -61,7 +61,7 @@ def alias(
     return flat.view(dtype).view(shape)
 
 
-def arm(token: _Lease, releaser: Releaser, lease: int) -> None:
+def arm(token: Lease, releaser: Releaser, lease: int) -> None:
     """Release ``lease`` once ``token`` (and so every tensor holding it) is garbage."""
     weakref.finalize(token, releaser.drop, lease).atexit = False
 

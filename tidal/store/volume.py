@@ -1,33 +1,45 @@
 """Storage volume: owns the memory that holds stored shards.
 
-A volume keeps one CPU shared-memory segment per slot (a file under ``/dev/shm``). Slots are
+A volume keeps one CPU shared-memory segment per slot, a file named
+``<shm_dir>/tidal-<store id>-<volume id>-<slot>`` (:func:`segment_path`: the only place such
+a name is built, from ids the store issued and checked, never from a path received). Slots are
 created once and reused for later versions of the same shard (the controller hands a freed
 slot to the next writer of the same key, tensor and size), because the first touch of fresh
-shared memory costs page faults: 0.5-0.7 GB/s for a first write against 12 GB/s for a
-rewrite on the 2-core development VM (benchmarks/store_sync.py prints the first round and
-the steady state). Pages are allocated with ``posix_fallocate`` when a slot is created.
-Writers and readers on the volume's host map the segment and copy straight in or out;
-remote peers go through
-``vol_write`` / ``vol_read`` over TCP, which this class serves from the same memory.
+shared memory costs page faults (benchmarks/store_sync.py prints a cold round and the
+steady state). Pages are allocated with ``posix_fallocate`` when a slot is created, so a full
+tmpfs fails there with a clear error instead of a SIGBUS in a writer.
+
+Writers and readers on the volume's host map the segments and copy straight in or out;
+remote peers go through ``vol_write`` / ``vol_read`` over TCP, which this class serves from
+the same memory. A TCP write needs the grant the controller issued for the slot's pending
+version (:meth:`grant`); the controller seals the slots before the version becomes visible
+(:meth:`seal`), so no committed slot is ever written through the network.
 
 Lifecycle: the process that runs a :class:`~tidal.store.server.Server` with a volume owns it;
-``close()`` unlinks every segment. A standalone volume (``python -m tidal.store volume``)
-registers with a controller and exits when the controller goes away.
+``close()`` unlinks every segment it created, and nothing else. A standalone volume
+(``tidal store volume``) registers with a controller and exits when the controller goes away.
 """
 
 from __future__ import annotations
 
 import errno
+import hmac
+import mmap
 import os
 import re
 import secrets
 import socket
+import stat
 import threading
 
 import torch
 
 from tidal.store import wire
 from tidal.store.errors import StoreError
+
+_STORE_ID = re.compile(r"\d+\.\d+x[0-9a-f]{6}")
+_VOLUME_ID = re.compile(r"[A-Za-z0-9_.-]{1,96}")
+_SEGMENT = re.compile(r"tidal-(\d+)\.(\d+)x[0-9a-f]{6}-[A-Za-z0-9_.-]+-\d+")
 
 
 def _pid_namespace() -> int:
@@ -43,11 +55,45 @@ def new_store_id() -> str:
     return f"{_pid_namespace()}.{os.getpid()}x{secrets.token_hex(3)}"
 
 
+def check_volume_id(volume_id: str) -> str:
+    if (
+        not isinstance(volume_id, str)
+        or not _VOLUME_ID.fullmatch(volume_id)
+        or volume_id
+        in (
+            ".",
+            "..",
+        )
+    ):
+        raise ValueError(f"volume id {volume_id!r}: use 1-96 characters [A-Za-z0-9_.-]")
+    return volume_id
+
+
+def segment_path(shm_dir: str, store_id: str, volume_id: str, slot: int) -> str:
+    """The file of ``slot``; raises StoreError if a component is not one the store makes
+    (the components may come from the network: a hostile peer must not steer a path)."""
+    if (
+        not isinstance(shm_dir, str)
+        or not os.path.isabs(shm_dir)
+        or os.path.normpath(shm_dir) != shm_dir
+        or "\x00" in shm_dir
+    ):
+        raise StoreError(f"shared-memory directory {shm_dir!r} is not a normalized absolute path")
+    if not isinstance(store_id, str) or not _STORE_ID.fullmatch(store_id):
+        raise StoreError(f"store id {store_id!r} is not one a tidal store makes")
+    if not isinstance(volume_id, str) or not _VOLUME_ID.fullmatch(volume_id):
+        raise StoreError(f"volume id {volume_id!r} is not one a tidal store accepts")
+    if not isinstance(slot, int) or isinstance(slot, bool) or slot < 1:
+        raise StoreError(f"slot {slot!r} is not a slot id")
+    return os.path.join(shm_dir, f"tidal-{store_id}-{volume_id}-{slot}")
+
+
 def reap_stale(shm_dir: str = "/dev/shm") -> int:
     """Unlink segments of stores whose owning process is gone; returns how many.
 
-    Only segments created in this pid namespace are considered (another container sharing
-    ``/dev/shm`` has other pids), and a live or reused pid keeps its segments.
+    Only regular files of this user named like a tidal segment and created in this pid
+    namespace are considered (another container sharing ``/dev/shm`` has other pids), and a
+    live or reused pid keeps its segments.
     """
     ns = _pid_namespace()
     n = 0
@@ -56,8 +102,15 @@ def reap_stale(shm_dir: str = "/dev/shm") -> int:
     except OSError:
         return 0
     for name in names:
-        m = re.fullmatch(r"tidal-(\d+)\.(\d+)x[0-9a-f]+-.+", name)
+        m = _SEGMENT.fullmatch(name)
         if m is None or ns == 0 or int(m.group(1)) != ns:
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             continue
         try:
             os.kill(int(m.group(2)), 0)
@@ -67,21 +120,49 @@ def reap_stale(shm_dir: str = "/dev/shm") -> int:
         except (PermissionError, OverflowError):
             continue
         try:
-            os.unlink(os.path.join(shm_dir, name))
+            os.unlink(path)
             n += 1
         except OSError:
             pass
     return n
 
 
-def map_segment(path: str, nbytes: int) -> torch.Tensor:
-    """Map an existing segment as a flat uint8 tensor sharing its memory."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    size = os.stat(path).st_size
-    if size != nbytes:
-        raise StoreError(f"segment {path} has {size} bytes, expected {nbytes}")
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+def open_segment(path: str, nbytes: int, writable: bool) -> int:
+    """An fd on an existing segment: a regular file (no symlink followed) of ``nbytes``."""
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise StoreError(
+            f"shared-memory segment {path} is gone (its volume was closed or died)"
+        ) from None
+    except OSError as e:
+        raise StoreError(f"cannot open shared-memory segment {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StoreError(f"{path} is not a regular file; not a tidal segment")
+        if st.st_size != nbytes:
+            raise StoreError(f"segment {path} has {st.st_size} bytes, expected {nbytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_segment(path: str, nbytes: int, writable: bool = True) -> mmap.mmap:
+    """Map an existing segment (shared); raises StoreError if it is gone or has changed."""
+    fd = open_segment(path, nbytes, writable)
+    try:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    finally:
+        os.close(fd)
+
+
+def as_bytes(mapping: mmap.mmap) -> torch.Tensor:
+    """A flat uint8 tensor over a writable mapping (no copy)."""
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def byte_view(t: torch.Tensor, shape: tuple[int, ...], itemsize: int) -> torch.Tensor:
@@ -102,17 +183,23 @@ class Volume:
         shm_dir: str = "/dev/shm",
         capacity: int | None = None,
     ) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", volume_id):
-            raise ValueError(f"volume id {volume_id!r}: use 1-64 characters [A-Za-z0-9_.-]")
-        self.volume_id = volume_id
+        self.volume_id = check_volume_id(volume_id)
+        self.store_id = store_id
+        self.shm_dir = os.path.normpath(os.path.abspath(shm_dir))
+        if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"shared-memory directory {self.shm_dir!r} does not exist or is not writable "
+                "(--shm-dir)"
+            )
+        segment_path(self.shm_dir, store_id, self.volume_id, 1)  # checks the components
         self.capacity = capacity
-        self.shm_prefix = os.path.join(shm_dir, f"tidal-{store_id}-{volume_id}-")
         self.used = 0
-        self._segments: dict[int, torch.Tensor] = {}
+        self._segments: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
+        self._grants: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
     def path(self, slot: int) -> str:
-        return f"{self.shm_prefix}{slot}"
+        return segment_path(self.shm_dir, self.store_id, self.volume_id, slot)
 
     def create(self, slot: int, nbytes: int) -> None:
         with self._lock:
@@ -123,59 +210,99 @@ class Volume:
                     f"volume {self.volume_id} is full: {self.used} of {self.capacity} bytes "
                     f"used, cannot add {nbytes}; delete keys or lower retention (keep)"
                 )
+            mapping: mmap.mmap | None = None
+            seg = torch.empty(0, dtype=torch.uint8)
             if nbytes:
                 path = self.path(slot)
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    fd = os.open(path, flags, 0o600)
+                except OSError as e:
+                    raise StoreError(
+                        f"volume {self.volume_id}: cannot create segment {path}: {e.strerror}"
+                    ) from None
                 try:
                     os.ftruncate(fd, nbytes)
-                    # Allocate the pages now: a full tmpfs fails here with a clear error
-                    # instead of SIGBUS in a writer, and the first write into the segment
-                    # runs at 4.4 GB/s instead of 0.7 GB/s (page faults) on the dev VM.
                     try:
                         os.posix_fallocate(fd, 0, nbytes)
                     except OSError as e:
                         if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                             raise
                         # fallback: a file system without fallocate faults pages on write
+                    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
                 except OSError as e:
                     os.close(fd)
                     os.unlink(path)
                     raise StoreError(
                         f"volume {self.volume_id}: cannot allocate {nbytes} bytes in "
-                        f"{os.path.dirname(path)}: {e.strerror}"
+                        f"{self.shm_dir}: {e.strerror}"
                     ) from None
                 os.close(fd)
-            self._segments[slot] = map_segment(self.path(slot), nbytes)
+                seg = as_bytes(mapping)
+            self._segments[slot] = (mapping, seg)
             self.used += nbytes
 
     def destroy(self, slots: list[int]) -> None:
         with self._lock:
             for slot in slots:
-                seg = self._segments.pop(slot, None)
-                if seg is None:
+                rec = self._segments.pop(slot, None)
+                self._grants.pop(slot, None)
+                if rec is None:
                     continue
+                mapping, seg = rec
                 self.used -= seg.numel()
-                if seg.numel():
+                if mapping is not None:
                     try:
                         os.unlink(self.path(slot))
                     except FileNotFoundError:
                         pass
 
+    def grant(self, slots: list[int], grant: bytes) -> None:
+        """Let whoever shows ``grant`` write these slots over TCP (a pending version's)."""
+        with self._lock:
+            for slot in slots:
+                if slot not in self._segments:
+                    raise StoreError(f"volume {self.volume_id} has no slot {slot}")
+                self._grants[slot] = grant
+
+    def seal(self, slots: list[int]) -> None:
+        """No more network writes into these slots (their version commits or ends)."""
+        with self._lock:
+            for slot in slots:
+                self._grants.pop(slot, None)
+
     def segment(self, slot: int) -> torch.Tensor:
         try:
-            return self._segments[slot]
+            return self._segments[slot][1]
         except KeyError:
             raise StoreError(f"volume {self.volume_id} has no slot {slot}") from None
 
-    def write_from(self, sock: socket.socket, slot: int, offset: int, nbytes: int) -> None:
-        """Receive ``nbytes`` from the socket straight into the slot at ``offset``."""
-        seg = self.segment(slot)
-        if offset + nbytes > seg.numel():
-            wire.discard(sock, nbytes)
+    def writable(self, slot: int, grant: bytes) -> torch.Tensor:
+        """The slot's bytes if ``grant`` allows writing them; raises ValueError otherwise."""
+        with self._lock:
+            held = self._grants.get(slot)
+        if held is None or not hmac.compare_digest(held, grant):
             raise ValueError(
-                f"write of {nbytes} bytes at offset {offset} exceeds slot {slot} "
-                f"of {seg.numel()} bytes"
+                f"slot {slot} of volume {self.volume_id} is not open for writing with this "
+                "grant (committed, not yet begun, or another writer's)"
             )
+        return self.segment(slot)
+
+    def write_from(
+        self, sock: socket.socket, slot: int, offset: int, nbytes: int, grant: bytes
+    ) -> None:
+        """Receive ``nbytes`` from the socket straight into the slot at ``offset``; the
+        payload is discarded (and ValueError raised) when the write is not allowed."""
+        try:
+            seg = self.writable(slot, grant)
+            if offset + nbytes > seg.numel():
+                raise ValueError(
+                    f"write of {nbytes} bytes at offset {offset} exceeds slot {slot} "
+                    f"of {seg.numel()} bytes"
+                )
+        except (ValueError, StoreError):
+            wire.discard(sock, nbytes)
+            raise
         if nbytes:
             wire.recv_into(sock, seg[offset : offset + nbytes].numpy().data)
 

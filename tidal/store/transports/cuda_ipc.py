@@ -1,4 +1,4 @@
-"""Stored versions in GPU memory, shared with readers on the same host through CUDA IPC.
+"""CUDA IPC: stored versions in a writer's GPU memory, read by processes on the same host.
 
 ``put(..., memory="cuda")`` keeps the stored copy in the writer's own GPU memory instead of
 host shared memory: the put is a device-to-device copy, and a reader on the same host opens
@@ -7,12 +7,14 @@ a GPU-to-GPU weight sync never touches host memory. benchmarks/store_sync.py ``-
 cuda`` measures it against the host path and a device ``copy_`` of the same bytes.
 
 Lifecycle:
-- The writer's :class:`Store` owns a :class:`DeviceVolume` (registered with the controller
-  as a volume of kind ``"cuda"`` owned by its control connection). Each slot is one
-  ``cudaMalloc`` allocation, so its IPC handle covers exactly the slot; the handle goes to the
-  controller with ``put_handles`` before any byte is written.
-- Slots the controller destroys come back in the next ``put_begin`` reply; their memory goes
-  to a pool and is handed to the next new slot of the same size and device. It is never
+- The writer's store handle owns a :class:`DeviceVolume` (registered with the controller as
+  a volume of kind ``"cuda"`` owned by its writer connection; :class:`CudaIpcTransport`
+  registers it again if that connection is replaced). Each slot is one ``cudaMalloc``
+  allocation, so its IPC handle covers exactly the slot; the handle goes to the controller
+  with ``put_handles`` before any byte is written.
+- Slots the controller destroys come back in the next ``put_begin`` / ``put_commit`` reply;
+  their memory goes to a pool and is handed to the next new slot of the same size and
+  device. It is never
   ``cudaFree``d while the writer's store is open: CUDA leaves freeing exported memory that
   another process still has open undefined, and readers keep slots open (see below). A
   reader only touches a slot while it holds a lease on the version that owns it, so memory
@@ -32,16 +34,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
+import secrets
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from tidal.store import ops
+from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
+from tidal.store.progress import Progress
+from tidal.store.transports import Gate, ReadJob, WriteJob
 
-HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+HANDLE_BYTES = ops.HANDLE_BYTES
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
 # Device volumes of this process by id: IPC handles cannot be opened in the process that
@@ -302,3 +310,151 @@ class Imports:
 
     def close(self) -> None:
         self.drop_volumes(self.volumes())
+
+
+class CudaIpcTransport:
+    """Writes into this handle's device volume; reads other writers' device volumes.
+
+    ``writer_conn`` is the connection that owns this handle's device volume (its puts run
+    on it); ``control`` the one reads ask for handles on.
+    """
+
+    def __init__(self, host: str, writer_conn: Callable[[], Conn], control: Conn) -> None:
+        self.host = host
+        self._writer_conn = writer_conn
+        self._control = control
+        self._device: DeviceVolume | None = None
+        self._registered = 0  # the writer connection's generation the volume lives on
+        self._imports = Imports()
+        self._lock = threading.Lock()
+
+    # -- writer side ----------------------------------------------------------------------
+
+    def volume_id(self) -> str:
+        """This handle's device volume, registered on the writer connection (again if that
+        connection was replaced: the old one's versions are lost with it)."""
+        conn = self._writer_conn()
+        with self._lock:
+            if self._device is not None and self._registered == conn.generation:
+                return self._device.volume_id
+            if not torch.cuda.is_available():
+                raise ValueError("memory='cuda' needs a CUDA device; none is available")
+            vid = f"cuda.{os.getpid()}.{secrets.token_hex(4)}"
+            conn.request(ops.DEVICE_VOLUME, volume_id=vid, host=self.host)
+            if self._device is not None:
+                self._device.close()
+            self._device = DeviceVolume(vid)
+            self._registered = conn.generation
+            return vid
+
+    def released(self, slots: list[int]) -> None:
+        """Slots the controller destroyed: their memory goes back to the pool."""
+        if self._device is not None and slots:
+            self._device.release(slots)
+
+    def prepare(self, slots: list[int], nbytes: list[int], devices: list[int]) -> None:
+        """Allocate the slots new to this volume and send their IPC handles, so readers can
+        open them before any byte is written."""
+        device = self._device
+        assert device is not None, "prepare() after volume_id()"
+        fresh: list[dict[str, Any]] = []
+        for slot, n, index in zip(slots, nbytes, devices, strict=True):
+            _, handle = device.slot(slot, n, index)
+            if handle is not None:
+                fresh.append({"slot": slot, "uuid": device_uuid(index), "handle": handle})
+        if fresh:
+            try:
+                self._writer_conn().request(
+                    ops.PUT_HANDLES, volume_id=device.volume_id, handles=fresh
+                )
+            except BaseException:
+                device.release([h["slot"] for h in fresh])  # unknown to readers
+                raise
+
+    def write(
+        self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
+    ) -> None:
+        device = self._device
+        assert device is not None and vol["id"] == device.volume_id, vol["id"]
+        indices = [j.src.device.index if j.src.is_cuda else torch.cuda.current_device()
+                   for j in jobs]  # fmt: skip
+        with device.writing([j.slot for j in jobs]):
+            self.prepare([j.slot for j in jobs], [j.nbytes for j in jobs], indices)
+            with torch.no_grad():
+                for job, index in zip(jobs, indices, strict=True):
+                    mem = device.local(job.slot)
+                    mem.view(job.dtype).view(job.src.shape).copy_(job.src, non_blocking=True)
+                    progress.add(job.slot, job.nbytes, torch.device("cuda", index))
+            progress.synchronize()
+
+    # -- reader side ----------------------------------------------------------------------
+
+    def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
+        if gate is None:
+            self._open(vol, jobs)
+        devices: set[torch.device] = set()
+        with torch.no_grad():
+            for job in jobs:
+                if gate is not None:
+                    gate(job.slot)
+                    self._open(vol, [job])  # a slot's handle is registered before it is written
+                src = self._imports.get(vol["id"], job.slot)
+                src = src.view(job.dtype).view(job.shard_shape)
+                # into host memory: a synchronous copy
+                job.dst.copy_(_narrow(src, job), non_blocking=job.dst.is_cuda)
+                if job.dst.is_cuda:
+                    devices.add(job.dst.device)
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+
+    def _open(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
+        """Open (once) the CUDA IPC handles of the device slots ``jobs`` read."""
+        vid = vol["id"]
+        if is_local(vid):
+            return  # written by this process: read its tensors directly
+        if vol["host"] != self.host:
+            raise StoreError(
+                f"volume {vid!r} is GPU memory of a writer on host {vol['host'].split('/')[0]} "
+                "(put with memory='cuda'); CUDA IPC reaches readers on that host only"
+            )
+        if not torch.cuda.is_available():
+            raise StoreError(
+                f"volume {vid!r} is GPU memory (put with memory='cuda'); reading it needs "
+                "CUDA in this process"
+            )
+        sizes = {j.slot: _numel(j.shard_shape) * j.dtype.itemsize for j in jobs}
+        known = self._imports.volumes()
+        if vid not in known and known:
+            # A writer this process has not read from yet: close what it holds open of
+            # writers that are gone (their GPU memory stays allocated while it is open).
+            alive = {v["volume"] for v in self._control.request(ops.VOLUMES)["volumes"]
+                     if v["alive"]}  # fmt: skip
+            self._imports.drop_volumes(known - alive)
+        missing = self._imports.missing(vid, list(sizes))
+        if missing:
+            got = self._control.request(ops.SLOT_HANDLES, volume_id=vid, slots=missing)
+            for h in got["handles"]:
+                self._imports.add(vid, h["slot"], h["uuid"], h["handle"], sizes[h["slot"]])
+
+    def close(self) -> None:
+        self._imports.close()
+        if self._device is not None:
+            self._device.close()
+
+    def allocations(self) -> int:
+        """Device allocations this handle made (tidal.store.testing)."""
+        return 0 if self._device is None else len(self._device._owned)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _narrow(src: torch.Tensor, job: ReadJob) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(job.src_off, job.sizes, strict=True)):
+        if o != 0 or s != src.shape[d]:
+            src = src.narrow(d, o, s)
+    return src

@@ -1,0 +1,165 @@
+"""Plans: what a put declares once, and which bytes a get copies where.
+
+Put side: :func:`describe` turns the tensors of one put into the layout the controller keeps
+as a put plan (names, global shapes, stored dtypes, boxes) and the local shards to copy.
+:class:`PutPlan` is the client's record of a declared plan: its id on the controller, the
+volume it writes to and the slots reserved for its next put. A repeated put of the same
+layout looks its plan up by a cheap :func:`fingerprint` and sends no per-tensor metadata.
+
+Get side: :func:`decode_layout` reads a version's layout from an ``acquire`` reply (the
+controller sends it only when the client's cached signature is stale) and :func:`read_plan`
+intersects each destination window with every stored shard; plans are cached per (key,
+stored layout, destination windows), so a steady reader recomputes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tidal.store import layout, wire
+from tidal.store.layout import Dims, Path
+
+
+def stored_dtype(t: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor is stored as: ``cast`` for floating point tensors, else its own."""
+    return cast if cast is not None and t.dtype.is_floating_point else t.dtype
+
+
+def fingerprint(items: list[tuple[Path, torch.Tensor]], cast: torch.dtype | None) -> tuple:
+    """A key for the layout of ``items``: equal for puts that declare the same plan."""
+    out: list[tuple[Any, ...]] = []
+    for path, t in items:
+        if isinstance(t, DTensor):
+            out.append((path, tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh),
+                        tuple(t._local_tensor.shape)))  # fmt: skip
+        else:
+            out.append((path, tuple(t.shape), t.dtype))
+    return (cast, tuple(out))
+
+
+def describe(
+    items: list[tuple[Path, torch.Tensor]], cast: torch.dtype | None
+) -> tuple[list[dict[str, Any]], list[torch.Tensor], int]:
+    """The declarations of a put (``ops.s_decl``), its local shards, and the size of the
+    largest DTensor mesh among them (0 without DTensors)."""
+    decls, locals_ = [], []
+    meshes = 0
+    for path, value in items:
+        shape, offs, sizes, local = layout.window(value)
+        if isinstance(value, DTensor):
+            meshes = max(meshes, value.device_mesh.size())
+        decls.append({"name": list(path), "shape": list(shape),
+                      "dtype": wire.dtype_name(stored_dtype(value, cast)),
+                      "offsets": list(offs), "sizes": list(sizes)})  # fmt: skip
+        locals_.append(local)
+    return decls, locals_, meshes
+
+
+def local_shards(items: list[tuple[Path, torch.Tensor]]) -> list[torch.Tensor]:
+    """The local tensors of a put whose plan is already known."""
+    return [t.to_local() if isinstance(t, DTensor) else t for _, t in items]
+
+
+@dataclass(slots=True)
+class PutPlan:
+    """A layout declared on the controller (``put_declare``) by one writer connection."""
+
+    plan_id: int
+    volume: dict[str, Any]  # ops.s_volume
+    generation: int  # the writer connection's generation it was declared on
+    dtypes: list[torch.dtype]  # stored dtype per tensor
+    puts: int = 0  # puts made with it: from the second on, each reserves the next one's slots
+    reservation: dict[str, Any] | None = None  # ops.s_reservation: slots for the next put
+
+
+@dataclass(slots=True)
+class Stored:
+    """A stored tensor's layout, as decoded from an ``acquire`` reply."""
+
+    shape: Dims
+    dtype: torch.dtype
+    boxes: list[tuple[Dims, Dims]]
+    first: int  # index of its first shard in the reply's flat slot list
+
+
+def decode_layout(meta: list[dict[str, Any]]) -> dict[Path, Stored]:
+    stored: dict[Path, Stored] = {}
+    first = 0
+    for m in meta:
+        boxes = [(tuple(b["offsets"]), tuple(b["sizes"])) for b in m["boxes"]]
+        stored[tuple(m["name"])] = Stored(tuple(m["shape"]), wire.DTYPES[m["dtype"]], boxes, first)
+        first += len(boxes)
+    return stored
+
+
+@dataclass(slots=True, frozen=True)
+class Copy:
+    """Copy a sub-box of stored shard ``shard`` into the destination's local tensor."""
+
+    dest: int  # index into the destination list
+    shard: int  # index into the flat slot list
+    shard_shape: Dims
+    src_off: Dims  # relative to the stored shard
+    dst_off: Dims  # relative to the destination's local tensor
+    sizes: Dims
+
+
+Window = tuple[Path, Dims, Dims, torch.Tensor]  # path, box offsets, box sizes, local tensor
+
+
+def read_plan(stored: dict[Path, Stored], windows: list[Window]) -> list[Copy]:
+    """For each destination window, the overlap with every stored shard."""
+    out = []
+    for d, (path, offs, sizes, _) in enumerate(windows):
+        s = stored[path]
+        if layout.numel(sizes) == 0:
+            continue
+        for k, (b_off, b_size) in enumerate(s.boxes):
+            if len(s.shape) == 0:
+                out.append(Copy(d, s.first + k, (), (), (), ()))
+                continue
+            hit = layout.intersect(offs, sizes, b_off, b_size)
+            if hit is None:
+                continue
+            h_off, h_size = hit
+            out.append(
+                Copy(
+                    d,
+                    s.first + k,
+                    b_size,
+                    tuple(a - b for a, b in zip(h_off, b_off, strict=True)),
+                    tuple(a - b for a, b in zip(h_off, offs, strict=True)),
+                    h_size,
+                )
+            )
+    return out
+
+
+class ReadPlans:
+    """An LRU cache of read plans by (key, stored layout signature, destination windows)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._plans: OrderedDict[tuple[Any, ...], list[Copy]] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+        self.built = 0  # plans computed (diagnostics: a steady reader builds none)
+
+    def get(
+        self, key: str, sig: str, stored: dict[Path, Stored], windows: list[Window]
+    ) -> list[Copy]:
+        plan_key = (key, sig, tuple((p, o, z) for p, o, z, _ in windows))
+        plan = self._plans.get(plan_key)
+        if plan is None:
+            plan = read_plan(stored, windows)
+            with self._lock:
+                self.built += 1
+                self._plans[plan_key] = plan
+                while len(self._plans) > self._limit:
+                    self._plans.popitem(last=False)
+        return plan

@@ -1,0 +1,281 @@
+"""The get path of a store handle: pin a version, copy the needed bytes, unpin it.
+
+A get sends ``acquire`` (the controller pins a committed version with a lease and names its
+slots; the full layout only when the client's cached signature is stale), copies the overlap
+of each stored shard with each destination window straight into a view of the destination,
+through the transport of the shard's volume (tidal/store/transports/), and sends
+``release``. With ``wait=`` it streams a version while it is written: ``acquire`` waits on
+the waiting connection until every writer has begun, then each slot is copied once its
+writer reports it (tidal/store/waiting.py). With ``copy=False`` it returns read-only views
+of the stored pages, whose lease lives until they are garbage (tidal/store/views.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Literal
+
+import torch
+
+from tidal.store import layout, ops, views
+from tidal.store.conn import Conn
+from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
+from tidal.store.layout import Path
+from tidal.store.plans import ReadPlans, Stored, Window, decode_layout
+from tidal.store.session import Session
+from tidal.store.transports import ReadJob
+from tidal.store.transports.shm import path_of
+from tidal.store.waiting import Gate, until
+
+Version = int | Literal["latest"]
+
+
+class Reader:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+        self._meta: dict[str, tuple[str, dict[Path, Stored]]] = {}
+        self.plans = ReadPlans()
+        self.metadata_fetches = 0  # layouts received (a steady reader receives none)
+        self._releaser: views.Releaser | None = None
+        self._views_lock = threading.Lock()  # never held around a request
+        self.live_views = 0  # zero-copy reads whose views are still alive
+
+    def get(
+        self,
+        key: str,
+        kind: str,
+        dests: list[tuple[Path, Any]] | None,
+        version: Version,
+        wait: float | None,
+        copy: bool,
+        cast: bool,
+    ) -> tuple[list[tuple[Path, torch.Tensor]], dict[Path, Any]]:
+        """Read ``key``; returns (path, tensor) pairs and the version's plain values."""
+        if not copy:
+            if dests is not None:
+                raise ValueError("copy=False returns views of the stored bytes; it takes no into=")
+            if wait is not None:  # a read of no tensors returns once the version is committed
+                self.get(key, kind, [], version, wait, True, False)
+            return self._views(key, kind, version)
+        cached = self._meta.get(key)
+        known = cached[0] if cached else None
+        gate = None
+        if wait is None:
+            conn = self.s.main
+            reply = conn.request(ops.ACQUIRE, key=key, version=version, known_sig=known,
+                                 wait_ms=None)  # fmt: skip
+        else:
+            conn = self.s.waiter()
+            deadline = time.monotonic() + wait
+            reply = self._acquire_waiting(conn, key, version, known, deadline)
+            if reply["pending"]:
+                gate = Gate(self.s.waiter, key, int(version), deadline, wait)
+        held = True
+        try:
+            out = self._read(key, kind, dests, reply, cached, gate, cast)
+            if gate is not None:
+                gate.committed()  # returns once the version is committed (raises if not)
+            held = False
+            self._release(conn, key, reply)
+            return out, _objects(reply)
+        finally:
+            if held:
+                release_quietly(conn, reply["lease"])
+
+    def _acquire_waiting(
+        self, conn: Conn, key: str, version: Version, known: str | None, deadline: float
+    ) -> dict[str, Any]:
+        """acquire, asking the controller to wait (in slices shorter than the socket
+        timeout) until the version has begun; raises VersionNotFoundError at the deadline."""
+
+        def attempt(wait_ms: int) -> dict[str, Any] | None:
+            r = conn.request(ops.ACQUIRE, key=key, version=version, known_sig=known,
+                             wait_ms=wait_ms)  # fmt: skip
+            return None if r["waiting"] else r
+
+        return until(deadline, conn.timeout, attempt, lambda: VersionNotFoundError(
+            f"version {version} of key {key!r} was not written within the wait"))  # fmt: skip
+
+    def _release(self, conn: Conn, key: str, reply: dict[str, Any]) -> None:
+        device = any(v["kind"] == "cuda" for v in reply["volumes"])
+        try:
+            lost = conn.request(ops.RELEASE, lease=reply["lease"])["lost"]
+        except StoreError:
+            if device:  # the controller cannot confirm the GPU memory was still there
+                raise
+            lost = False  # the controller drops the lease when this connection closes
+        if lost and device:
+            # Host segments keep their pages for mapped readers; freed GPU memory does not.
+            raise VolumeLostError(
+                f"version {reply['version']} of key {key!r} was lost while it was read "
+                "(its writer's GPU memory went away); the destination holds undefined bytes"
+            )
+
+    def _layout(
+        self,
+        key: str,
+        kind: str,
+        reply: dict[str, Any],
+        cached: tuple[str, dict[Path, Stored]] | None,
+    ) -> dict[Path, Stored]:
+        """The stored layout of the pinned version: decoded from the reply, or the cached
+        one the request's signature named (another thread may have replaced it since)."""
+        if reply["kind"] != kind:
+            other = "get_state_dict" if reply["kind"] == "state_dict" else "get"
+            raise TypeError(f"key {key!r} holds a {reply['kind'].replace('_', ' ')}; use {other}")
+        if "meta" in reply:
+            self.metadata_fetches += 1
+            self.s.segments.sweep()  # a new layout: slots of the old one may be gone
+            stored = decode_layout(reply["meta"])
+            self._meta[key] = (reply["sig"], stored)
+            return stored
+        assert cached is not None and cached[0] == reply["sig"], "controller skipped a layout"
+        return cached[1]
+
+    def _read(
+        self,
+        key: str,
+        kind: str,
+        dests: list[tuple[Path, Any]] | None,
+        reply: dict[str, Any],
+        cached: tuple[str, dict[Path, Stored]] | None,
+        gate: Gate | None,
+        cast: bool,
+    ) -> list[tuple[Path, torch.Tensor]]:
+        stored = self._layout(key, kind, reply, cached)
+        if dests is None:
+            dests = [(n, torch.empty(s.shape, dtype=s.dtype)) for n, s in stored.items()]
+        else:
+            dests = layout.tensors_of(dests)
+        windows: list[Window] = []
+        dtypes = []
+        for path, dest in dests:
+            s = stored.get(path)
+            shown = layout.path_str(path) or key
+            if s is None:
+                missing = [layout.path_str(p) for p, _ in dests if p not in stored]
+                raise KeyError(
+                    f"version {reply['version']} of key {key!r} has no tensor {shown!r} "
+                    f"({len(missing)} missing, e.g. {missing[:5]})"
+                )
+            gshape, offs, sizes, local = layout.window(dest)
+            if gshape != s.shape or (dest.dtype != s.dtype and not cast):
+                hint = "; pass cast=True to convert" if gshape == s.shape else ""
+                raise ValueError(
+                    f"{shown}: destination has global shape {list(gshape)} {dest.dtype}, "
+                    f"stored version {reply['version']} of key {key!r} has {list(s.shape)} "
+                    f"{s.dtype}{hint}"
+                )
+            windows.append((path, offs, sizes, local))
+            dtypes.append(s.dtype)
+        plan = self.plans.get(key, reply["sig"], stored, windows)
+        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
+        groups: dict[int, list[ReadJob]] = {}
+        for c in plan:
+            dst = layout.narrow(windows[c.dest][3], c.dst_off, c.sizes)
+            job = ReadJob(slots[c.shard], c.shard_shape, dtypes[c.dest], c.src_off, c.sizes, dst)
+            groups.setdefault(vols[c.shard], []).append(job)
+        for v, jobs in groups.items():
+            vol = volumes[v]
+            self.s.transport_for(vol, jobs[0].slot).read(vol, jobs, gate)
+        return dests
+
+    # -------------------------------------------------------- zero-copy reads
+
+    def _views(self, key: str, kind: str, version: Version) -> tuple[list, dict[Path, Any]]:
+        """A zero-copy read. Its lease is taken on the views connection, which stays open
+        while any view is alive (even past ``close()``), so the version stays pinned."""
+        conn = self.s.views_conn()
+        cached = self._meta.get(key)
+        reply = conn.request(ops.ACQUIRE, key=key, version=version,
+                             known_sig=cached[0] if cached else None, wait_ms=None)  # fmt: skip
+        try:
+            stored = self._layout(key, kind, reply, cached)
+            return self._alias(key, stored, reply), _objects(reply)
+        except BaseException:
+            release_quietly(conn, reply["lease"])
+            raise
+
+    def _alias(
+        self, key: str, stored: dict[Path, Stored], reply: dict[str, Any]
+    ) -> list[tuple[Path, torch.Tensor]]:
+        """Read-only tensors over the pinned version's segments, which hold its lease until
+        all of them are garbage (see tidal/store/views.py)."""
+        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
+        plan: list[tuple[Path, Stored, str | None]] = []
+        for path, s in stored.items():
+            shown = layout.path_str(path) or key
+            if len(s.boxes) > 1:
+                raise ValueError(
+                    f"copy=False: {shown!r} of version {reply['version']} of key {key!r} is "
+                    f"stored in {len(s.boxes)} shards (several writers); a zero-copy view "
+                    "needs one shard per tensor. Use copy=True"
+                )
+            if not s.boxes:  # no bytes (empty tensor)
+                plan.append((path, s, None))
+                continue
+            vol = volumes[vols[s.first]]
+            if vol["kind"] == "cuda":
+                raise ValueError(
+                    f"copy=False: {shown!r} of key {key!r} is held in a writer's GPU memory "
+                    "(put with memory='cuda'); use copy=True"
+                )
+            if self.s.transport == "tcp" or not self.s.shm.reaches(vol):
+                raise ValueError(
+                    f"copy=False: {shown!r} of key {key!r} lives in the volume at "
+                    f"{vol['address']}, whose shared memory this process cannot map (another "
+                    "host, or transport='tcp'); use copy=True"
+                )
+            plan.append((path, s, path_of(vol, slots[s.first])))
+        token = views.Lease()
+        out = []
+        for path, s, seg in plan:
+            if seg is None:
+                out.append((path, torch.empty(s.shape, dtype=s.dtype)))
+                continue
+            mapping = self.s.segments.readonly(seg, layout.numel(s.shape) * s.dtype.itemsize)
+            out.append((path, views.alias(mapping, s.dtype, s.shape, token)))
+        with self._views_lock:
+            if self._releaser is None:
+                self._releaser = views.Releaser(self._release_view)
+            releaser = self._releaser
+            self.live_views += 1
+        views.arm(token, releaser, reply["lease"])
+        return out
+
+    def _release_view(self, lease: int) -> None:
+        """Release a view's lease on the views connection (called by the releaser, possibly
+        inside garbage collection: it takes no lock a store call may hold). After
+        ``close()``, the last release closes the views connection."""
+        try:
+            conn = self.s.existing("views")
+            if conn is not None and conn.connected:  # else the lease died with the connection
+                conn.request(ops.RELEASE, lease=lease)
+        finally:
+            with self._views_lock:
+                self.live_views -= 1
+                last = self.s.closed and self.live_views == 0
+            if last:
+                self.close_views()
+
+    def views_alive(self) -> bool:
+        with self._views_lock:
+            return self.live_views > 0
+
+    def close_views(self) -> None:
+        if self._releaser is not None:
+            self._releaser.close()
+        self.s.close_views()
+
+
+def release_quietly(conn: Conn, lease: int) -> None:
+    """Release a lease on the way out of a failed read."""
+    try:
+        conn.request(ops.RELEASE, lease=lease)
+    except (StoreError, ValueError):
+        pass  # the controller drops the lease when this connection closes
+
+
+def _objects(reply: dict[str, Any]) -> dict[Path, Any]:
+    return {tuple(o["name"]): o["value"] for o in reply.get("objects", [])}

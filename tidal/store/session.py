@@ -1,0 +1,148 @@
+"""What one store handle holds: its connections, its transports and its caches.
+
+Connections, each with one job so that no request waits behind another kind:
+- ``main``: queries, ``acquire`` / ``release`` of copying reads, handle lookups;
+- ``writer``: puts, held for a whole put (``put_begin`` is pipelined with the copies into
+  reserved slots); it owns the put plans and the handle's device volume;
+- ``waiter``: requests that block (streaming reads and waits for a version);
+- ``views``: the leases of zero-copy views, kept open past ``close()`` while views live.
+
+Each reconnects on its next call after a failure (tidal/store/conn.py); the writer's put
+plans and device volume are made again on a new connection.
+
+Lifecycle: ``Store.__init__`` makes a :class:`Session` (the main connection at once, the
+others on first use); ``Store.close()`` closes it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Any, Literal
+
+from tidal.store import ops, wire
+from tidal.store.conn import Conn
+from tidal.store.errors import StoreError
+from tidal.store.segments import Segments
+from tidal.store.transports import Transport
+from tidal.store.transports.cuda_ipc import CudaIpcTransport
+from tidal.store.transports.shm import ShmTransport
+from tidal.store.transports.tcp import TcpTransport
+
+TransportChoice = Literal["auto", "shm", "tcp"]
+
+
+class Session:
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        timeout: float,
+        transport: TransportChoice,
+        volume: str | None,
+        connections: int,
+    ) -> None:
+        self.address = address
+        self.token = token
+        self.timeout = timeout
+        self.transport = transport
+        self.volume = volume
+        self.host = wire.host_id()
+        self.writer = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self.main = Conn(address, token, timeout)
+        self._conns: dict[str, Conn] = {}
+        self._lock = threading.Lock()
+        self.segments = Segments()
+        self.shm = ShmTransport(self.host, self.segments)
+        self.tcp = TcpTransport(token, timeout, connections)
+        self._cuda: CudaIpcTransport | None = None
+        self.closed = False
+        self.hook: Callable[[str, ops.Op, dict[str, Any]], None] | None = None  # testing
+
+    def set_hook(self, hook: Callable[[str, ops.Op, dict[str, Any]], None] | None) -> None:
+        """Call ``hook(connection name, op, fields)`` before every request of this handle's
+        control connections (tidal.store.testing)."""
+        with self._lock:
+            self.hook = hook
+            for name, conn in [("main", self.main), *self._conns.items()]:
+                self._hook(name, conn)
+
+    def _hook(self, name: str, conn: Conn) -> None:
+        hook = self.hook
+        conn.hook = None if hook is None else (lambda op, f: hook(name, op, f))
+
+    def _conn(self, name: str) -> Conn:
+        with self._lock:
+            if self.closed and name != "views":
+                raise StoreError("this store handle is closed (store.close() was called)")
+            conn = self._conns.get(name)
+            if conn is None:
+                conn = self._conns[name] = Conn(self.address, self.token, self.timeout)
+                self._hook(name, conn)
+            return conn
+
+    def writer_conn(self) -> Conn:
+        return self._conn("writer")
+
+    def waiter(self) -> Conn:
+        return self._conn("waiter")
+
+    def views_conn(self) -> Conn:
+        return self._conn("views")
+
+    def existing(self, name: str) -> Conn | None:
+        """The connection ``name`` if it was made (and not closed for good)."""
+        with self._lock:
+            return self._conns.get(name)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreError("this store handle is closed (store.close() was called)")
+
+    def cuda(self) -> CudaIpcTransport:
+        with self._lock:
+            if self._cuda is None:
+                self._cuda = CudaIpcTransport(self.host, self.writer_conn, self.main)
+            return self._cuda
+
+    def transport_for(self, vol: dict[str, Any], slot: int | None = None) -> Transport:
+        """The transport to ``vol``: CUDA IPC for device memory, shared memory when the
+        volume is on this host (unless ``transport='tcp'``), else TCP."""
+        if vol["kind"] == "cuda":
+            return self.cuda()
+        if self.transport == "tcp":
+            return self.tcp
+        if self.shm.reaches(vol):
+            if self.transport == "shm" and slot is not None:
+                self.shm.check(vol, slot)
+            return self.shm
+        if self.transport == "shm":
+            raise StoreError(
+                f"transport='shm' but the segments of volume {vol['id']!r} are not on this host"
+            )
+        return self.tcp
+
+    def close(self, keep_views: bool) -> None:
+        """Close connections and transports; ``keep_views``: zero-copy views are alive and
+        hold leases on the views connection (their last release closes it)."""
+        with self._lock:
+            self.closed = True
+            conns = {n: c for n, c in self._conns.items() if not (keep_views and n == "views")}
+        for name, conn in conns.items():
+            conn.close(graceful=name in ("writer", "waiter"))
+        # The controller drops this writer's device volume when the writer connection goes;
+        # after that the device memory can be freed.
+        self.main.close(graceful=True)
+        if self._cuda is not None:
+            self._cuda.close()
+        self.tcp.close()
+        self.shm.close()
+
+    def close_views(self) -> None:
+        with self._lock:
+            conn = self._conns.pop("views", None)
+        if conn is not None:
+            conn.close()

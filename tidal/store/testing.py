@@ -1,0 +1,98 @@
+"""The one seam tests reach through below the public API (not for production code).
+
+Everything a test needs to look at or steer inside a store handle or an embedded store
+goes through these functions, so the internals can change without touching the tests:
+
+- :func:`controller`: the embedded store's controller (counts, waiting readers);
+- :func:`raw`: a fresh authenticated connection, to send ops by hand as another client or a
+  hostile one would;
+- :func:`on_request`: watch (or hold up) the requests a handle sends;
+- :func:`write_slot` / :func:`read_slot`: a shared-memory slot's bytes, as a same-host
+  writer or reader sees them;
+- :func:`mapped_segments`, :func:`device_allocations`, :func:`connection_open`: what a
+  handle holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tidal.store import ops
+from tidal.store.client import Store
+from tidal.store.conn import Conn
+from tidal.store.controller import Controller
+from tidal.store.transports.shm import path_of
+from tidal.store.volume import as_bytes, map_segment
+
+
+def controller(store: Store) -> Controller:
+    """The controller of the embedded store ``store`` started."""
+    server = store._server
+    if server is None or server.controller is None:
+        raise ValueError("this handle did not start an embedded store")
+    return server.controller
+
+
+def leases(store: Store) -> int:
+    """Leases held on the embedded store ``store`` started."""
+    return controller(store).counts()["leases"]
+
+
+def readers_waiting(store: Store, key: str, version: int) -> bool:
+    """Whether a streaming reader of the embedded store waits for that version."""
+    return controller(store).readers_waiting(key, version)
+
+
+def raw(address: str, token: str | None = None, timeout: float = 30.0) -> Conn:
+    """A new connection to the store at ``address``, after hello."""
+    return Conn(address, token, timeout)
+
+
+def writer_name(store: Store) -> str:
+    """The writer name ``store``'s puts use."""
+    return store._s.writer
+
+
+def host(store: Store) -> str:
+    return store._s.host
+
+
+def on_request(store: Store, hook: Callable[[str, ops.Op, dict[str, Any]], None] | None) -> None:
+    """Call ``hook(connection, op, fields)`` before each request ``store`` sends on its
+    control connections ("main", "writer", "waiter", "views"); None removes it."""
+    store._s.set_hook(hook)
+
+
+def write_slot(volume: dict[str, Any], slot: int, data: torch.Tensor) -> None:
+    """Copy ``data``'s bytes into ``slot`` of the shared-memory volume ``volume`` (an
+    ``ops.s_volume`` record, as ``put_declare`` returns it)."""
+    flat = data.contiguous().reshape(-1).view(torch.uint8)
+    seg = as_bytes(map_segment(path_of(volume, slot), flat.numel()))
+    seg.copy_(flat)
+
+
+def mapped_segments(store: Store) -> int:
+    """Shared-memory segments ``store`` has mapped."""
+    return len(store._s.segments)
+
+
+def device_allocations(store: Store) -> int:
+    """GPU allocations of ``store``'s device volume (``memory="cuda"`` puts)."""
+    cuda = store._s._cuda
+    return 0 if cuda is None else cuda.allocations()
+
+
+def connection_open(store: Store, name: str) -> bool:
+    """Whether ``store``'s connection ``name`` is open."""
+    conn = store._s.existing(name)
+    return conn is not None and conn.connected
+
+
+def read_slot(volume: dict[str, Any], slot: int, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` with the bytes ``slot`` of the shared-memory volume holds."""
+    flat = out.view(-1).view(torch.uint8)
+    flat.copy_(as_bytes(map_segment(path_of(volume, slot), flat.numel())))
+    return out

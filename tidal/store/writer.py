@@ -1,0 +1,256 @@
+"""The put path of a store handle: declare a layout once, then copy and commit.
+
+A put runs on the handle's writer connection, holding it from ``put_begin`` to
+``put_commit``:
+
+1. Look the layout up among this connection's put plans (:mod:`tidal.store.plans`); a new
+   layout is declared with ``put_declare`` (the only time per-tensor metadata is sent).
+2. With slots reserved by the previous put's commit, send ``put_begin`` without waiting,
+   copy the first chunk into the reserved slots, then read the reply: it says whether a
+   reader streams this version (then every later chunk is reported with ``put_progress``)
+   and names any extra slot to write. Without a reservation (the first put of a plan),
+   wait for ``put_begin``'s slots, then copy.
+3. ``put_commit``: the version becomes visible (once every writer of it has committed);
+   from the second put of a layout on, the reply also reserves the slots of the next put
+   (a layout put once, such as a one-off key, holds no memory for a put that never comes).
+
+A steady writer thus waits for one round trip per put (the commit) and sends no tensor
+metadata. A reservation is only used on the connection (generation) that made it, so bytes
+are never copied into slots the controller may have handed to someone else.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tidal.store import layout, ops, plans, progress
+from tidal.store.conn import Conn
+from tidal.store.errors import StoreError
+from tidal.store.layout import Path
+from tidal.store.plans import PutPlan
+from tidal.store.progress import Progress
+from tidal.store.session import Session
+from tidal.store.transports import WriteJob
+
+MAX_PLANS = 1024  # put plans kept per handle (a layout each)
+
+
+class Writer:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+        self._plans: dict[tuple[Any, ...], PutPlan] = {}
+        self._lock = threading.Lock()
+        self.declared = 0  # put plans declared (diagnostics: a steady writer declares none)
+
+    def put(
+        self,
+        key: str,
+        kind: str,
+        items: list[tuple[Path, Any]],
+        *,
+        version: int | None,
+        writers: int | None,
+        keep: int | None,
+        memory: str,
+        dtype: torch.dtype | None,
+    ) -> int:
+        tensors, objects = _split(items, kind)
+        conn = self.s.writer_conn()
+        with conn.lock:
+            conn.ensure()
+            volume = self.s.cuda().volume_id() if memory == "cuda" else self.s.volume
+            fp = (key, kind, memory, volume, writers, keep, plans.fingerprint(tensors, dtype))
+            with self._lock:
+                plan = self._plans.get(fp)
+            if plan is None or plan.generation != conn.generation:
+                plan, locals_ = self._declare(conn, fp, key, kind, tensors, dtype, writers,
+                                              keep, volume)  # fmt: skip
+            else:
+                locals_ = plans.local_shards(tensors)
+            return self._write(conn, plan, key, version, locals_, objects)
+
+    def _declare(
+        self,
+        conn: Conn,
+        fp: tuple[Any, ...],
+        key: str,
+        kind: str,
+        tensors: list[tuple[Path, torch.Tensor]],
+        dtype: torch.dtype | None,
+        writers: int | None,
+        keep: int | None,
+        volume: str | None,
+    ) -> tuple[PutPlan, list[torch.Tensor]]:
+        decls, locals_, meshes = plans.describe(tensors, dtype)
+        reply = conn.request(
+            ops.PUT_DECLARE,
+            key=key,
+            kind=kind,
+            writers=writers if writers is not None else _default_writers(meshes),
+            keep=keep,
+            host=self.s.host,
+            volume=volume,
+            tensors=decls,
+        )
+        dtypes = [plans.stored_dtype(t, dtype) for _, t in tensors]
+        plan = PutPlan(reply["plan"], reply["volume"], conn.generation, dtypes)
+        with self._lock:
+            self.declared += 1
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()  # old layouts; their plans die with the connection
+            self._plans[fp] = plan
+        return plan, locals_
+
+    def _write(
+        self,
+        conn: Conn,
+        plan: PutPlan,
+        key: str,
+        version: int | None,
+        locals_: list[torch.Tensor],
+        objects: list[dict[str, Any]],
+    ) -> int:
+        vol = plan.volume
+        transport = self.s.transport_for(vol)
+        cuda = self.s.cuda() if vol["kind"] == "cuda" else None
+        res, plan.reservation = plan.reservation, None
+        begin: dict[str, Any] = {"key": key, "plan": plan.plan_id, "version": version,
+                                 "writer": self.s.writer, "objects": objects}  # fmt: skip
+
+        def jobs(slots: list[int | None], skip: list[int | None] | None = None) -> list[WriteJob]:
+            return [WriteJob(s, t, d) for i, (s, t, d) in enumerate(zip(slots, locals_,
+                    plan.dtypes, strict=True)) if s is not None and (skip is None or
+                    skip[i] is None)]  # fmt: skip
+
+        started = False
+        try:
+            if res is not None:
+                if cuda is not None:  # allocate new slots, send their handles first
+                    self._prepare(cuda, jobs(res["slots"]))
+                # The reservation names slots of this connection: never resend it on another.
+                conn.send(ops.PUT_BEGIN, reconnect=False, reservation=res["id"], **begin)
+                started = True
+                first, rest = _split_jobs(jobs(res["slots"]), progress.PROGRESS_BYTES)
+                try:
+                    transport.write(vol, first, Progress(None), res["grant"])
+                finally:
+                    reply = conn.receive(ops.PUT_BEGIN)
+                version = reply["version"]
+                prog, send = self._progress(conn, key, version, reply["report"])
+                if reply["report"] and first:
+                    send([j.slot for j in first])
+                extra = jobs(reply["slots"], skip=res["slots"])  # rare: a replica moved
+                if cuda is not None:
+                    cuda.released(reply["freed"])
+                    self._prepare(cuda, extra)
+                transport.write(vol, rest + extra, prog, res["grant"])
+            else:
+                reply = conn.request(ops.PUT_BEGIN, reservation=None, **begin)
+                started = True
+                version = reply["version"]
+                todo = jobs(reply["slots"])
+                if cuda is not None:
+                    cuda.released(reply["freed"])
+                    self._prepare(cuda, todo)
+                prog, _ = self._progress(conn, key, version, reply["report"])
+                transport.write(vol, todo, prog, reply["grant"])
+        except BaseException:
+            if started and version is not None:
+                _abort(conn, key, version, self.s.writer)
+            raise
+        assert version is not None, "put_begin names the version"
+        # A layout put once (a one-off key, a rollout) reserves nothing; from its second put
+        # on, a layout is taken to repeat, and its commit reserves the next put's slots.
+        plan.puts += 1
+        done = conn.request(ops.PUT_COMMIT, key=key, version=version, writer=self.s.writer,
+                            reserve=plan.puts >= 2)  # fmt: skip
+        if done["next"] is not None and conn.generation == plan.generation:
+            plan.reservation = done["next"]
+        if cuda is not None:
+            cuda.released(done["freed"])
+        return version
+
+    def _progress(
+        self, conn: Conn, key: str, version: int, report: bool
+    ) -> tuple[Progress, Callable[[list[int]], None]]:
+        """A Progress for the copies of this put, and its reporting function (which tells
+        the controller slots are written, for a streaming reader; unused without one)."""
+
+        def send(slots: list[int]) -> None:
+            conn.request(ops.PUT_PROGRESS, key=key, version=version, writer=self.s.writer,
+                         slots=slots)  # fmt: skip
+
+        return Progress(send if report else None), send
+
+    def _prepare(self, cuda: Any, jobs: list[WriteJob]) -> None:
+        devices = [j.src.device.index if j.src.is_cuda else torch.cuda.current_device()
+                   for j in jobs]  # fmt: skip
+        cuda.prepare([j.slot for j in jobs], [j.nbytes for j in jobs], devices)
+
+
+def _abort(conn: Conn, key: str, version: int, writer: str) -> None:
+    """Best effort: the connection's close aborts the write as well."""
+    if not conn.connected:
+        return
+    try:
+        conn.request(ops.PUT_ABORT, key=key, version=version, writer=writer)
+    except (StoreError, ValueError):
+        pass
+
+
+def _split_jobs(jobs: list[WriteJob], nbytes: int) -> tuple[list[WriteJob], list[WriteJob]]:
+    """The first jobs holding about ``nbytes`` (at least one), and the rest."""
+    total = 0
+    for i, job in enumerate(jobs):
+        total += job.nbytes
+        if total >= nbytes:
+            return jobs[: i + 1], jobs[i + 1 :]
+    return jobs, []
+
+
+def _split(items: list[tuple[Path, Any]], kind: str) -> tuple[list, list[dict[str, Any]]]:
+    """Tensors (and DTensors) apart from the plain values of a state dict."""
+    tensors, objects = [], []
+    for path, v in items:
+        if isinstance(v, torch.Tensor):
+            tensors.append((path, v))
+        elif kind == "state_dict":
+            objects.append({"name": list(path), "value": _plain(path, v)})
+        else:
+            raise TypeError(f"expected a torch.Tensor or DTensor, got {type(v).__name__}")
+    return tensors, objects
+
+
+def _plain(path: Path, v: Any) -> Any:
+    """A state-dict leaf that travels as msgpack (tuples become lists); TypeError else."""
+    if v is None or isinstance(v, bool | int | float | str | bytes):
+        return v
+    if isinstance(v, list | tuple):
+        return [_plain((*path, i), x) for i, x in enumerate(v)]
+    if isinstance(v, Mapping):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise TypeError(f"state dict entry {layout.path_str(path)!r}: key {k!r} is no str")
+            out[k] = _plain((*path, k), x)
+        return out
+    raise TypeError(
+        f"state dict entry {layout.path_str(path)!r} is a {type(v).__name__}; tidal.store "
+        "holds tensors, DTensors and plain values (None, bool, int, float, str, bytes, and "
+        "lists or dicts of them)"
+    )
+
+
+def _default_writers(largest_mesh: int) -> int:
+    """SPMD default: with DTensors, every rank of the job puts (replicas included, they send
+    no bytes); without, one process."""
+    if largest_mesh == 0:
+        return 1
+    if dist.is_available() and dist.is_initialized():
+        return max(largest_mesh, dist.get_world_size())
+    return largest_mesh

@@ -1,20 +1,23 @@
 """Weight sync on one host: tidal.store put (one process) + get (another process) of a
 Llama-3-1.5B-shaped bf16 state dict, against the easy path (DCP save + load, safetensors
-save + load, both through /dev/shm) and the machine's memcpy bandwidth (torch ``copy_`` of
-the same bytes into warm memory), all measured in this run.
+save + load, through /dev/shm) and the machine's memcpy bandwidth (torch ``copy_`` of the
+same bytes into warm memory), all measured in this run.
 
     python benchmarks/store_sync.py            # 3.0 GB, Llama-3 1.5B shape
     python benchmarks/store_sync.py --gb1      # ~1 GB variant for small machines
     python benchmarks/store_sync.py --device cuda                  # GPU models, host slots
     python benchmarks/store_sync.py --device cuda --memory cuda    # GPU slots, CUDA IPC
 
-Targets (issue 3): tidal >= 10x faster than DCP; tidal end-to-end >= 50% of memcpy.
-
-Each round measures, one after the other on the same tensors: memcpy; put then a get into
-the reader's own tensors (two copies); put then a zero-copy get (``copy=False``: the reader
-gets read-only views of the store's memory, one copy in all); and a streamed sync, where the
-reader's ``get(..., wait=)`` is in flight before the put starts and copies each tensor as it
-lands. Figures are medians over the warm rounds (round 0 and 1 touch fresh segments).
+Rows (each with its baseline from the same run):
+- cold put: the first put of a new key, into fresh memory (target >= 50% of memcpy);
+- steady rounds: put then a get into the reader's own tensors (two copies), put then a
+  zero-copy get (``copy=False``, host memory), and a streamed sync (the reader's
+  ``get(..., wait=)`` in flight before the put starts); medians over the warm rounds. With
+  ``--memory cuda`` the target is <= 4 ms end to end and a put <= 2x a device ``copy_``;
+- cast put: an fp32 state dict published as bf16 (``dtype=``) against casting a copy first;
+- one-shot: a fresh process puts once and another fresh process gets once, against the same
+  with DCP through /dev/shm (target: tidal >= 10x faster);
+- the easy path: DCP and safetensors save in this process, load in the reader.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import tidal.store
 from tidal.store import testing
 
 
-def make_sd(small: bool, fill: float = 0.0, device: str = "cpu") -> dict[str, torch.Tensor]:
+def make_sd(
+    small: bool, fill: float = 0.0, device: str = "cpu", dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     dim, ffn = 2048, 8192
     vocab, layers = (64000, 4) if small else (128256, 16)
     shapes = {"tok_embeddings.weight": (vocab, dim), "output.weight": (vocab, dim)}
@@ -49,7 +54,7 @@ def make_sd(small: bool, fill: float = 0.0, device: str = "cpu") -> dict[str, to
             ("feed_forward.w3", (ffn, dim)),
         ]:
             shapes[p + n + ".weight"] = s
-    return {k: torch.full(s, fill, dtype=torch.bfloat16, device=device) for k, s in shapes.items()}
+    return {k: torch.full(s, fill, dtype=dtype, device=device) for k, s in shapes.items()}
 
 
 def sync(device: str) -> None:
@@ -81,12 +86,12 @@ def reader(conn, address: str, small: bool, root: str, device: str) -> None:
         msg = conn.recv()
         if msg is None:
             break
-        kind, v = msg
+        kind, key, v = msg
         if kind == "stream":
             # A generator waiting for the trainer's next version: the get is in flight before
             # the put starts and copies each tensor as soon as it lands; report when done.
             conn.send("ready")
-            store.get_state_dict("policy", into=into, version=v, wait=60)
+            store.get_state_dict(key, into=into, version=v, wait=60)
             sync(device)
             end = time.perf_counter()  # CLOCK_MONOTONIC: comparable across processes
             check(into, v)
@@ -94,12 +99,12 @@ def reader(conn, address: str, small: bool, root: str, device: str) -> None:
             continue
         t = time.perf_counter()
         if kind == "tidal":
-            store.get_state_dict("policy", into=into, version=v)
+            store.get_state_dict(key, into=into, version=v)
             sync(device)
             took = time.perf_counter() - t
             check(into, v)
         elif kind == "view":
-            views = store.get_state_dict("policy", version=v, copy=False)
+            views = store.get_state_dict(key, version=v, copy=False)
             took = time.perf_counter() - t
             check(views, v)
             del views  # releases the version: its slots go back to the writer's ring
@@ -122,41 +127,80 @@ def reader(conn, address: str, small: bool, root: str, device: str) -> None:
     store.close()
 
 
+def one_shot(conn, role: str, address: str, small: bool, path: str) -> None:
+    """A fresh process that writes (or reads) the state dict once; sends the seconds taken."""
+    if role.startswith("put"):
+        sd = make_sd(small, fill=1.0)
+        stamp(sd, 1)
+    else:
+        sd = make_sd(small)  # the reader's own memory, touched, as a model's would be
+    t = time.perf_counter()
+    if role == "put tidal":
+        with tidal.store.connect(address) as store:
+            store.put_state_dict(sd, "oneshot", version=1)
+    elif role == "get tidal":
+        with tidal.store.connect(address) as store:
+            store.get_state_dict("oneshot", into=sd, version=1)
+    elif role == "put dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, checkpoint_id=path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(sd, checkpoint_id=path)
+    took = time.perf_counter() - t
+    if role.startswith("get"):
+        check(sd, 1)
+    conn.send(took)
+
+
+def run_one_shot(ctx, role: str, address: str, small: bool, path: str) -> float:
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=one_shot, args=(child, role, address, small, path))
+    proc.start()
+    child.close()
+    try:
+        took = parent.recv()
+    finally:
+        proc.join(120)
+        if proc.is_alive():
+            proc.kill()
+    return took
+
+
+def memcpy_s(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> float:
+    t = time.perf_counter()
+    for k, s in src.items():
+        dst[k].copy_(s)
+    return time.perf_counter() - t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb1", action="store_true", help="~1 GB variant (4 layers, 64k vocab)")
-    ap.add_argument("--iters", type=int, default=6, help="tidal put+get rounds")
+    ap.add_argument("--iters", type=int, default=6, help="steady put+get rounds")
     ap.add_argument("--root", default="/dev/shm", help="file system for the DCP/safetensors path")
     ap.add_argument("--skip-easy", action="store_true", help="skip DCP and safetensors")
     ap.add_argument("--json", default=None, help="write results here")
-    ap.add_argument(
-        "--device", default="cpu", choices=("cpu", "cuda"), help="where both models live"
-    )
-    ap.add_argument(
-        "--memory",
-        default="host",
-        choices=("host", "cuda"),
-        help="where the store keeps the bytes: host shared memory, or the writer's GPU "
-        "memory read through CUDA IPC (--device cuda)",
-    )
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where models live")
+    ap.add_argument("--memory", default="host", choices=("host", "cuda"),
+                    help="where the store keeps the bytes: host shared memory, or the writer's "
+                    "GPU memory read through CUDA IPC (--device cuda)")  # fmt: skip
     args = ap.parse_args()
     if args.memory == "cuda" and args.device != "cuda":
         ap.error("--memory cuda needs --device cuda")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
     sd = make_sd(args.gb1, fill=1.0, device=args.device)
     gb = nbytes(sd) / 1e9
-    print(
-        f"state dict: {len(sd)} tensors, {gb:.2f} GB bf16 on {args.device}; "
-        f"torch threads {torch.get_num_threads()}"
-    )
-
+    print(f"state dict: {len(sd)} tensors, {gb:.2f} GB bf16 on {args.device}, store memory "
+          f"{args.memory}; torch threads {torch.get_num_threads()}")  # fmt: skip
     # memcpy: host copy_ of the same bytes into warm memory, whatever the models' device.
     host = sd if args.device == "cpu" else make_sd(args.gb1, fill=1.0)
     dst = make_sd(args.gb1)
-    # A zero-copy get hands CPU views to the reader; for CUDA models the get is the copy.
-    kinds = ("tidal", "view") if args.device == "cpu" else ("tidal",)
-    results: dict[str, dict[str, float]] = {}
+    memcpy_s(host, dst)  # touch dst
+    dev_dst = make_sd(args.gb1, device="cuda") if args.device == "cuda" else {}
+    results: dict[str, float] = {}
 
     root = os.path.join(args.root, f"tidal-bench-{os.getpid()}")
     os.makedirs(root, exist_ok=True)
@@ -167,36 +211,40 @@ def main() -> None:
     proc.start()
     child.close()  # so that recv raises EOFError if the reader dies instead of hanging
     try:
-        rounds: dict[str, list[tuple[float, float]]] = {"tidal": [], "view": []}
+        # -- cold put: a new key into fresh memory, beside the memcpy of the same bytes.
+        results["memcpy (cold-put baseline)"] = memcpy_s(host, dst)
+        t = time.perf_counter()
+        store.put_state_dict(sd, "cold", memory=args.memory)
+        sync(args.device)
+        results["cold put"] = time.perf_counter() - t
+        store.delete("cold")
+
+        # -- steady rounds.
+        kinds = ("tidal", "view") if args.memory == "host" else ("tidal",)
+        rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
         memcpy, streamed, dev_memcpy = [], [], []
-        dev_dst = make_sd(args.gb1, device="cuda") if args.device == "cuda" else {}
         v = 0
         for r in range(args.iters):
-            t = time.perf_counter()
-            for k, src in host.items():
-                dst[k].copy_(src)
-            memcpy.append(time.perf_counter() - t)
+            memcpy.append(memcpy_s(host, dst))
             line = f"  round {r}: memcpy {memcpy[-1]:.3f} s"
             if args.device == "cuda":  # and the device's own copy_ of the same bytes
                 torch.cuda.synchronize()
-                t = time.perf_counter()
-                for k, src in sd.items():
-                    dev_dst[k].copy_(src)
+                dev_memcpy.append(memcpy_s(sd, dev_dst))
                 torch.cuda.synchronize()
-                dev_memcpy.append(time.perf_counter() - t)
-                line += f" (device {dev_memcpy[-1]:.4f} s)"
+                dev_memcpy[-1] = dev_memcpy[-1]
+                line += f" (device {dev_memcpy[-1] * 1e3:.2f} ms)"
             for kind in kinds:
                 stamp(sd, v)
                 t = time.perf_counter()
                 store.put_state_dict(sd, "policy", version=v, memory=args.memory)
                 sync(args.device)
                 put_s = time.perf_counter() - t
-                parent.send((kind, v))
+                parent.send((kind, "policy", v))
                 rounds[kind].append((put_s, parent.recv()))
-                line += f" | {kind}: put {put_s:.3f} get {rounds[kind][-1][1]:.3f}"
+                line += f" | {kind}: put {put_s * 1e3:.1f} ms get {rounds[kind][-1][1] * 1e3:.1f}"
                 v += 1
             stamp(sd, v)
-            parent.send(("stream", v))
+            parent.send(("stream", "policy", v))
             assert parent.recv() == "ready"
             # Writers report progress only for a version a reader waits for: start the put
             # once the reader's wait reached the (embedded) controller.
@@ -206,32 +254,59 @@ def main() -> None:
             store.put_state_dict(sd, "policy", version=v, memory=args.memory)
             streamed.append(parent.recv() - t)
             v += 1
-            print(line + f" | streamed {streamed[-1]:.3f} s", flush=True)
-        # The first rounds touch fresh shared memory (a ring of keep + 1 = 2 slots per
-        # tensor); later rounds are the steady state of a training loop.
+            print(line + f" | streamed {streamed[-1] * 1e3:.1f} ms", flush=True)
+        # Rounds 0 and 1 fill the ring of slots and declare the layout; later rounds are
+        # the steady state of a training loop.
         warm = slice(2, None) if args.iters > 2 else slice(None)
-        memcpy_s = statistics.median(memcpy[warm])
-        for kind, name in (("tidal", "tidal"), ("view", "tidal zero-copy get")):
-            if not rounds[kind]:
-                continue
-            results[name] = {
-                "put_s": statistics.median(p for p, _ in rounds[kind][warm]),
-                "get_s": statistics.median(g for _, g in rounds[kind][warm]),
-            }
-        results["tidal (first round)"] = {
-            "put_s": rounds["tidal"][0][0],
-            "get_s": rounds["tidal"][0][1],
-        }
-        stream_s = statistics.median(streamed[warm])
+        results["memcpy"] = statistics.median(memcpy[warm])
+        for kind in kinds:
+            results[f"{kind} put"] = statistics.median(p for p, _ in rounds[kind][warm])
+            results[f"{kind} get"] = statistics.median(g for _, g in rounds[kind][warm])
+        results["streamed"] = statistics.median(streamed[warm])
+        if dev_memcpy:
+            results["device copy_"] = statistics.median(dev_memcpy[warm])
+
+        # -- cast put: fp32 weights published as bf16.
+        sd32 = {k: t.float() for k, t in sd.items()}
+        cast_rounds: dict[str, list[float]] = {"dtype=": [], "cast, then put": []}
+        for r in range(4):
+            t = time.perf_counter()
+            store.put_state_dict(sd32, "cast", dtype=torch.bfloat16, memory=args.memory)
+            sync(args.device)
+            cast_rounds["dtype="].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            tmp = {k: x.to(torch.bfloat16) for k, x in sd32.items()}
+            store.put_state_dict(tmp, "cast2", memory=args.memory)
+            sync(args.device)
+            cast_rounds["cast, then put"].append(time.perf_counter() - t)
+            del tmp
+        del sd32
+        for name, times in cast_rounds.items():
+            results[f"cast put ({name})"] = statistics.median(times[1:])
+        store.delete("cast")
+        store.delete("cast2")
+
+        # -- one-shot: fresh processes, tidal against DCP through /dev/shm (host memory).
+        if args.memory == "host":
+            path = os.path.join(root, "oneshot-dcp")
+            results["one-shot tidal put"] = run_one_shot(ctx, "put tidal", store.address,
+                                                         args.gb1, path)  # fmt: skip
+            results["one-shot tidal get"] = run_one_shot(ctx, "get tidal", store.address,
+                                                         args.gb1, path)  # fmt: skip
+            results["one-shot DCP save"] = run_one_shot(ctx, "put dcp", "", args.gb1, path)
+            results["one-shot DCP load"] = run_one_shot(ctx, "get dcp", "", args.gb1, path)
+            shutil.rmtree(path, ignore_errors=True)
+
+        # -- the easy path: save here, load in the reader.
         if not args.skip_easy:
             import torch.distributed.checkpoint as dcp
 
             t = time.perf_counter()
             dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))
             sync(args.device)
-            save_s = time.perf_counter() - t
-            parent.send(("dcp", 0))
-            results["DCP via " + args.root] = {"put_s": save_s, "get_s": parent.recv()}
+            results["DCP save"] = time.perf_counter() - t
+            parent.send(("dcp", "", 0))
+            results["DCP load"] = parent.recv()
             shutil.rmtree(os.path.join(root, "dcp"))
             try:
                 from safetensors.torch import save_file
@@ -241,9 +316,9 @@ def main() -> None:
                 t = time.perf_counter()
                 save_file(sd, os.path.join(root, "model.safetensors"))
                 sync(args.device)
-                save_s = time.perf_counter() - t
-                parent.send(("safetensors", 0))
-                results["safetensors via " + args.root] = {"put_s": save_s, "get_s": parent.recv()}
+                results["safetensors save"] = time.perf_counter() - t
+                parent.send(("safetensors", "", 0))
+                results["safetensors load"] = parent.recv()
         parent.send(None)
         proc.join()
     finally:
@@ -251,53 +326,49 @@ def main() -> None:
             proc.kill()
         shutil.rmtree(root, ignore_errors=True)
         store.close()
+    report(results, gb, args)
 
-    memcpy_gbps = gb / memcpy_s
-    tidal_s = results["tidal"]["put_s"] + results["tidal"]["get_s"]
-    print(f"\nmemcpy (torch copy_, same bytes, median of the warm rounds): {memcpy_s:.3f} s = "
-          f"{memcpy_gbps:.2f} GB/s")  # fmt: skip
-    print(f"{'path':28s} {'put/save s':>10s} {'get/load s':>10s} {'total s':>8s} "
-          f"{'GB/s':>6s} {'tidal x':>8s}")  # fmt: skip
-    for name, r in results.items():
-        total = r["put_s"] + r["get_s"]
-        print(f"{name:28s} {r['put_s']:10.3f} {r['get_s']:10.3f} {total:8.3f} "
-              f"{gb / total:6.2f} {total / tidal_s:8.1f}")  # fmt: skip
-    e2e = gb / tidal_s
-    print(
-        f"\ntidal end-to-end, get into the reader's tensors (two copies) {e2e:.2f} GB/s = "
-        f"{e2e / memcpy_gbps:.0%} of memcpy (target >= 50%)"
-    )
-    zc = results.get("tidal zero-copy get")
-    if zc is not None:
-        zc_gbps = gb / (zc["put_s"] + zc["get_s"])
-        print(
-            f"tidal end-to-end, zero-copy get (copy=False: one copy) {zc_gbps:.2f} GB/s = "
-            f"{zc_gbps / memcpy_gbps:.0%} of memcpy (target >= 50%)"
-        )
-    print(
-        f"tidal streamed (reader waiting with get(..., wait=)) {stream_s:.3f} s = "
-        f"{gb / stream_s:.2f} GB/s = {gb / stream_s / memcpy_gbps:.0%} of memcpy (target >= 50%)"
-    )
-    if dev_memcpy:
-        dev_gbps = gb / statistics.median(dev_memcpy[warm])
-        print(
-            f"device copy_ of the same bytes {dev_gbps:.1f} GB/s; tidal end-to-end "
-            f"{e2e:.1f} GB/s = {e2e / dev_gbps:.1%} of it, {e2e / memcpy_gbps:.0%} of host memcpy"
-        )
-    get_bw = gb / results["tidal"]["get_s"]
-    print(
-        f"tidal get alone (the reader's only blocking step when put_async overlaps training) "
-        f"{get_bw:.2f} GB/s = {get_bw / memcpy_gbps:.0%} of memcpy"
-    )
-    dcp_key = "DCP via " + args.root
-    if dcp_key in results:
-        dcp_total = results[dcp_key]["put_s"] + results[dcp_key]["get_s"]
-        print(f"tidal vs DCP: {dcp_total / tidal_s:.1f}x faster (target >= 10x)")
+
+def report(r: dict[str, float], gb: float, args: argparse.Namespace) -> None:
+    def bw(s: float) -> str:
+        return f"{gb / s:6.2f} GB/s"
+
+    mc = r["memcpy"]
+    print(f"\n{'row':44s} {'seconds':>10s} {'rate':>12s}")
+    for name, s in r.items():
+        print(f"{name:44s} {s:10.4f} {bw(s):>12s}")
+    print()
+    cold_base = r["memcpy (cold-put baseline)"]
+    print(f"cold put: {bw(r['cold put'])} = {cold_base / r['cold put']:.0%} of the memcpy "
+          f"measured just before it ({bw(cold_base)}) (target >= 50%)")  # fmt: skip
+    e2e = r["tidal put"] + r["tidal get"]
+    print(f"steady put + get into the reader's tensors: {e2e * 1e3:.1f} ms = {bw(e2e)} = "
+          f"{mc / e2e:.0%} of memcpy ({bw(mc)})")  # fmt: skip
+    if "view put" in r:
+        zc = r["view put"] + r["view get"]
+        print(f"steady put + zero-copy get: {zc * 1e3:.1f} ms = {mc / zc:.0%} of memcpy")
+    print(f"streamed (reader waiting with get(..., wait=)): {r['streamed'] * 1e3:.1f} ms = "
+          f"{mc / r['streamed']:.0%} of memcpy")  # fmt: skip
+    if "device copy_" in r:
+        dev = r["device copy_"]
+        print(f"device copy_ of the same bytes: {dev * 1e3:.2f} ms; end to end {e2e * 1e3:.2f} ms "
+              f"(target <= 4 ms with --memory cuda); put {r['tidal put'] * 1e3:.2f} ms = "
+              f"{r['tidal put'] / dev:.2f}x the device copy (target <= 2x)")  # fmt: skip
+    a, b = r["cast put (dtype=)"], r["cast put (cast, then put)"]
+    print(f"fp32 -> bf16 put: dtype= {a * 1e3:.1f} ms, cast then put {b * 1e3:.1f} ms "
+          f"({b / a:.2f}x)")  # fmt: skip
+    if "one-shot tidal put" in r:
+        t1 = r["one-shot tidal put"] + r["one-shot tidal get"]
+        d1 = r["one-shot DCP save"] + r["one-shot DCP load"]
+        print(f"one-shot put + get by fresh processes: tidal {t1:.3f} s, DCP via {args.root} "
+              f"{d1:.3f} s: tidal {d1 / t1:.1f}x faster (target >= 10x)")  # fmt: skip
+    if "DCP save" in r:
+        d = r["DCP save"] + r["DCP load"]
+        print(f"steady tidal vs DCP save + load: {d / e2e:.1f}x faster")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"GB": gb, "memcpy_s": memcpy_s, "streamed_s": stream_s,
-                       "results": results, "rounds": rounds, "memcpy_rounds": memcpy,
-                       "streamed_rounds": streamed}, f, indent=1)  # fmt: skip
+            json.dump({"GB": gb, "results": r, "device": args.device, "memory": args.memory},
+                      f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -314,7 +314,7 @@ def test_multi_writer_versions(store):
         return _commit(conn, 0, writer)
 
     assert half(a, (0, 2), "wa") is False
-    a.close()  # committed, then gone: the version stays pending, not aborted
+    a.close(graceful=True)  # committed, then gone: the version stays pending, not aborted
     assert not store.exists("mw", 0)
     with pytest.raises(VersionNotFoundError, match="1 of 2 writers"):
         store.get("mw", version=0)
@@ -324,7 +324,7 @@ def test_multi_writer_versions(store):
     # A writer that disconnects before committing aborts the version.
     c = testing.raw(store.address)
     _begin(c, _declare(c, (0, 2))["plan"], 1, "wc")
-    c.close()
+    c.close(graceful=True)  # "bye": the server cleans up before it answers
     with pytest.raises(VersionNotFoundError, match="aborted: a writer disconnected"):
         store.get("mw", version=1)
     # Writers whose shards leave a gap: the last commit fails, readers never see it.

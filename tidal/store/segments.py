@@ -2,29 +2,39 @@
 
 Read-write mappings serve the copies of puts and gets, and are registered with CUDA on the
 first device copy so that copy runs as DMA; read-only mappings back zero-copy views
-(tidal/store/views.py). Both are cached per segment path: slots are reused as a ring, so a
-steady training loop maps nothing new after its first versions. The caches are bounded
-(LRU), and swept of segments whose files are gone (deleted keys, dead volumes) every 64
-misses and whenever a key's layout changes, since a mapping keeps its memory alive.
+(tidal/store/views.py). A segment mapped for the first time is populated before the copy:
+its pages are faulted in (and, for a fresh slot, allocated) by a pool of threads, a few tens
+of MB each, rather than one 4 KB fault at a time inside the copy (:meth:`Segments.map_all`;
+benchmarks/store_sync.py's cold-put row measures it). Both are cached per segment path:
+slots are reused as a ring, so a steady training loop maps nothing new after its first
+versions. The caches are bounded (LRU), and swept of segments whose files are gone (deleted
+keys, dead volumes) every 64 misses and whenever a key's layout changes, since a mapping keeps
+its memory alive.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
 from tidal.store.errors import StoreError
-from tidal.store.volume import as_bytes, map_segment
+from tidal.store.volume import as_bytes, fallocate, map_segment, populate
 
 M = TypeVar("M")
 _LIMIT = 65536  # mappings per cache
 _SWEEP_EVERY = 64  # misses
+
+
+def _map_rw(path: str, nbytes: int) -> torch.Tensor:
+    return _open(path, lambda: as_bytes(map_segment(path, nbytes)))
 
 
 def _open(path: str, map_: Callable[[], M]) -> M:
@@ -44,6 +54,7 @@ class Segments:
         self._pinned: dict[str, bool] = {}  # read-write mapping -> registered with CUDA
         self._misses = 0
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # populates fresh mappings
 
     def __len__(self) -> int:
         return len(self._rw) + len(self._ro)
@@ -55,10 +66,51 @@ class Segments:
         open_ = lambda: _open(path, lambda: as_bytes(map_segment(path, nbytes)))  # noqa: E731
         return self._cached(self._rw, path, open_, self._unpin)
 
+    def map_all(self, segments: list[tuple[str, int]]) -> list[torch.Tensor]:
+        """``readwrite`` of each (path, nbytes), populating the ones mapped for the first
+        time in parallel threads before returning."""
+        out: list[torch.Tensor | None] = []
+        fresh: list[tuple[int, str, int]] = []
+        with self._lock:
+            for i, (path, n) in enumerate(segments):
+                hit = self._rw.get(path) if n else torch.empty(0, dtype=torch.uint8)
+                if hit is not None and n:
+                    self._rw.move_to_end(path)
+                out.append(hit)
+                if hit is None:
+                    fresh.append((i, path, n))
+        if fresh:
+            pool = self._threads()
+            for i, p, n in fresh:
+                seg = _map_rw(p, n)
+                populate(seg.data_ptr(), n, p, pool, fallback=functools.partial(fallocate, p, n))
+                out[i] = self._insert(p, seg)
+        return out  # type: ignore[return-value]  # every entry is filled above
+
+    def _threads(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                n = max(1, min(16, os.cpu_count() or 1))
+                self._pool = ThreadPoolExecutor(n, thread_name_prefix="tidal-populate")
+            return self._pool
+
     def readonly(self, path: str, nbytes: int) -> mmap.mmap:
         """The segment mapped read-only, for zero-copy views."""
         open_ = lambda: _open(path, lambda: map_segment(path, nbytes, writable=False))  # noqa: E731
         return self._cached(self._ro, path, open_, lambda *_: None)
+
+    def _insert(self, path: str, seg: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            hit = self._rw.get(path)
+            if hit is not None:  # another thread mapped it meanwhile
+                return hit
+            self._rw[path] = seg
+            self._misses += 1
+            if self._misses >= _SWEEP_EVERY:
+                self._sweep()
+            while len(self._rw) > _LIMIT:
+                self._unpin(*self._rw.popitem(last=False))
+        return seg
 
     def _cached(
         self,
@@ -116,3 +168,6 @@ class Segments:
                 self._unpin(path, seg)
             self._rw.clear()
             self._ro.clear()
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

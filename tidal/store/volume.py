@@ -5,9 +5,14 @@ A volume keeps one CPU shared-memory segment per slot, a file named
 a name is built, from ids the store issued and checked, never from a path received). Slots are
 created once and reused for later versions of the same shard (the controller hands a freed
 slot to the next writer of the same key, tensor and size), because the first touch of fresh
-shared memory costs page faults (benchmarks/store_sync.py prints a cold round and the
-steady state). Pages are allocated with ``posix_fallocate`` when a slot is created, so a full
-tmpfs fails there with a clear error instead of a SIGBUS in a writer.
+shared memory costs page faults (benchmarks/store_sync.py prints a cold put and the
+steady state).
+
+A slot is created as a sparse file of its size (no page is touched: the server does not zero
+gigabytes in one thread while a put waits). Its pages are allocated by the first writer that
+maps it, in parallel threads with ``MADV_POPULATE_WRITE`` (:func:`populate`: a full tmpfs
+fails there with a clear error, never a SIGBUS), or by this process before the first TCP write
+into it.
 
 Writers and readers on the volume's host map the segments and copy straight in or out;
 remote peers go through ``vol_write`` / ``vol_read`` over TCP, which this class serves from
@@ -22,6 +27,7 @@ Lifecycle: the process that runs a :class:`~tidal.store.server.Server` with a vo
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hmac
 import mmap
@@ -31,6 +37,8 @@ import secrets
 import socket
 import stat
 import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
 
 import torch
 
@@ -160,6 +168,57 @@ def map_segment(path: str, nbytes: int, writable: bool = True) -> mmap.mmap:
         os.close(fd)
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_libc = ctypes.CDLL(None, use_errno=True)
+POPULATE_CHUNK = 32 << 20  # bytes a thread populates at a time
+
+
+def populate(
+    addr: int, nbytes: int, where: str, pool: Executor | None = None,
+    fallback: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
+    """Fault in (allocating, as a write would) ``nbytes`` of the shared mapping at ``addr``,
+    in ``POPULATE_CHUNK`` pieces spread over ``pool``'s threads. A kernel without
+    ``MADV_POPULATE_WRITE`` calls ``fallback`` (or leaves the pages to the first write).
+    Raises StoreError naming ``where`` if the pages cannot be allocated (a full tmpfs)."""
+
+    def one(offset: int) -> int:
+        n = min(POPULATE_CHUNK, nbytes - offset)
+        rc = _libc.madvise(ctypes.c_void_p(addr + offset), ctypes.c_size_t(n), _MADV_POPULATE_WRITE)
+        return 0 if rc == 0 else ctypes.get_errno()
+
+    offsets = range(0, nbytes, POPULATE_CHUNK)
+    errors = list(pool.map(one, offsets)) if pool is not None else [one(o) for o in offsets]
+    err = next((e for e in errors if e), 0)
+    if err == errno.EINVAL:  # too old a kernel
+        if fallback is not None:
+            fallback()
+        return
+    if err:
+        raise StoreError(
+            f"cannot allocate {nbytes} bytes for {where}: {os.strerror(err)} (is the "
+            "shared-memory file system full? delete keys or lower retention)"
+        )
+
+
+def fallocate(path: str, nbytes: int) -> None:
+    """Allocate a segment's pages with ``posix_fallocate`` (where populating is not
+    supported); StoreError if the file system is full."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise StoreError(f"cannot allocate {nbytes} bytes for {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def address(mapping: mmap.mmap) -> int:
+    """The address of a mapping's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+
 def as_bytes(mapping: mmap.mmap) -> torch.Tensor:
     """A flat uint8 tensor over a writable mapping (no copy)."""
     return torch.frombuffer(mapping, dtype=torch.uint8)
@@ -196,6 +255,7 @@ class Volume:
         self.used = 0
         self._segments: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
         self._grants: dict[int, bytes] = {}
+        self._populated: set[int] = set()  # slots this process allocated for TCP writes
         self._lock = threading.Lock()
 
     def path(self, slot: int) -> str:
@@ -213,6 +273,13 @@ class Volume:
             mapping: mmap.mmap | None = None
             seg = torch.empty(0, dtype=torch.uint8)
             if nbytes:
+                st = os.statvfs(self.shm_dir)
+                if st.f_bavail * st.f_frsize < nbytes:
+                    raise StoreError(
+                        f"volume {self.volume_id}: {self.shm_dir} has "
+                        f"{st.f_bavail * st.f_frsize} bytes free, {nbytes} needed; delete keys "
+                        "or lower retention (keep)"
+                    )
                 path = self.path(slot)
                 flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
                 try:
@@ -222,13 +289,7 @@ class Volume:
                         f"volume {self.volume_id}: cannot create segment {path}: {e.strerror}"
                     ) from None
                 try:
-                    os.ftruncate(fd, nbytes)
-                    try:
-                        os.posix_fallocate(fd, 0, nbytes)
-                    except OSError as e:
-                        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                            raise
-                        # fallback: a file system without fallocate faults pages on write
+                    os.ftruncate(fd, nbytes)  # sparse: the first writer allocates the pages
                     mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
                 except OSError as e:
                     os.close(fd)
@@ -247,6 +308,7 @@ class Volume:
             for slot in slots:
                 rec = self._segments.pop(slot, None)
                 self._grants.pop(slot, None)
+                self._populated.discard(slot)
                 if rec is None:
                     continue
                 mapping, seg = rec
@@ -300,6 +362,11 @@ class Volume:
                     f"write of {nbytes} bytes at offset {offset} exceeds slot {slot} "
                     f"of {seg.numel()} bytes"
                 )
+            if slot not in self._populated:  # allocate before recv_into touches a page
+                path = self.path(slot)
+                populate(seg.data_ptr(), seg.numel(), path,
+                         fallback=lambda: fallocate(path, seg.numel()))  # fmt: skip
+                self._populated.add(slot)
         except (ValueError, StoreError):
             wire.discard(sock, nbytes)
             raise

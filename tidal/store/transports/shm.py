@@ -50,10 +50,10 @@ class ShmTransport:
     def write(
         self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
+        segs = self.segments.map_all([(path_of(vol, j.slot), j.nbytes) for j in jobs])
         with torch.no_grad():
-            for job in jobs:
+            for job, dst in zip(jobs, segs, strict=True):
                 src = job.src
-                dst = self._map(vol, job.slot, job.nbytes)
                 pinned = src.is_cuda and self.segments.pin(path_of(vol, job.slot), dst)
                 dst.view(job.dtype).view(src.shape).copy_(src, non_blocking=pinned)
                 progress.add(job.slot, job.nbytes, src.device if pinned else None)
@@ -61,11 +61,15 @@ class ShmTransport:
 
     def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
         devices: set[torch.device] = set()  # CUDA devices with copies in flight
+        sizes = [layout.numel(j.shard_shape) * j.dtype.itemsize for j in jobs]
+        if gate is None:  # map (and populate) them all up front, in parallel
+            self.segments.map_all(
+                [(path_of(vol, j.slot), n) for j, n in zip(jobs, sizes, strict=True)]
+            )
         with torch.no_grad():
-            for job in jobs:
+            for job, n in zip(jobs, sizes, strict=True):
                 if gate is not None:
                     gate(job.slot)  # streaming: wait until the writer put it in place
-                n = layout.numel(job.shard_shape) * job.dtype.itemsize
                 seg = self._map(vol, job.slot, n)
                 asynchronous = job.dst.is_cuda and self.segments.pin(path_of(vol, job.slot), seg)
                 src = seg.view(job.dtype).view(job.shard_shape)

@@ -142,9 +142,9 @@ def load_hf_state_dict(
 
     The tensors may be DTensors (FSDP2, TP, both): each rank reads only the slice of each
     tensor that its local shard holds, through `safe_open(...).get_slice(name)[...]`, with no
-    collective. Call it on every rank after `to_empty`, in place of `init_weights()` (the RoPE
-    buffer is not in the state dict: `init_weights` or `load_hf` set it; a caller building its
-    own model copies `rope_tables(args)` into `model.rope`).
+    collective. Call it on every rank after `to_empty` and `init_weights()`: the RoPE tables
+    are a buffer outside the state dict that `init_weights` fills (or copy
+    `rope_tables(args)` into `model.rope`); every parameter is then overwritten.
 
     Args:
         path: the checkpoint folder.
@@ -224,8 +224,7 @@ def _fill(plan: list[tuple[str, torch.Tensor, TensorEntry]]) -> None:
     with slice_reader() as reader, torch.no_grad():
         for key, dst, entry in plan:
             if isinstance(dst, DTensor):
-                if any(p.is_partial() for p in dst.placements):
-                    raise ValueError(f"{key!r} has Partial placements; cannot load into it")
+                _check_box_layout(key, dst.placements)
                 local = dst.to_local()
                 shape, offset = compute_local_shape_and_global_offset(
                     dst.shape, dst.device_mesh, dst.placements
@@ -239,6 +238,26 @@ def _fill(plan: list[tuple[str, torch.Tensor, TensorEntry]]) -> None:
                 local.copy_(reader.read(entry, box))
             else:
                 dst.copy_(reader.read(entry))
+
+
+def _check_box_layout(key: str, placements) -> None:
+    """Refuse layouts whose local shard is not one box of the global tensor.
+
+    FSDP2 over TP shards a dim twice, recorded as _StridedShard(d) on the outer mesh dim and
+    Shard(d) on the inner one: chunks of chunks, still one box (what DCP assumes too). A
+    _StridedShard after a Shard of the same dim would interleave rows instead."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    sharded = set()
+    for p in placements:
+        if p.is_partial():
+            raise ValueError(f"{key!r} has Partial placements {placements}; cannot load into it")
+        if isinstance(p, _StridedShard) and p.dim in sharded:
+            raise ValueError(f"{key!r}: placements {placements} give a local shard that is not "
+                             "one slice of the tensor; not supported")  # fmt: skip
+        if isinstance(p, Shard):
+            sharded.add(p.dim)
 
 
 def save_hf(

@@ -277,6 +277,10 @@ def test_save_refuses_bad_state_dicts(tmp_path):
     sd = model.state_dict() | {"norm.weight": torch.empty(32, device="meta")}
     with pytest.raises(TypeError, match="'norm.weight' is a torch.float32 tensor on meta"):
         save_hf_state_dict(sd, model.args, tmp_path)
+    with pytest.raises(TypeError, match="floating-point dtype, got torch.int8"):
+        save_hf(model, tmp_path, dtype=torch.int8)
+    with pytest.raises(ValueError, match="max_shard_size must be a positive byte count"):
+        save_hf(model, tmp_path, max_shard_size=0)
     assert not list(tmp_path.iterdir())  # nothing written
 
 

@@ -107,11 +107,14 @@ def load_hf(
         ValueError: an unsupported config; a missing, extra, wrongly shaped or non-float
             tensor; a truncated or corrupt safetensors file. All raised before any tensor
             data is read.
+        TypeError: `dtype` is not a floating-point dtype.
 
     Example:
         >>> model = load_hf("~/.cache/tidal/models/smollm2-135m")  # doctest: +SKIP
         >>> logits = model(torch.tensor([[1, 2, 3]]))  # doctest: +SKIP
     """
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     folder = Path(path).expanduser()
     c = read_config(folder)
     adapter = _adapter(c)
@@ -306,12 +309,17 @@ def save_hf_state_dict(
     cpu_offload=True))` on rank 0, or read from a DCP checkpoint.
 
     Raises:
-        ValueError: a key is missing or unknown for `args`' family, or `args` cannot be
-            expressed in the family's config.json.
-        TypeError: a tensor is a DTensor, on the meta device, or not floating point.
+        ValueError: a key is missing or unknown for `args`' family, `args` cannot be
+            expressed in the family's config.json, or max_shard_size is not positive.
+        TypeError: a tensor is a DTensor, on the meta device, or not floating point; or
+            `dtype` is not a floating-point dtype.
     """
     from torch.distributed.tensor import DTensor
 
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
     adapter = _adapter_for_args(args)
     names = adapter.hf_names(args)
     sd = {_canonical(k): v for k, v in state_dict.items()}

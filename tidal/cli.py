@@ -1,7 +1,7 @@
 """The `tidal` command (also `python -m tidal`).
 
     tidal train --config NAME [--help] [--print-config] [--section.field VALUE ...]
-    tidal fetch shakespeare [--cache-dir DIR]
+    tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models
     tidal store serve|ls ...
 
@@ -130,7 +130,7 @@ def _fetch(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="tidal fetch",
-        description="Download a built-in corpus into tidal's cache "
+        description="Download a built-in corpus or model into tidal's cache "
         "(done once at set-up; training never downloads).",
     )
     add_fetch_arguments(parser)
@@ -175,7 +175,7 @@ def _store(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": (_train, "train a model from a named config"),
-    "fetch": (_fetch, "download a built-in corpus into the cache"),
+    "fetch": (_fetch, "download a built-in corpus or model into the cache"),
     "configs": (_configs, "list the named training configs"),
     "models": (_models, "list the model flavors and their parameter counts"),
     "store": (_store, "run or inspect a tidal.store service (serve, volume, ls)"),

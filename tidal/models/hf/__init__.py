@@ -1,0 +1,32 @@
+"""Hugging Face checkpoints in and out of tidal.
+
+- `load_hf(path)` / `save_hf(model, path)`: a whole model from / to a folder of config.json
+  and safetensors (one file, or shards with model.safetensors.index.json).
+- `hf_model_args(path)` and `load_hf_state_dict(path, state_dict)`: build a (sharded) model
+  from the config, then let every rank read only the slices its DTensor shards hold.
+- `save_hf_state_dict(sd, args, path)`: save a full state dict gathered elsewhere.
+- `gguf_to_hf(gguf, folder)` (tidal/models/hf/from_gguf.py): dequantize a llama.cpp GGUF file into
+  such a folder, with tokenizer.json and the chat template; `tidal fetch smollm2-135m` uses it.
+
+One adapter per family maps config.json and tensor names: llama.py (Llama 2, 3, 3.1, 3.2) and
+qwen3.py (Qwen 3 dense). `safetensors` (and `gguf` for GGUF files) come with
+`pip install 'tidal[hf]'`; importing this package needs neither.
+"""
+
+from tidal.models.hf.checkpoint import (
+    ADAPTERS,
+    hf_model_args,
+    load_hf,
+    load_hf_state_dict,
+    save_hf,
+    save_hf_state_dict,
+)
+
+__all__ = [
+    "ADAPTERS",
+    "hf_model_args",
+    "load_hf",
+    "load_hf_state_dict",
+    "save_hf",
+    "save_hf_state_dict",
+]

@@ -129,6 +129,8 @@ def reader(conn, address: str, small: bool, root: str, device: str) -> None:
 
 def one_shot(conn, role: str, address: str, small: bool, path: str) -> None:
     """A fresh process that writes (or reads) the state dict once; sends the seconds taken."""
+    import torch.distributed.checkpoint as dcp  # imported before the clock starts
+
     if role.startswith("put"):
         sd = make_sd(small, fill=1.0)
         stamp(sd, 1)
@@ -142,12 +144,8 @@ def one_shot(conn, role: str, address: str, small: bool, path: str) -> None:
         with tidal.store.connect(address) as store:
             store.get_state_dict("oneshot", into=sd, version=1)
     elif role == "put dcp":
-        import torch.distributed.checkpoint as dcp
-
         dcp.save(sd, checkpoint_id=path)
     else:
-        import torch.distributed.checkpoint as dcp
-
         dcp.load(sd, checkpoint_id=path)
     took = time.perf_counter() - t
     if role.startswith("get"):
@@ -269,7 +267,7 @@ def main() -> None:
         # -- cast put: fp32 weights published as bf16.
         sd32 = {k: t.float() for k, t in sd.items()}
         cast_rounds: dict[str, list[float]] = {"dtype=": [], "cast, then put": []}
-        for r in range(4):
+        for _ in range(4):
             t = time.perf_counter()
             store.put_state_dict(sd32, "cast", dtype=torch.bfloat16, memory=args.memory)
             sync(args.device)

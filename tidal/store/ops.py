@@ -150,8 +150,9 @@ PUT_BEGIN = _op(
     {"version": s_version, "slots": s_list(s_opt(s_slot), MAX_ITEMS), "fresh": s_slots,
      "grant": s_grant, "report": s_bool, "freed": s_slots},
     doc="start writing a version of a plan: slots per tensor (None: nothing to write, an "
-    "empty shard or a replica another writer stores), the slots new to the writer's device "
-    "volume, and whether a reader waits for progress reports",
+    "empty shard or a replica another writer stores), the slots new to the volume (never "
+    "written: a device volume's owner allocates them, a shared-memory writer fills them "
+    "with pwrite), and whether a reader waits for progress reports",
 )  # fmt: skip
 PUT_PROGRESS = _op(
     "put_progress", "controller",

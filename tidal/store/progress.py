@@ -30,6 +30,11 @@ class Progress:
         self._inflight: tuple[list[torch.cuda.Event], list[int]] | None = None
         self.devices: set[torch.device] = set()  # every CUDA device a copy ran on
 
+    @property
+    def reporting(self) -> bool:
+        """Whether a streaming reader waits for these reports."""
+        return self._report is not None
+
     def add(self, slot: int, nbytes: int, device: torch.device | None = None) -> None:
         """Slot ``slot`` was copied (on ``device``'s current stream when a CUDA device)."""
         if device is not None and device.type == "cuda":

@@ -80,14 +80,20 @@ class Segments:
                 if hit is None:
                     fresh.append((i, path, n))
         if fresh:
-            pool = self._threads()
+            pool = self.threads()
             for i, p, n in fresh:
                 seg = _map_rw(p, n)
                 populate(seg.data_ptr(), n, p, pool, fallback=functools.partial(fallocate, p, n))
                 out[i] = self._insert(p, seg)
         return out  # type: ignore[return-value]  # every entry is filled above
 
-    def _threads(self) -> ThreadPoolExecutor:
+    def has(self, path: str) -> bool:
+        """Whether ``path`` is mapped read-write here."""
+        with self._lock:
+            return path in self._rw
+
+    def threads(self) -> ThreadPoolExecutor:
+        """The pool that populates fresh mappings and fills fresh slots."""
         with self._lock:
             if self._pool is None:
                 n = max(1, min(16, os.cpu_count() or 1))

@@ -122,9 +122,11 @@ class Writer:
         begin: dict[str, Any] = {"key": key, "plan": plan.plan_id, "version": version,
                                  "writer": self.s.writer, "objects": objects}  # fmt: skip
 
+        fresh: set[int] = set(res["fresh"]) if res is not None else set()
+
         def jobs(slots: list[int | None], skip: list[int | None] | None = None) -> list[WriteJob]:
-            return [WriteJob(s, t, d) for i, (s, t, d) in enumerate(zip(slots, locals_,
-                    plan.dtypes, strict=True)) if s is not None and (skip is None or
+            return [WriteJob(s, t, d, s in fresh) for i, (s, t, d) in enumerate(zip(slots,
+                    locals_, plan.dtypes, strict=True)) if s is not None and (skip is None or
                     skip[i] is None)]  # fmt: skip
 
         started = False
@@ -141,6 +143,7 @@ class Writer:
                 finally:
                     reply = conn.receive(ops.PUT_BEGIN)
                 version = reply["version"]
+                fresh.update(reply["fresh"])
                 prog, send = self._progress(conn, key, version, reply["report"])
                 if reply["report"] and first:
                     send([j.slot for j in first])
@@ -153,6 +156,7 @@ class Writer:
                 reply = conn.request(ops.PUT_BEGIN, reservation=None, **begin)
                 started = True
                 version = reply["version"]
+                fresh.update(reply["fresh"])
                 todo = jobs(reply["slots"])
                 if cuda is not None:
                     cuda.released(reply["freed"])

@@ -175,7 +175,7 @@ class Writes(Catalog):
             freed = self._freed(vol)
         self._run(work, lambda e: self._abort_write(key, vrec, vol, e))
         return {"version": vrec.version, "slots": slots,
-                "fresh": fresh if vol.kind == "cuda" else [], "grant": grant,
+                "fresh": fresh, "grant": grant,
                 "report": report, "freed": freed}  # fmt: skip
 
     def _version_for(
@@ -376,7 +376,7 @@ class Writes(Catalog):
                 work.append((vol, _call(vol.backend.grant, held, res.grant)))
             self._run(work, lambda e: self._drop_reservation(res))
             out["next"] = {"id": res.rid, "slots": res.slots,
-                           "fresh": res.fresh if vol.kind == "cuda" else [],
+                           "fresh": res.fresh,
                            "grant": res.grant}  # fmt: skip
         return out
 

@@ -41,11 +41,12 @@ Gate = Callable[[int], None]  # streaming reads: returns once the slot's bytes a
 @dataclass(slots=True)
 class WriteJob:
     """Copy ``src`` (a local shard) into ``slot``, stored as ``dtype`` (a cast if it
-    differs)."""
+    differs). ``fresh``: the slot was just created and was never written."""
 
     slot: int
     src: torch.Tensor
     dtype: torch.dtype
+    fresh: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -380,11 +380,16 @@ class CudaIpcTransport:
                    for j in jobs]  # fmt: skip
         with device.writing([j.slot for j in jobs]):
             self.prepare([j.slot for j in jobs], [j.nbytes for j in jobs], indices)
+            dsts = [device.local(j.slot).view(j.dtype).view(j.src.shape) for j in jobs]
             with torch.no_grad():
-                for job, index in zip(jobs, indices, strict=True):
-                    mem = device.local(job.slot)
-                    mem.view(job.dtype).view(job.src.shape).copy_(job.src, non_blocking=True)
-                    progress.add(job.slot, job.nbytes, torch.device("cuda", index))
+                if progress.reporting:
+                    for job, dst, index in zip(jobs, dsts, indices, strict=True):
+                        dst.copy_(job.src, non_blocking=True)
+                        progress.add(job.slot, job.nbytes, torch.device("cuda", index))
+                else:  # nobody streams it: one multi-tensor copy, no per-slot bookkeeping
+                    copy_all(dsts, [j.src for j in jobs])
+                    for index in set(indices):
+                        progress.add(0, 0, torch.device("cuda", index))
             progress.synchronize()
 
     # -- reader side ----------------------------------------------------------------------
@@ -392,18 +397,19 @@ class CudaIpcTransport:
     def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
         if gate is None:
             self._open(vol, jobs)
-        devices: set[torch.device] = set()
+        devices: set[torch.device] = {j.dst.device for j in jobs if j.dst.is_cuda}
         with torch.no_grad():
-            for job in jobs:
-                if gate is not None:
-                    gate(job.slot)
-                    self._open(vol, [job])  # a slot's handle is registered before it is written
+            if gate is None:
+                srcs = [_narrow(self._imports.get(vol["id"], j.slot).view(j.dtype)
+                                .view(j.shard_shape), j) for j in jobs]  # fmt: skip
+                copy_all([j.dst for j in jobs], srcs)
+            for job in jobs if gate is not None else []:
+                gate(job.slot)
+                self._open(vol, [job])  # a slot's handle is registered before it is written
                 src = self._imports.get(vol["id"], job.slot)
                 src = src.view(job.dtype).view(job.shard_shape)
                 # into host memory: a synchronous copy
                 job.dst.copy_(_narrow(src, job), non_blocking=job.dst.is_cuda)
-                if job.dst.is_cuda:
-                    devices.add(job.dst.device)
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
 
@@ -444,6 +450,17 @@ class CudaIpcTransport:
     def allocations(self) -> int:
         """Device allocations this handle made (tidal.store.testing)."""
         return 0 if self._device is None else len(self._device._owned)
+
+
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair, as one multi-tensor copy where torch can (device
+    to device, same dtypes): one launch instead of one per tensor for a whole state dict."""
+    same = zip(dsts, srcs, strict=True)
+    if dsts and all(d.is_cuda and d.device == s.device and d.dtype == s.dtype for d, s in same):
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        return
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s, non_blocking=d.is_cuda)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

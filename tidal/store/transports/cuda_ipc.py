@@ -395,23 +395,24 @@ class CudaIpcTransport:
     # -- reader side ----------------------------------------------------------------------
 
     def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
-        if gate is None:
-            self._open(vol, jobs)
         devices: set[torch.device] = {j.dst.device for j in jobs if j.dst.is_cuda}
         with torch.no_grad():
             if gate is None:
-                srcs = [_narrow(self._imports.get(vol["id"], j.slot).view(j.dtype)
-                                .view(j.shard_shape), j) for j in jobs]  # fmt: skip
-                copy_all([j.dst for j in jobs], srcs)
-            for job in jobs if gate is not None else []:
-                gate(job.slot)
-                self._open(vol, [job])  # a slot's handle is registered before it is written
-                src = self._imports.get(vol["id"], job.slot)
-                src = src.view(job.dtype).view(job.shard_shape)
-                # into host memory: a synchronous copy
-                job.dst.copy_(_narrow(src, job), non_blocking=job.dst.is_cuda)
+                self._open(vol, jobs)
+                copy_all([j.dst for j in jobs], [self._source(vol, j) for j in jobs])
+            else:
+                for job in jobs:
+                    gate(job.slot)
+                    self._open(vol, [job])  # a slot's handle is registered before it is written
+                    # into host memory: a synchronous copy
+                    job.dst.copy_(self._source(vol, job), non_blocking=job.dst.is_cuda)
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
+
+    def _source(self, vol: dict[str, Any], job: ReadJob) -> torch.Tensor:
+        """The bytes ``job`` reads, as a view of the opened device slot."""
+        src = self._imports.get(vol["id"], job.slot).view(job.dtype).view(job.shard_shape)
+        return _narrow(src, job)
 
     def _open(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``jobs`` read."""

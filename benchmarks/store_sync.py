@@ -82,6 +82,7 @@ def check(sd: dict[str, torch.Tensor], v: int) -> None:
 def reader(conn, address: str, small: bool, root: str, device: str) -> None:
     into = make_sd(small, device=device)  # the generator's own model memory, already touched
     store = tidal.store.connect(address)
+    conn.send("up")  # set up: the main process measures memcpy only after this
     while True:
         msg = conn.recv()
         if msg is None:
@@ -209,6 +210,7 @@ def main() -> None:
     proc.start()
     child.close()  # so that recv raises EOFError if the reader dies instead of hanging
     try:
+        assert parent.recv() == "up"
         # -- cold put: a new key into fresh memory, beside the memcpy of the same bytes.
         results["memcpy (cold-put baseline)"] = memcpy_s(host, dst)
         t = time.perf_counter()

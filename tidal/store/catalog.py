@@ -65,6 +65,9 @@ class Catalog:
         self._writing: dict[tuple[int, str, int, str], VersionRec] = {}
         # Slots a connection may still be copying into, by connection: (key, slots).
         self._quarantine: dict[int, list[tuple[str, list[RingSlot]]]] = {}
+        # Layouts whose shards were found to tile every tensor: writers' (plan, replicas)
+        # -> signature (tidal/store/writes.py, _publish).
+        self._checked: dict[tuple[Any, ...], str] = {}
         # (key, version) -> until when a streaming reader waits for it (monotonic seconds):
         # writers of such a version report their progress, others need not.
         self._wanted: dict[tuple[str, int], float] = {}
@@ -162,11 +165,15 @@ class Catalog:
         committed = sorted(v for v, r in krec.versions.items() if r.committed)
         for v in committed[:-keep]:
             self._drop(key, krec, krec.versions[v], f"evicted: key keeps the last {keep}")
-        # Free slots of a shape the latest version no longer uses are dead weight.
+        # Free slots of a shape the latest version no longer uses are dead weight (checked
+        # again only when the layout changes).
         latest = krec.versions[committed[-1]]
+        if latest.sig and latest.sig == krec.pruned_for:
+            return
         live = {(s.volume, n, s.nbytes) for n, s in latest.shards()}
         for fk in [fk for fk in krec.free if fk not in live]:
             self._destroy_slots(krec.free.pop(fk))
+        krec.pruned_for = latest.sig
 
     def _drop(
         self, key: str, krec: KeyRec, vrec: VersionRec, reason: str, destroy: bool = False
@@ -190,6 +197,8 @@ class Catalog:
         if destroy or krec is None:
             self._destroy_slots([s.slot for _, s in shards])
             return
+        if vrec.sig != krec.pruned_for:  # slots of another layout: prune at the next commit
+            krec.pruned_for = ""
         for name, s in shards:
             vol = self._volumes.get(s.volume)
             if vol is not None and vol.alive:

@@ -65,6 +65,7 @@ class KeyRec:
     # Freed slots waiting for reuse: (volume, name, nbytes) -> slot ids.
     free: dict[tuple[str, Name, int], list[int]] = field(default_factory=dict)
     gone: OrderedDict[int, str] = field(default_factory=OrderedDict)  # dropped versions
+    pruned_for: str = ""  # the layout signature the free ring was last pruned for
 
 
 @dataclass(frozen=True, slots=True)

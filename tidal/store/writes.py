@@ -381,18 +381,32 @@ class Writes(Catalog):
         return out
 
     def _publish(self, key: str, krec: KeyRec, vrec: VersionRec) -> None:
-        for name, trec in vrec.tensors.items():
-            trec.shards.sort(key=lambda s: s.offsets)
-            problem = layout.check_cover(trec.shape, [(s.offsets, s.sizes) for s in trec.shards])
-            if problem is not None:
-                shown = layout.path_str(name) or key
-                self._drop(key, krec, vrec, f"aborted: {shown}: {problem}", destroy=False)
-                raise ValueError(
-                    f"version {vrec.version} of key {key!r} is incomplete after all "
-                    f"{vrec.writers} writers committed: {shown}: {problem}"
-                )
+        """Check that the shards tile every tensor and make the version visible. The check
+        and the layout signature are made once per set of writers' plans (and shards each
+        left to a replica): a steady writer's commit checks nothing again."""
+        layout_key = tuple(sorted((p, frozenset(self._plans[p].replicas)) for p in
+                                  vrec.plans.values() if p in self._plans))  # fmt: skip
+        for trec in vrec.tensors.values():
+            if len(trec.shards) > 1:
+                trec.shards.sort(key=lambda s: s.offsets)
+        sig = self._checked.get(layout_key)
+        if sig is None:
+            for name, trec in vrec.tensors.items():
+                boxes = [(s.offsets, s.sizes) for s in trec.shards]
+                problem = layout.check_cover(trec.shape, boxes)
+                if problem is not None:
+                    shown = layout.path_str(name) or key
+                    self._drop(key, krec, vrec, f"aborted: {shown}: {problem}", destroy=False)
+                    raise ValueError(
+                        f"version {vrec.version} of key {key!r} is incomplete after all "
+                        f"{vrec.writers} writers committed: {shown}: {problem}"
+                    )
+            sig = _version_sig(vrec)
+            if len(self._checked) > 4096:
+                self._checked.clear()
+            self._checked[layout_key] = sig
         vrec.committed = True
-        vrec.sig = _version_sig(vrec)
+        vrec.sig = sig
         self._retain(key, krec, vrec.keep)
         self._changed.notify_all()
 

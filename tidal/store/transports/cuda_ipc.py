@@ -185,6 +185,7 @@ class DeviceVolume:
         self._owned: list[int] = []  # every allocation, freed at close
         self._writing: set[int] = set()  # slots a put of this process is filling
         self._deferred: list[int] = []  # released while being written: pooled at the end
+        self._views: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}  # slot -> typed views
         self._lock = threading.Lock()
         _LOCAL[volume_id] = self
 
@@ -212,6 +213,15 @@ class DeviceVolume:
         except KeyError:
             raise StoreError(f"device volume {self.volume_id} has no slot {slot}") from None
 
+    def typed(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slot's memory viewed as ``shape`` and ``dtype`` (views are kept: a steady
+        writer puts the same layout into the same slots)."""
+        views = self._views.setdefault(slot, {})
+        view = views.get((dtype, shape))
+        if view is None:
+            view = views[(dtype, shape)] = self.local(slot).view(dtype).view(shape)
+        return view
+
     def release(self, slots: list[int]) -> None:
         """Slots the controller destroyed (or never learned of): their memory goes back to
         the pool, once no put of this process is still writing them."""
@@ -221,6 +231,7 @@ class DeviceVolume:
                     self._deferred.append(slot)
                     continue
                 rec = self._slots.pop(slot, None)
+                self._views.pop(slot, None)
                 if rec is not None:
                     ptr, n, dev, t = rec
                     self._pool.setdefault((dev, n), []).append((ptr, t))
@@ -245,6 +256,7 @@ class DeviceVolume:
             devices = {d for _, _, d, _ in self._slots.values()}
             devices |= {d for d, _ in self._pool}
             self._slots.clear()
+            self._views.clear()
             self._pool.clear()
         _LOCAL.pop(self.volume_id, None)
         if owned:
@@ -262,6 +274,7 @@ class Imports:
 
     def __init__(self) -> None:
         self._open: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+        self._views: dict[tuple[str, int], dict[tuple[Any, ...], torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def missing(self, volume_id: str, slots: list[int]) -> list[int]:
@@ -292,6 +305,8 @@ class Imports:
         with self._lock:
             dead = [k for k in self._open if k[0] in gone]
             closing = [self._open.pop(k)[0] for k in dead]
+            for k in dead:
+                self._views.pop(k, None)
         for ptr in closing:
             try:
                 runtime().close(ptr)
@@ -307,6 +322,21 @@ class Imports:
                 return self._open[(volume_id, slot)][1]
             except KeyError:
                 raise StoreError(f"slot {slot} of device volume {volume_id} is not open") from None
+
+    def typed(self, volume_id: str, job: ReadJob) -> torch.Tensor:
+        """The bytes ``job`` reads of an opened slot, as a view of its shape and dtype
+        (views are kept: a steady reader reads the same boxes of the same slots)."""
+        key = (job.dtype, job.shard_shape, job.src_off, job.sizes)
+        with self._lock:
+            views = self._views.setdefault((volume_id, job.slot), {})
+            view = views.get(key)
+            if view is None:
+                opened = self._open.get((volume_id, job.slot))
+                if opened is None:
+                    raise StoreError(f"slot {job.slot} of device volume {volume_id} is not open")
+                src = opened[1].view(job.dtype).view(job.shard_shape)
+                view = views[key] = _narrow(src, job)
+            return view
 
     def close(self) -> None:
         self.drop_volumes(self.volumes())
@@ -380,7 +410,7 @@ class CudaIpcTransport:
                    for j in jobs]  # fmt: skip
         with device.writing([j.slot for j in jobs]):
             self.prepare([j.slot for j in jobs], [j.nbytes for j in jobs], indices)
-            dsts = [device.local(j.slot).view(j.dtype).view(j.src.shape) for j in jobs]
+            dsts = [device.typed(j.slot, j.dtype, tuple(j.src.shape)) for j in jobs]
             with torch.no_grad():
                 if progress.reporting:
                     for job, dst, index in zip(jobs, dsts, indices, strict=True):
@@ -410,9 +440,11 @@ class CudaIpcTransport:
             torch.cuda.current_stream(d).synchronize()
 
     def _source(self, vol: dict[str, Any], job: ReadJob) -> torch.Tensor:
-        """The bytes ``job`` reads, as a view of the opened device slot."""
-        src = self._imports.get(vol["id"], job.slot).view(job.dtype).view(job.shard_shape)
-        return _narrow(src, job)
+        """The bytes ``job`` reads, as a view of the device slot."""
+        local = _LOCAL.get(vol["id"])
+        if local is not None:  # this process's own volume
+            return _narrow(local.typed(job.slot, job.dtype, job.shard_shape), job)
+        return self._imports.typed(vol["id"], job)
 
     def _open(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``jobs`` read."""

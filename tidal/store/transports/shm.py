@@ -19,6 +19,7 @@ call ``write`` / ``read`` from their own thread; ``close`` unmaps everything.
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import Future
 from typing import Any
@@ -33,11 +34,19 @@ from tidal.store.transports import Gate, ReadJob, WriteJob
 from tidal.store.volume import open_segment, segment_path
 
 _MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call near 2 GiB)
+_PIECE = 32 << 20  # bytes a thread reads at a time
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefix(shm_dir: str, store_id: str, volume_id: str) -> str:
+    """The checked path of a volume's segments, less the slot number."""
+    return segment_path(shm_dir, store_id, volume_id, 1)[:-1]
 
 
 def path_of(vol: dict[str, Any], slot: int) -> str:
-    """The segment file of ``slot`` in the shm volume ``vol`` (checked components)."""
-    return segment_path(vol["shm_dir"], vol["store_id"], vol["id"], slot)
+    """The segment file of ``slot`` in the shm volume ``vol`` (its components checked once
+    per volume; the slot id is an int the wire schema checked)."""
+    return _prefix(vol["shm_dir"], vol["store_id"], vol["id"]) + str(slot)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -134,13 +143,18 @@ class ShmTransport:
                   if not c]  # fmt: skip
         if gate is None and mapped:  # map (and populate) them up front, in parallel
             self.segments.map_all(mapped)
+        if gate is None and any(cold):  # first reads: preadv in parallel threads
+            self._pread_all(vol, [(j, n) for j, n, c in zip(jobs, sizes, cold, strict=True)
+                                  if c])  # fmt: skip
         devices: set[torch.device] = set()  # CUDA devices with copies in flight
         with torch.no_grad():
             for job, n, c in zip(jobs, sizes, cold, strict=True):
+                if c and gate is None:
+                    continue  # read above
                 if gate is not None:
                     gate(job.slot)  # streaming: wait until the writer put it in place
                 if c:
-                    self._pread(vol, job, n)
+                    self._pread(vol, job, n, 0, None)
                     continue
                 seg = self._map(vol, job.slot, n)
                 path = path_of(vol, job.slot)
@@ -163,19 +177,42 @@ class ShmTransport:
             and _contiguous_box(job.shard_shape, job.src_off, job.sizes)
         )
 
-    def _pread(self, vol: dict[str, Any], job: ReadJob, nbytes: int) -> None:
+    def _pread_all(self, vol: dict[str, Any], jobs: list[tuple[ReadJob, int]]) -> None:
+        """Read jobs with preadv from a thread pool, in pieces of ``_PIECE`` bytes (reads of
+        one file run in parallel, unlike writes)."""
+        pieces = []
+        for job, n in jobs:
+            total = job.dst.numel() * job.dtype.itemsize
+            for start in range(0, max(1, total), _PIECE):
+                pieces.append((job, n, start, min(_PIECE, total - start)))
+        pool = self.segments.threads()
+        futures = [pool.submit(self._pread, vol, job, n, start, size)
+                   for job, n, start, size in pieces]  # fmt: skip
+        try:
+            for fut in futures:
+                fut.result()
+        finally:
+            for fut in futures:  # nothing may still write into a destination after this
+                if not fut.cancel():
+                    fut.exception()
+
+    def _pread(
+        self, vol: dict[str, Any], job: ReadJob, nbytes: int, start: int, size: int | None
+    ) -> None:
+        """Bytes ``start``.. (``size`` of them, or all) of the job's destination, by preadv."""
         path = path_of(vol, job.slot)
-        start = 0
+        base = 0  # byte offset of the wanted box in the slot
         stride = job.dtype.itemsize
         for d in range(len(job.shard_shape) - 1, -1, -1):
-            start += job.src_off[d] * stride
+            base += job.src_off[d] * stride
             stride *= job.shard_shape[d]
         data = _bytes(job.dst)
+        data = data[start : start + size] if size is not None else data[start:]
         fd = open_segment(path, nbytes, writable=False)
         try:
             done = 0
             while done < len(data):
-                got = os.preadv(fd, [data[done : done + _MAX_IO]], start + done)
+                got = os.preadv(fd, [data[done : done + _MAX_IO]], base + start + done)
                 if got == 0:
                     raise StoreError(f"segment {path} ended early")
                 done += got

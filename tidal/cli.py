@@ -1,12 +1,13 @@
 """The `tidal` command (also `python -m tidal`).
 
     tidal train --config NAME [--help] [--print-config] [--section.field VALUE ...]
+    tidal generate --config NAME --prompt TEXT [--n N] [--temperature T] [--json] ...
     tidal fetch shakespeare [--cache-dir DIR]
     tidal configs | tidal models
     tidal store serve|ls ...
 
 Environment variables are read here and nowhere below: TIDAL_CACHE_DIR sets the default of
-`data.cache_dir` for `tidal train` and `tidal fetch`.
+`data.cache_dir` for `tidal train`, `tidal generate` and `tidal fetch`.
 """
 
 from __future__ import annotations
@@ -154,6 +155,14 @@ def _models(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    from tidal.rl.cli import main as generate_main
+
+    if os.environ.get("TIDAL_CACHE_DIR"):
+        argv = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *argv]
+    return generate_main(argv)
+
+
 def _store(argv: list[str]) -> int:
     from tidal.store.cli import main as store_main
 
@@ -162,6 +171,7 @@ def _store(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": (_train, "train a model from a named config"),
+    "generate": (_generate, "sample completions from a named config's model"),
     "fetch": (_fetch, "download a built-in corpus into the cache"),
     "configs": (_configs, "list the named training configs"),
     "models": (_models, "list the model flavors and their parameter counts"),

@@ -7,9 +7,10 @@ batch of 64, prefilled with a 128-token prompt, or scored by the trainer in a ba
 4096. This module removes every such dependence by making each kernel call see one fixed
 shape:
 
-- Matmuls (`aten.mm`, `aten.addmm`): the rows are cut into blocks of `row_block(device)`
-  rows (padded with zeros), one call per block. A row's result then depends only on the row
-  and the weight, not on M.
+- Matmuls (`aten.mm`, `aten.addmm`, and `aten.bmm` with one shared weight, as a linear layer
+  on a 3-D input may produce): the rows are cut into blocks of `row_block(device)` rows
+  (padded with zeros), one call per block. A row's result then depends only on the row and
+  the weight, not on M.
 - Row reductions over the last dim (`mean` and `sum` as in RMSNorm, `_log_softmax`,
   `_softmax`, the fused RMSNorm kernel): the same fixed row blocks.
 - Attention (`attention` below, called by the model): keys and values in fixed chunks of
@@ -90,6 +91,16 @@ def _addmm(func, bias, a, b, **kw):
     return by_rows(lambda a_RK: func(bias, a_RK, b, **kw), a)
 
 
+def _bmm(func, a, b):
+    # A linear layer on a 3-D input whose strides keep matmul from folding it into one mm
+    # arrives here with one weight for the whole batch: fold it ourselves.
+    if b.shape[0] == 1 or b.stride(0) == 0:
+        N, M, K = a.shape
+        out = by_rows(lambda a_RK: _aten.mm.default(a_RK, b[0]), a.reshape(N * M, K))
+        return out.view(N, M, -1)
+    return func(a, b)  # a true batch of matrices (attention): its caller fixes the shapes
+
+
 def _row_reduce(func, x, dim, keepdim=False, **kw):
     if x.dim() < 2 or not _last_dim(x, dim):
         return func(x, dim, keepdim, **kw)
@@ -116,6 +127,7 @@ _aten = torch.ops.aten
 _IMPLS: dict = {
     _aten.mm.default: _mm,
     _aten.addmm.default: _addmm,
+    _aten.bmm.default: _bmm,
     _aten.mean.dim: _row_reduce,
     _aten.sum.dim_IntList: _row_reduce,
     _aten._log_softmax.default: _softmax,
@@ -181,6 +193,10 @@ def attention(
     if N == 1:  # one column takes a matrix-vector path: pad to two (the copy sees key 0)
         q_XNK = torch.cat([q_XNK, q_XNK], dim=1)
         pos_XN = torch.cat([pos_XN, torch.zeros_like(pos_XN)], dim=1)
+    kv_heads = B * G
+    if kv_heads == 1:  # likewise one matrix takes another path than a batch of them
+        q_XNK, pos_XN = torch.cat([q_XNK, q_XNK]), torch.cat([pos_XN, pos_XN])
+        k_BGSK, v_BGSK = torch.cat([k_BGSK, k_BGSK]), torch.cat([v_BGSK, v_BGSK])
     q_XKN = q_XNK.transpose(1, 2)
     scale = 1.0 / math.sqrt(K)
     X, Np = q_XNK.shape[0], q_XNK.shape[1]
@@ -208,7 +224,7 @@ def attention(
         acc_XKN = acc_XKN * alpha_X1N + pv_XK1N[:, :K]
         den_X1N = den_X1N * alpha_X1N + pv_XK1N[:, K:]
         m_X1N = m_new
-    o_XNK = (acc_XKN / den_X1N).transpose(1, 2)[:, :N]
+    o_XNK = (acc_XKN / den_X1N).transpose(1, 2)[:kv_heads, :N]
     # [B*G, T*J, K] -> [B, G, T, J, K] -> [B, H, T, K] (heads g*J + j, as in enable_gqa).
     o_BHTK = o_XNK.reshape(B, G, T, J, K).transpose(2, 3).reshape(B, H, T, K)
     return o_BHTK.to(q_BHTK.dtype)

@@ -521,9 +521,10 @@ class Generator:
         lengths = torch.tensor([len(r.prompt) for r, _ in chunk])
         first = torch.tensor([slots[0] for _, slots in chunk])
         positions = torch.arange(width).expand(len(chunk), width)
-        logits_PV = self._prefill_fn(
-            tokens.to(dev), positions.to(dev), first.to(dev), (lengths - 1).to(dev)
-        )
+        # The first prefill allocates the cache (in the dtype the keys come out in) eagerly,
+        # outside any compiled code.
+        prefill = self._prefill_fn if self.cache.allocated else self._prefill_forward
+        logits_PV = prefill(tokens.to(dev), positions.to(dev), first.to(dev), (lengths - 1).to(dev))
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += int(lengths.sum())
         self.cache.lengths[first.to(dev)] = lengths.to(dev)

@@ -1,13 +1,14 @@
 """The `tidal` command (also `python -m tidal`).
 
     tidal train --config NAME [--help] [--print-config] [--section.field VALUE ...]
+    tidal generate --config NAME --prompt TEXT [--n N] [--temperature T] [--json] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models
-    tidal store serve|ls ...
+    tidal store serve|volume|ls ...
 
 Environment variables read here: TIDAL_CACHE_DIR sets the default of `data.cache_dir` for
-`tidal train` and `tidal fetch`; torchrun's RANK, LOCAL_RANK and WORLD_SIZE (through
-`DistInfo.from_env`) place a `tidal train` process. Below the command line only
+`tidal train`, `tidal generate` and `tidal fetch`; torchrun's RANK, LOCAL_RANK and WORLD_SIZE
+(through `DistInfo.from_env`) place a `tidal train` process. Below the command line only
 `tidal.store.connect()` reads any: TIDAL_STORE, TIDAL_STORE_TOKEN and TIDAL_STORE_TRANSPORT
 when no address or transport is passed.
 """
@@ -167,6 +168,14 @@ def _models(argv: list[str]) -> int:
     return 0
 
 
+def _generate(argv: list[str]) -> int:
+    from tidal.rl.cli import main as generate_main
+
+    if os.environ.get("TIDAL_CACHE_DIR"):
+        argv = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *argv]
+    return generate_main(argv)
+
+
 def _store(argv: list[str]) -> int:
     from tidal.store.cli import main as store_main
 
@@ -175,6 +184,7 @@ def _store(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": (_train, "train a model from a named config"),
+    "generate": (_generate, "sample completions from a named config's model"),
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
     "configs": (_configs, "list the named training configs"),
     "models": (_models, "list the model flavors and their parameter counts"),

@@ -68,6 +68,32 @@ def test_kv_cache_matches_full_forward(model):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_kv_cache_rows_at_different_lengths(model):
+    """Right-padded prefill into chosen rows, then decode steps where every row is at its own
+    position: each row's logits equal its own full forward."""
+    seqs = [torch.randint(0, 97, (n,)) for n in (7, 11, 5)]
+    cache = KVCache.for_model(model, batch_size=4, capacity=32)
+    rows, lengths = torch.tensor([2, 0, 1]), torch.tensor([3, 7, 1])  # prompt lengths
+    prompts = torch.zeros(3, 7, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
+        prompts[i, :n] = s[:n]
+    last = model(prompts, cache=cache, cache_rows=rows, logits_at=lengths - 1)
+    assert last.shape == (3, 1, 97)
+    cache.lengths[rows] = lengths
+    outs = [[last[i, 0]] for i in range(3)]
+    for step in range(4):  # decode the next 4 tokens of every row (cache rows 0..2 in order)
+        order = rows.argsort()  # batch row b of the decode is cache row b
+        toks = torch.stack([seqs[i][lengths[i] + step] for i in order.tolist()])
+        logits = model(toks[:, None], cache=cache)
+        cache.advance(1, rows=torch.arange(3))
+        for b, i in enumerate(order.tolist()):
+            outs[i].append(logits[b, 0])
+    for i, s in enumerate(seqs):
+        n = int(lengths[i])
+        full = model(s[None, : n + 4])[0, n - 1 : n + 4]
+        torch.testing.assert_close(torch.stack(outs[i]), full, atol=1e-5, rtol=1e-5)
+
+
 def test_positions_argument(model):
     tokens = torch.randint(0, 97, (1, 8))
     torch.testing.assert_close(model(tokens, positions=torch.arange(8)), model(tokens))

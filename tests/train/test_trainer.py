@@ -195,13 +195,15 @@ def test_missing_data_file_is_a_clear_error(tmp_path, cache_dir):
 
 
 def test_sample_is_reproducible(tmp_path):
-    from tidal.train.sample import generate
+    # The end-of-run sample goes through tidal.rl.Generator (tests/rl cover it in depth).
+    from tidal.rl import Generator, GeneratorConfig, SamplingParams
 
     model = tiny_trainer(tmp_path).model.eval()
-    a = generate(model, [5, 6, 7], max_new_tokens=10, temperature=0.8, seed=1)
-    b = generate(model, [5, 6, 7], max_new_tokens=10, temperature=0.8, seed=1)
-    greedy = generate(model, [5, 6, 7], max_new_tokens=10, temperature=0)
-    assert a == b and len(a) == 10 and len(greedy) == 10
+    gen = Generator(model, config=GeneratorConfig(max_batch=1, max_seq_len=32))
+    sampled = SamplingParams(temperature=0.8, top_k=50, max_new_tokens=10, seed=1)
+    a, b = (gen.generate([[5, 6, 7]], sampled)[0][0].completion_ids for _ in range(2))
+    greedy = gen.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=10))
+    assert a == b and len(a) == 10 and len(greedy[0][0].completion_ids) == 10
 
 
 def test_tensorboard_events_are_written(tmp_path):

@@ -13,8 +13,12 @@ Both families share one block structure; the differences are flags on `ModelArgs
 - Output: a separate projection, or tied to the embedding (`tie_embeddings`, small Qwen 3).
 - Attention kernels: `scaled_dot_product_attention` (causal) by default; flex attention with
   a document-causal block mask for packed sequences when `attention="flex"`.
-- Generation: `forward` takes an optional `KVCache` and explicit positions, so sampling runs
-  this same module (see tidal/models/kv_cache.py).
+- Generation: `forward` takes an optional `KVCache` (per-row lengths) and per-row positions,
+  so a generator runs this same module over rows of different lengths (see
+  tidal/models/kv_cache.py and tidal/rl/generate.py).
+- Batch-invariant mode (`forward(..., batch_invariant=True)`): matmuls, norms and attention
+  with reduction orders that do not depend on the batch, the sequence length or prefill vs
+  decode (tidal/models/batch_invariant.py), so generator and trainer log-probs match bit for bit.
 
 The model knows nothing of devices, ranks or precision: build it on the meta device, move it
 with `to_empty(device=...)`, then call `init_weights()` once.
@@ -25,6 +29,7 @@ G key/value heads, K head dim, F MLP hidden dim, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.models import batch_invariant as bi
 from tidal.models.kv_cache import KVCache
 
 
@@ -181,8 +187,9 @@ class Attention(nn.Module):
 
         # Kernels want heads before time.
         q_BHTK, k_BGSK, v_BGSK = (t.transpose(1, 2) for t in (q_BTHK, k_BTGK, v_BTGK))
-        if cache is not None:
-            k_BGSK, v_BGSK = cache.update(layer, k_BGSK, v_BGSK)
+        if cache is not None:  # the mask of a cached forward knows where the tokens go
+            assert mask.positions is not None, "a cached forward needs token positions"
+            k_BGSK, v_BGSK = cache.update(layer, k_BGSK, v_BGSK, mask.positions, mask.rows)
         o_BHTK = mask.attend(q_BHTK, k_BGSK, v_BGSK)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
@@ -215,13 +222,27 @@ class TransformerBlock(nn.Module):
 class AttentionMask:
     """How queries may see keys in one forward pass, shared by every layer.
 
-    - causal: plain causal SDPA (training, or a prefill into an empty cache);
-    - offset: queries start at absolute position `offset` of a cache holding S keys;
+    - causal: plain causal attention over the new tokens (training, scoring);
+    - cache: queries at per-row absolute `positions` [B, T] see the cache positions up to
+      their own (rows of different lengths, prefill or decode); `rows` names the cache rows
+      (None: rows 0..B-1);
     - document: flex attention restricted to the same document (packed sequences).
+
+    With `batch_invariant`, causal and cache attention use the fixed-order chunked kernel of
+    tidal/models/batch_invariant.py, so a query gets the same bits in training and decoding.
     """
 
-    def __init__(self, kind: str, *, offset: int = 0, block_mask=None):
-        self.kind, self.offset, self.block_mask = kind, offset, block_mask
+    def __init__(
+        self,
+        kind: str,
+        *,
+        positions: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        block_mask=None,
+        batch_invariant: bool = False,
+    ):
+        self.kind, self.positions, self.rows = kind, positions, rows
+        self.block_mask, self.batch_invariant = block_mask, batch_invariant
 
     def attend(self, q_BHTK, k_BGSK, v_BGSK) -> torch.Tensor:
         if self.kind == "document":
@@ -230,15 +251,23 @@ class AttentionMask:
             return flex_attention(
                 q_BHTK, k_BGSK, v_BGSK, block_mask=self.block_mask, enable_gqa=True
             )
+        B, _, T, _ = q_BHTK.shape
+        if self.batch_invariant:
+            q_pos_BT = self.positions
+            if q_pos_BT is None:  # causal: the keys are the new tokens, in order
+                q_pos_BT = torch.arange(T, device=q_BHTK.device).expand(B, T)
+            return bi.attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
         if self.kind == "causal":
             return F.scaled_dot_product_attention(
                 q_BHTK, k_BGSK, v_BGSK, is_causal=True, enable_gqa=True
             )
-        T, S = q_BHTK.shape[2], k_BGSK.shape[2]
-        q_pos = torch.arange(T, device=q_BHTK.device) + self.offset
-        visible_TS = torch.arange(S, device=q_BHTK.device)[None, :] <= q_pos[:, None]
+        assert self.positions is not None, "cache attention needs the query positions"
+        S = k_BGSK.shape[2]
+        # Cache slot s holds position s: a query sees the slots up to its own position;
+        # slots past a row's length (stale keys of an earlier occupant) stay hidden.
+        visible_BTS = torch.arange(S, device=q_BHTK.device) <= self.positions[:, :, None]
         return F.scaled_dot_product_attention(
-            q_BHTK, k_BGSK, v_BGSK, attn_mask=visible_TS, enable_gqa=True
+            q_BHTK, k_BGSK, v_BGSK, attn_mask=visible_BTS[:, None], enable_gqa=True
         )
 
 
@@ -316,9 +345,12 @@ class Transformer(nn.Module):
         *,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        cache_rows: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         attention=None,
         return_hidden: bool = False,
+        logits_at: torch.Tensor | None = None,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
         """Logits [B, T, V] for the given tokens.
 
@@ -326,10 +358,13 @@ class Transformer(nn.Module):
             tokens_BT: token ids; hidden states [B, T, D] on pipeline stages that have no
                 embedding (their `tok_embeddings` is None; stages without `norm` return
                 hidden states).
-            positions: absolute positions [B, T] or [T] for RoPE; defaults to
-                cache.length + arange(T) (0 + arange(T) without a cache).
-            cache: a KVCache; the new keys/values are appended and attention covers the
-                whole cached prefix. The caller advances `cache.length` afterwards.
+            positions: absolute positions [B, T] or [T] for RoPE (and, with a cache, where
+                each token's keys go); defaults to arange(T), or with a cache to each row's
+                `cache.lengths` + arange(T).
+            cache: a KVCache; the new keys/values are written at their positions and each
+                query attends over its row's cached prefix. The caller advances the cache.
+            cache_rows: [B] cache rows of the batch's rows (a prefill into free slots);
+                None for rows 0..B-1.
             document_ids: [B, T] document index of each token, for document-causal masking
                 with flex attention (ignored by the SDPA path, which is plainly causal).
             attention: an object with `attend(q_BHTK, k_BGTK, v_BGTK)` that replaces the
@@ -337,40 +372,59 @@ class Transformer(nn.Module):
                 gathers keys over ranks); `positions` should then be given.
             return_hidden: return the final normed hidden states [B, T, D] instead of logits
                 (for a loss that fuses the output projection).
+            logits_at: [B] time index per row: project only that position ([B, 1, V]), e.g.
+                the last prompt token of each right-padded row in a prefill.
+            batch_invariant: compute with the fixed-reduction-order kernels of
+                tidal/models/batch_invariant.py (causal SDPA or cache attention only): each
+                row's result is then independent of the other rows, the padding and the
+                split into prefill and decode steps. Slower; for exact log-prob parity.
         """
         B, T = tokens_BT.shape[:2]
-        offset = cache.length if cache is not None else 0
-        if offset + T > self.args.max_seq_len:
+        if cache is None and T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
+        if batch_invariant and (attention is not None or self.args.attention == "flex"):
             raise ValueError(
-                f"sequence of {offset + T} tokens exceeds max_seq_len={self.args.max_seq_len}"
+                "batch_invariant=True supports the causal SDPA path and the KV cache only "
+                f"(attention={self.args.attention!r}, custom attention "
+                f"{attention is not None})"
             )
+        if cache is not None and positions is None:
+            lengths = cache.lengths[:B] if cache_rows is None else cache.lengths[cache_rows]
+            positions = lengths[:, None] + torch.arange(T, device=tokens_BT.device)
         if positions is None:
-            positions = torch.arange(offset, offset + T, device=tokens_BT.device)
+            positions = torch.arange(T, device=tokens_BT.device)
+        if cache is not None and positions.dim() == 1:
+            positions = positions.expand(B, T)
         cos, sin = self.rope[0][positions], self.rope[1][positions]
         if cos.dim() == 2:  # one position vector shared by the batch
             cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
 
         if attention is not None:
             mask = attention
-        elif cache is not None and offset > 0:
-            mask = AttentionMask("offset", offset=offset)
-        elif self.args.attention == "flex" and cache is None:
+        elif cache is not None:
+            mask = AttentionMask(
+                "cache", positions=positions, rows=cache_rows, batch_invariant=batch_invariant
+            )
+        elif self.args.attention == "flex":
             if document_ids is None:
                 document_ids = torch.zeros(B, T, dtype=torch.int32, device=tokens_BT.device)
             mask = AttentionMask("document", block_mask=document_block_mask(document_ids))
         else:
-            mask = AttentionMask("causal")
+            mask = AttentionMask("causal", batch_invariant=batch_invariant)
 
-        # Pipeline stages after the first have no embedding and receive hidden states.
-        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-        for block in self.layers.values():
-            h_BTD = block(h_BTD, (cos, sin), mask, cache)
-        if self.norm is None:  # a pipeline stage before the last
-            return h_BTD
-        h_BTD = self.norm(h_BTD)
-        if return_hidden:
-            return h_BTD
-        return self.logits(h_BTD)
+        with bi.BatchInvariantMode() if batch_invariant else contextlib.nullcontext():
+            # Pipeline stages after the first have no embedding and receive hidden states.
+            h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+            for block in self.layers.values():
+                h_BTD = block(h_BTD, (cos, sin), mask, cache)
+            if self.norm is None:  # a pipeline stage before the last
+                return h_BTD
+            if logits_at is not None:
+                h_BTD = h_BTD[torch.arange(B, device=h_BTD.device), logits_at][:, None]
+            h_BTD = self.norm(h_BTD)
+            if return_hidden:
+                return h_BTD
+            return self.logits(h_BTD)
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """Output projection of final hidden states: [..., D] -> [..., V]."""

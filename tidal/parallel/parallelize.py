@@ -33,52 +33,69 @@ from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
 from tidal.parallel.dims import NamedMesh, ParallelDims
 
 
-def tp_plan_root(loss_parallel: bool) -> dict:
+def tp_plan_root(loss_parallel: bool, sequence_parallel: bool = True) -> dict:
     """Embedding, final norm and output projection. Activations between blocks are sharded
-    over the sequence (Shard(1)); the output is vocabulary-sharded for a loss-parallel loss."""
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
+    over the sequence (Shard(1)); the output is vocabulary-sharded for a loss-parallel loss.
+    Without `sequence_parallel` (generation: a decode step has one token per row, which
+    cannot be split over ranks) activations stay replicated and the norm runs on every rank."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "output": ColwiseParallel(
-            input_layouts=Shard(1),
+            input_layouts=between,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         ),
     }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    return plan
 
 
-def tp_plan_block() -> dict:
+def tp_plan_block(sequence_parallel: bool = True) -> dict:
     """One transformer block: norms sequence-parallel, q/k/v and w1/w3 column-wise (heads and
-    hidden units split), wo and w2 row-wise back to sequence-sharded activations."""
+    hidden units split), wo and w2 row-wise back to sequence-sharded activations. Without
+    `sequence_parallel`, wo and w2 all-reduce to replicated activations and the norms are
+    left alone (replicated)."""
+    linears = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if not sequence_parallel:
+        return linears | {
+            "attention.wo": RowwiseParallel(output_layouts=Replicate()),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Replicate()),
+        }
     gather_input = PrepareModuleInput(
         input_layouts=(Shard(1), None, None, None, None),
         desired_input_layouts=(Replicate(), None, None, None, None),
     )
-    return {
+    return linears | {
         "attention_norm": SequenceParallel(),
         "attention": gather_input,
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         ),
-        "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    root = {k: v for k, v in tp_plan_root(loss_parallel).items() if getattr(model, k) is not None}
+def apply_tp(
+    model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool = True
+) -> None:
+    root = tp_plan_root(loss_parallel, sequence_parallel)
+    root = {k: v for k, v in root.items() if getattr(model, k) is not None}
     # The embedding is sharded row-wise and the output column-wise: they cannot share a
     # weight. check_layout rejects such layouts before any process group exists.
     assert not model.args.tie_embeddings, "tensor parallel needs untied embeddings"
     parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, tp_plan_block())
+        parallelize_module(block, tp_mesh, tp_plan_block(sequence_parallel))
 
 
 def apply_ac(model: Transformer, cfg: ActivationCheckpointConfig) -> None:

@@ -51,7 +51,6 @@ from tidal.train.metrics import (
     peak_memory_gib,
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
-from tidal.train.sample import generate
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -358,22 +357,33 @@ class Trainer:
         return float(loss_sum) / max(float(self._global_count(n)), 1.0)
 
     def sample(self) -> str:
+        """The end-of-run sample: `sample.prompt` continued by the RL generator (eager, the
+        same module code; every rank runs it, as FSDP's forward is collective)."""
+        from tidal.rl.generate import Generator, GeneratorConfig
+        from tidal.rl.sampling import SamplingParams
+
         s = self.cfg.sample
         tok = self.data.tokenizer
         prompt = [tok.bos_id] + tok.encode(s.prompt)
+        args = self.model.args
+        new = min(s.max_new_tokens, args.max_seq_len - 1)
+        prompt = prompt[-(args.max_seq_len - new) :]  # keep room for the new tokens
+        config = GeneratorConfig(
+            max_batch=1, max_seq_len=len(prompt) + new, compile=False, cuda_graphs=False
+        )
+        params = SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            max_new_tokens=new,
+            seed=self.cfg.training.seed,
+        )
         self.model.eval()
         with self.autocast():
-            new = generate(
-                self.model,
-                prompt,
-                max_new_tokens=s.max_new_tokens,
-                temperature=s.temperature,
-                top_k=s.top_k,
-                stop_id=tok.eos_id,
-                seed=self.cfg.training.seed,
-            )
+            sample = Generator(self.model, tokenizer=tok, config=config).generate([prompt], params)[
+                0
+            ][0]
         self.model.train()
-        return s.prompt + tok.decode(new)
+        return s.prompt + (sample.text or "")
 
     def train(self) -> dict:
         """Run the configured number of steps; returns the last logged record."""

@@ -38,6 +38,7 @@ __all__ = [
     "PackedSplit",
     "Tokenizer",
     "build_data",
+    "build_tokenizer",
     "fetch_shakespeare",
     "main_fetch",
     "shakespeare_dir",
@@ -112,12 +113,7 @@ def build_data(
     )
 
     cache = Path(cfg.cache_dir).expanduser()
-    if cfg.tokenizer == "bpe":
-        tokenizer = train_bpe(train_docs, cfg.vocab_size, cache / "tokenizers", log=log)
-    else:
-        t0 = time.perf_counter()
-        tokenizer = Tokenizer.from_file(cfg.tokenizer)
-        log(f"data: loaded tokenizer {cfg.tokenizer} {tokenizer} ({time.perf_counter() - t0:.2f}s)")
+    tokenizer = _tokenizer(cfg, train_docs, log)
 
     def loader(split_docs: list[str], name: str, shuffle: bool) -> PackedLoader:
         split = encode_split(split_docs, tokenizer, cache, name=name, log=log)
@@ -136,3 +132,37 @@ def build_data(
     train = loader(train_docs, "train", shuffle=True)
     val = loader(val_docs, "val", shuffle=False) if val_docs else None
     return DataBundle(tokenizer=tokenizer, train=train, val=val)
+
+
+def build_tokenizer(cfg: DataConfig, *, log: Callable[[str], None] = print) -> Tokenizer:
+    """The tokenizer `build_data` builds for `cfg`, without encoding the corpus.
+
+    A `tokenizer.json` path is loaded directly. For `tokenizer="bpe"` the documents are read
+    and split as `build_data` does (the BPE is keyed by the training split), and the cached
+    BPE is loaded, or trained once and cached.
+
+    Raises:
+        FileNotFoundError: missing data or tokenizer file.
+        ValueError: no documents, or a malformed tokenizer file.
+
+    Example::
+
+        tok = build_tokenizer(get_config("debug").data)   # the debug run's BPE
+    """
+    if cfg.tokenizer != "bpe":
+        return _tokenizer(cfg, [], log)
+    docs = load_documents(cfg)
+    if not docs:
+        raise ValueError(f"dataset={cfg.dataset!r} path={cfg.path!r} yielded no documents")
+    train_docs, _ = split_documents(docs, cfg.val_fraction, piece_chars=cfg.split_piece_chars)
+    return _tokenizer(cfg, train_docs, log)
+
+
+def _tokenizer(cfg: DataConfig, train_docs: list[str], log: Callable[[str], None]) -> Tokenizer:
+    if cfg.tokenizer == "bpe":
+        cache = Path(cfg.cache_dir).expanduser()
+        return train_bpe(train_docs, cfg.vocab_size, cache / "tokenizers", log=log)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    log(f"data: loaded tokenizer {cfg.tokenizer} {tokenizer} ({time.perf_counter() - t0:.2f}s)")
+    return tokenizer

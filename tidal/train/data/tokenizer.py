@@ -101,6 +101,15 @@ class Tokenizer:
         """Token ids of `text`, without BOS/EOS."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Token ids of `text` in which special tokens written as text map to their ids (a
+        chat template's rendered markers); `encode` treats them as plain text."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """`encode` on many texts, in parallel threads inside `tokenizers`."""
         out: list[list[int]] = []

@@ -1,0 +1,228 @@
+"""Generation throughput of tidal.rl.Generator against transformers `generate`, in one run.
+
+Runs `--flavor` (default llama3_1b: dim 2048, 16 layers, vocab 128256, 1.5B parameters; seed
+init, bf16 weights) on one GPU with random `--prompt-len`-token prompts (128) and
+`--new-tokens` (256) new tokens per row, no stop tokens, at each `--batches` size (1 64 256),
+greedy and sampled (temperature 1, `--top-p`), in the normal mode and in batch-invariant
+mode. Each configuration runs once to warm up (compile, CUDA-graph capture) and is then
+timed. Printed per configuration: new tokens/s over the whole `generate` call (prefill
+included), the decode step time, and for CUDA the HBM bound of a decode step (the weights
+read once per step, the embedding table excepted, plus the KV cache read at the mean
+length) with the ratio to it. If `transformers` is importable, its `generate` runs on a
+Llama model of the same shape, batch and dtype (as shared/anchors/hf_generate.py does), and
+the ratio tidal / transformers is printed. Finally the trainer-side cost of
+batch-invariant mode: forward + backward of `tidal.rl.logprobs` on `--score-batch` x
+`--score-len` tokens, normal against batch-invariant.
+
+    python benchmarks/generate.py --json results.json                  # one GPU
+    python benchmarks/generate.py --device cpu --flavor debug --batches 1 8 \
+        --prompt-len 32 --new-tokens 32 --score-len 128                # smoke test on CPU
+
+Targets on one H200 (llama3_1b, bf16): batch 1 >= 800 new tokens/s (a step <= 1.25 ms),
+batch 64 >= 25,000 new tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(args, device: torch.device):
+    from tidal.models import Transformer, get_flavor
+
+    margs = get_flavor(args.flavor)
+    with torch.device("meta"):
+        model = Transformer(margs)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)
+    return model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+
+
+def hbm_bound_ms(model, batch: int, length: float, bandwidth: float) -> tuple[float, float]:
+    """(weights-only, weights + KV) milliseconds per decode step at `bandwidth` bytes/s."""
+    a = model.args
+    elem = next(model.parameters()).element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if n != "tok_embeddings.weight")
+    if a.tie_embeddings:  # the output projection reads the (shared) table every step
+        weights += a.vocab_size * a.dim
+    kv = 2 * a.n_layers * batch * length * a.n_kv_heads * a.k
+    return 1e3 * weights * elem / bandwidth, 1e3 * (weights + kv) * elem / bandwidth
+
+
+def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict:
+    from tidal.rl import Generator, GeneratorConfig, SamplingParams
+
+    device = model.rope.device
+    cap = -(-(args.prompt_len + args.new_tokens) // 16) * 16
+    gen = Generator(
+        model,
+        config=GeneratorConfig(max_batch=batch, max_seq_len=cap, batch_invariant=batch_invariant),
+    )
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, model.args.vocab_size, (batch, args.prompt_len), generator=g)
+    params = SamplingParams(
+        temperature=0.0 if mode == "greedy" else 1.0,
+        top_p=1.0 if mode == "greedy" else args.top_p,
+        max_new_tokens=args.new_tokens,
+        stop_token_ids=(),
+        seed=1,
+    )
+    gen.generate(prompts.tolist(), params)  # warm-up: compile, capture
+    steps0, decode0 = gen.stats.decode_steps, gen.stats.decode_seconds
+    sync(device)
+    start = time.perf_counter()
+    groups = gen.generate(prompts.tolist(), params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    new = sum(len(s.completion_ids) for grp in groups for s in grp)
+    assert new == batch * args.new_tokens, new
+    steps = gen.stats.decode_steps - steps0
+    step_ms = 1e3 * (gen.stats.decode_seconds - decode0) / max(steps, 1)
+    return {"seconds": seconds, "new_tokens_per_s": new / seconds, "decode_ms_per_step": step_ms}
+
+
+def run_hf(args, batch: int, mode: str, device: torch.device) -> dict | None:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    from tidal.models import get_flavor
+
+    a = get_flavor(args.flavor)
+    cfg = LlamaConfig(hidden_size=a.dim, intermediate_size=a.ffn_dim, num_hidden_layers=a.n_layers,
+                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                      vocab_size=a.vocab_size, rope_theta=a.rope_theta,
+                      max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps,
+                      tie_word_embeddings=a.tie_embeddings)  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    ids = torch.randint(0, a.vocab_size, (batch, args.prompt_len), device=device)
+    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+              do_sample=mode == "sampled", pad_token_id=0)  # fmt: skip
+    if mode == "sampled":
+        kw.update(temperature=1.0, top_p=args.top_p, top_k=0)
+    with torch.no_grad():
+        model.generate(ids[:, :16], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, **kw)
+        sync(device)
+    seconds = time.perf_counter() - start
+    new = out.shape[0] * (out.shape[1] - ids.shape[1])
+    del model
+    return {"seconds": seconds, "new_tokens_per_s": new / seconds}
+
+
+def run_score(model, args) -> dict:
+    """Trainer side: forward + backward of logprobs, normal vs batch-invariant."""
+    from tidal.rl import logprobs
+
+    device = model.rope.device
+    ids = torch.randint(0, model.args.vocab_size, (args.score_batch, args.score_len), device=device)
+    out = {}
+    for name, flag in [("normal", False), ("batch_invariant", True)]:
+        times = []
+        for _ in range(3):
+            sync(device)
+            start = time.perf_counter()
+            logprobs(model, ids, batch_invariant=flag).sum().backward()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        out[name] = min(times[1:])
+    out["ratio"] = out["batch_invariant"] / out["normal"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavor", default="llama3_1b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="bf16 on CUDA")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--top-p", type=float, default=1.0, help="for the sampled mode")
+    p.add_argument("--no-batch-invariant", action="store_true", help="skip the mode's runs")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers even if importable")
+    p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
+    p.add_argument("--score-batch", type=int, default=4)
+    p.add_argument("--score-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    model = build_model(args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{args.flavor}: {n_params / 1e9:.2f}B parameters, {args.dtype}, {where}, "
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompts "
+          f"{args.prompt_len} + {args.new_tokens} new tokens")  # fmt: skip
+    results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype, "runs": []}
+    modes = [False] if args.no_batch_invariant else [False, True]
+    for batch in args.batches:
+        for mode in args.modes:
+            row: dict = {"batch": batch, "mode": mode}
+            for bi in modes:
+                r = run_tidal(model, args, batch, mode, bi)
+                row["batch_invariant" if bi else "tidal"] = r
+            if device.type == "cuda":
+                length = args.prompt_len + args.new_tokens / 2
+                w, wkv = hbm_bound_ms(model, batch, length, args.hbm_gbps * 1e9)
+                row["hbm_bound_ms"] = {"weights": w, "weights_and_kv": wkv}
+            hf = None if args.no_hf else run_hf(args, batch, mode, device)
+            if hf is not None:
+                row["transformers"] = hf
+            results["runs"].append(row)
+            print_row(row)
+    if not args.no_batch_invariant:
+        score = run_score(model, args)
+        results["score"] = score
+        print(f"trainer logprobs fwd+bwd {args.score_batch}x{args.score_len}: normal "
+              f"{1e3 * score['normal']:.1f} ms, batch-invariant "
+              f"{1e3 * score['batch_invariant']:.1f} ms ({score['ratio']:.2f}x)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def print_row(row: dict) -> None:
+    t = row["tidal"]
+    line = (f"batch {row['batch']:>4} {row['mode']:8s} tidal {t['new_tokens_per_s']:>10,.0f} "
+            f"new tok/s, decode {t['decode_ms_per_step']:7.2f} ms/step")  # fmt: skip
+    if "hbm_bound_ms" in row:
+        b = row["hbm_bound_ms"]
+        line += (f" (HBM bound {b['weights']:.2f} ms weights, {b['weights_and_kv']:.2f} ms "
+                 f"with KV: {t['decode_ms_per_step'] / b['weights_and_kv']:.2f}x)")  # fmt: skip
+    if "transformers" in row:
+        h = row["transformers"]
+        line += (f" | transformers {h['new_tokens_per_s']:,.0f} tok/s, tidal/transformers "
+                 f"{t['new_tokens_per_s'] / h['new_tokens_per_s']:.1f}x")  # fmt: skip
+    if "batch_invariant" in row:
+        b = row["batch_invariant"]
+        line += (f" | batch-invariant {b['new_tokens_per_s']:,.0f} tok/s, "
+                 f"{b['decode_ms_per_step']:.2f} ms/step "
+                 f"({t['new_tokens_per_s'] / b['new_tokens_per_s']:.2f}x slower)")  # fmt: skip
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

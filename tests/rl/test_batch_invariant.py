@@ -1,0 +1,132 @@
+"""Batch-invariant mode on CPU fp32: kernels independent of the batch, and generator
+log-probs bitwise equal to the trainer's forward."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.rl.conftest import qwen_tiny, tiny_model
+from tidal.models import batch_invariant as bi
+from tidal.rl import Generator, GeneratorConfig, SamplingParams, completion_logprobs
+
+PROMPTS = [[1, 5, 7], list(range(2, 40)), [4], [9] * 5, list(range(100, 170))]
+
+
+def test_matmul_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    w = torch.randn(768, 256)
+    x = torch.randn(300, 256)
+    with bi.BatchInvariantMode():
+        ref = F.linear(x, w)
+        for m in [1, 2, 3, 15, 16, 17, 100]:
+            assert torch.equal(F.linear(x[:m], w), ref[:m]), m
+            assert torch.equal(F.linear(x[None, -m:], w)[0], ref[-m:]), m
+        logp = torch.log_softmax(x, -1)
+        norm = F.rms_norm(x, (256,), eps=1e-5)
+        for m in [1, 5, 33]:
+            assert torch.equal(torch.log_softmax(x[:m], -1), logp[:m])
+            assert torch.equal(F.rms_norm(x[:m], (256,), eps=1e-5), norm[:m])
+    # The reason for the mode: plain kernels change a row's bits with the row count.
+    assert not all(torch.equal(F.linear(x[:m], w), F.linear(x, w)[:m]) for m in [1, 2, 3])
+
+
+def test_chunked_attention_equals_sdpa_numerically():
+    torch.manual_seed(0)
+    B, H, G, T, K = 2, 4, 2, 150, 16
+    q, k, v = torch.randn(B, H, T, K), torch.randn(B, G, T, K), torch.randn(B, G, T, K)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = bi.attention(q, k, v, torch.arange(T).expand(B, T))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Decode: one query per row at different positions of a longer cache.
+    pos = torch.tensor([[40], [149]])
+    one = bi.attention(q.gather(2, pos[:, None, :, None].expand(B, H, 1, K)), k, v, pos)
+    torch.testing.assert_close(one[0, :, 0], ref[0, :, 40], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one[1, :, 0], ref[1, :, 149], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flavor", ["llama", "qwen3", "one_kv_head"])
+def test_generator_logprobs_are_bitwise_the_trainers(flavor):
+    model = {"llama": tiny_model, "qwen3": qwen_tiny}.get(
+        flavor, lambda: tiny_model(n_kv_heads=1)
+    )()
+    params = [
+        SamplingParams(n=3, temperature=1.0, top_p=0.9, max_new_tokens=24, seed=1),
+        SamplingParams(n=1, temperature=0.0, max_new_tokens=30),
+        SamplingParams(n=2, temperature=0.7, top_k=20, max_new_tokens=9, seed=2),
+        SamplingParams(n=1, temperature=1.3, min_p=0.05, max_new_tokens=17, seed=3),
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=4),
+    ]
+    # Few slots: groups wait, get refilled into freed rows and moved to smaller buckets.
+    gen = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=112, check_every=3,
+                                                  batch_invariant=True))  # fmt: skip
+    samples = [s for g in gen.generate(PROMPTS, params) for s in g]
+    assert len(samples) == 9
+    with torch.no_grad():
+        batched = completion_logprobs(model, samples, batch_invariant=True)
+        for s, lp in zip(samples, batched, strict=True):
+            assert torch.equal(torch.tensor(s.logprobs), lp), (s.prompt_index, s.sample_index)
+            (alone,) = completion_logprobs(model, [s], batch_invariant=True)
+            assert torch.equal(alone, lp)
+    # Another batch composition: three slots, the requests in reverse order.
+    solo = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=112,
+                                                   batch_invariant=True))  # fmt: skip
+    again = [s for g in solo.generate(PROMPTS[::-1], params[::-1]) for s in g]
+    key = {(s.prompt_ids.__repr__(), s.sample_index): s for s in samples}
+    for s in again:
+        ref = key[(s.prompt_ids.__repr__(), s.sample_index)]
+        assert s.completion_ids == ref.completion_ids
+        assert s.logprobs == ref.logprobs and s.sampling_logprobs == ref.sampling_logprobs
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_bitwise_with_two_threads():
+    torch.set_num_threads(2)  # the autouse fixture restores the count
+    model = tiny_model()
+    gen = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=112,
+                                                  batch_invariant=True))  # fmt: skip
+    groups = gen.generate(PROMPTS[:3], SamplingParams(n=1, max_new_tokens=24, seed=5))
+    samples = [s for g in groups for s in g]
+    with torch.no_grad():
+        trainer = completion_logprobs(model, samples, batch_invariant=True)
+        for s, lp in zip(samples, trainer, strict=True):
+            assert torch.equal(torch.tensor(s.logprobs), lp)
+
+
+def test_bitwise_under_autocast_bf16():
+    """bf16 weights-on-the-fly as a trainer without FSDP runs them (CPU autocast)."""
+    model = tiny_model()
+    config = GeneratorConfig(max_batch=2, max_seq_len=112, batch_invariant=True, amp_dtype="bf16")
+    gen = Generator(model, config=config)
+    samples = [s for g in gen.generate(PROMPTS[:3], SamplingParams(max_new_tokens=16)) for s in g]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer = completion_logprobs(model, samples, batch_invariant=True)
+    for s, lp in zip(samples, trainer, strict=True):
+        assert torch.equal(torch.tensor(s.logprobs), lp)
+        assert all(math.isfinite(x) for x in s.logprobs)
+
+
+def test_trainer_forward_with_the_mode_trains():
+    """The mode is a forward option: gradients flow (backward uses the normal kernels)."""
+    model = tiny_model()
+    ids = torch.randint(0, 512, (2, 33))
+    loss = (
+        -torch.log_softmax(model(ids[:, :-1], batch_invariant=True), -1)
+        .gather(-1, ids[:, 1:, None])
+        .mean()
+    )
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    ref = tiny_model()
+    F.cross_entropy(ref(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_and_custom_attention_are_refused():
+    model = tiny_model(attention="flex")
+    with pytest.raises(ValueError, match="batch_invariant=True supports the causal SDPA path"):
+        model(torch.zeros(1, 4, dtype=torch.long), batch_invariant=True)

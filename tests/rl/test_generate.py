@@ -1,0 +1,298 @@
+"""The Generator on CPU: batching, groups, seeds, sampling options, stops, continuous
+batching, weights and the store, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from tests.rl.conftest import tiny_model
+from tidal.rl import Generator, GeneratorConfig, SamplingParams, completion_logprobs, sample
+
+PROMPTS = [[1, 5, 7], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [4], [9] * 5]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def greedy_by_recompute(model, prompt, n):
+    """Reference: argmax of a full forward over the whole sequence, one token at a time."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def ids(groups):
+    return [[s.completion_ids for s in g] for g in groups]
+
+
+def test_greedy_batch_of_ragged_prompts_matches_recompute(model):
+    gen = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=64, check_every=5))
+    groups = gen.generate(PROMPTS, GREEDY)
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        (s,) = group
+        assert s.prompt_ids == prompt and s.finish_reason == "length"
+        assert s.completion_ids == greedy_by_recompute(model, prompt, 12)
+        assert len(s.logprobs) == len(s.sampling_logprobs) == 12
+        assert s.sampling_logprobs == [0.0] * 12 and all(lp < 0 for lp in s.logprobs)
+    assert gen.stats.prefill_calls == 1  # the four prompts in one padded forward
+
+
+def test_group_shares_one_prefill_and_seeds_its_samples(model):
+    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64))
+    params = SamplingParams(n=6, temperature=1.0, max_new_tokens=10, seed=11)
+    (group,) = gen.generate([PROMPTS[1]], params)
+    assert gen.stats.prefill_tokens == len(PROMPTS[1])  # computed once, copied to 6 rows
+    assert [s.sample_index for s in group] == list(range(6))
+    assert len({tuple(s.completion_ids) for s in group}) == 6  # each sample its own noise
+    (again,) = gen.generate([PROMPTS[1]], params)
+    assert ids([again]) == ids([group])
+    (other,) = gen.generate([PROMPTS[1]], SamplingParams(n=6, max_new_tokens=10, seed=12))
+    assert ids([other]) != ids([group])
+
+
+def test_same_request_same_tokens_in_any_batch(model):
+    p = SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=12, seed=3)
+    alone = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=64))
+    (ref,) = alone.generate([PROMPTS[0]], p)
+    crowd = Generator(model, config=GeneratorConfig(max_batch=5, max_seq_len=64, check_every=3))
+    others = SamplingParams(n=1, temperature=1.0, max_new_tokens=7, seed=8)
+    groups = crowd.generate(PROMPTS[1:] + [PROMPTS[0]] + PROMPTS[1:2], [others] * 3 + [p, others])
+    assert ids([groups[3]]) == ids([ref])  # other slots, other neighbours, refills in between
+
+
+def test_truncation_limits_equal_greedy(model):
+    gen = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=64))
+    greedy = ids(gen.generate(PROMPTS, GREEDY))
+    for p in [
+        SamplingParams(temperature=1.5, top_k=1, max_new_tokens=12),
+        SamplingParams(temperature=1.5, top_p=1e-6, max_new_tokens=12),
+        SamplingParams(temperature=1.5, min_p=1.0, max_new_tokens=12),
+    ]:
+        groups = gen.generate(PROMPTS, p)
+        assert ids(groups) == greedy, p
+        # One token left: the sampled distribution is a point mass.
+        assert all(s.sampling_logprobs == [0.0] * 12 for g in groups for s in g)
+    groups = gen.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=5, max_new_tokens=12))
+    s = groups[1][0]
+    assert all(slp >= lp for slp, lp in zip(s.sampling_logprobs, s.logprobs, strict=True))
+
+
+def test_sampler_draws_from_the_truncated_tempered_softmax():
+    torch.manual_seed(0)
+    V, R = 6, 40_000
+    logits = torch.randn(V) * 2
+    rows = dict(temperature_B=torch.full((R,), 0.7), top_k_B=torch.full((R,), 4),
+                top_p_B=torch.full((R,), 0.9), min_p_B=torch.full((R,), 0.05),
+                keys_B=torch.arange(R), steps_B=torch.zeros(R, dtype=torch.long))  # fmt: skip
+    tok, lp, slp = sample(logits.expand(R, V), **rows)
+    # The expected distribution, computed the plain way.
+    p = torch.softmax(logits / 0.7, -1)
+    order = p.argsort(descending=True)
+    keep = torch.zeros(V, dtype=torch.bool)
+    keep[order[:4]] = True
+    q = torch.where(keep, p, 0) / p[keep].sum()
+    before = torch.cumsum(q[order], 0) - q[order]
+    keep[order[before >= 0.9]] = False
+    keep &= p >= 0.05 * p.max()
+    q = torch.where(keep, p, 0) / p[keep].sum()
+    freq = torch.bincount(tok, minlength=V).double() / R
+    assert (freq - q).abs().max() < 0.01, (freq, q)
+    assert set(tok.tolist()) == set(torch.nonzero(keep)[:, 0].tolist())
+    torch.testing.assert_close(slp, q.log()[tok].float())
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[tok])
+
+
+def test_stop_token_and_length(model):
+    expected = greedy_by_recompute(model, PROMPTS[0], 12)
+    stop = expected[4]
+    gen = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=64, check_every=3))
+    groups = gen.generate(
+        [PROMPTS[0], PROMPTS[2]],
+        [SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)), GREEDY],
+    )
+    s = groups[0][0]
+    first = expected.index(stop)
+    assert s.completion_ids == expected[: first + 1] and s.finish_reason == "stop"
+    assert len(s.logprobs) == first + 1
+    assert groups[1][0].finish_reason == "length" and len(groups[1][0].completion_ids) == 12
+    # max_new_tokens=1: the token sampled from the prefill is the whole completion.
+    (one,) = gen.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=1))
+    assert one[0].completion_ids == expected[:1] and one[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_text_and_tokens(model, tokenizer):
+    prompt = [tokenizer.bos_id, *tokenizer.encode("The ")]
+    gen = Generator(model, tokenizer=tokenizer,
+                    config=GeneratorConfig(max_batch=2, max_seq_len=64, check_every=4))  # fmt: skip
+    free = gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=30))[0][0]
+    assert free.text == tokenizer.decode(free.completion_ids)
+    # A stop string taken from the middle of the free-running text.
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop and stop in text
+    params = SamplingParams(temperature=0, max_new_tokens=30, stop=(stop, "@@never@@"))
+    s = gen.generate([prompt], params)[0][0]
+    assert s.finish_reason == "stop" and s.text == text[: text.index(stop)]
+    n = len(s.completion_ids)
+    assert s.completion_ids == free.completion_ids[:n]
+    assert stop in tokenizer.decode(s.completion_ids)  # the last token completes it...
+    assert stop not in tokenizer.decode(s.completion_ids[:-1])  # ...and not one earlier
+
+
+def test_finished_rows_are_refilled_at_once(model):
+    """Two slots, one long request and six short ones: the short ones run one after the
+    other in the second slot while the long one decodes, so the whole run takes about as
+    many steps as the long request alone."""
+    long = SamplingParams(temperature=0, max_new_tokens=40)
+    short = SamplingParams(temperature=0, max_new_tokens=4)
+    gen = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=64, check_every=2))
+    prompts = [PROMPTS[0]] + [PROMPTS[1], PROMPTS[2], PROMPTS[3]] * 2
+    groups = gen.generate(prompts, [long] + [short] * 6)
+    assert gen.stats.decode_steps <= 40 + 2
+    assert gen.stats.prefill_calls == 1 + 5  # the first admission holds the long + one short
+    for prompt, group, p in zip(prompts, groups, [long] + [short] * 6, strict=True):
+        assert group[0].completion_ids == greedy_by_recompute(model, prompt, p.max_new_tokens)
+
+
+def test_rows_move_down_to_smaller_buckets(model):
+    """Eight rows, seven finish early: the long one moves into slot 0 and decodes alone."""
+    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64, check_every=2))
+    params = [SamplingParams(temperature=0, max_new_tokens=3)] * 7 + [
+        SamplingParams(temperature=0, max_new_tokens=20)
+    ]
+    prompts = (PROMPTS * 2)[:8]
+    groups = gen.generate(prompts, params)
+    assert gen.buckets == [1, 2, 4, 8]
+    for prompt, group, p in zip(prompts, groups, params, strict=True):
+        assert group[0].completion_ids == greedy_by_recompute(model, prompt, p.max_new_tokens)
+
+
+def test_logprobs_match_the_trainer_within_bound(model, record_property):
+    """Outside batch-invariant mode the generator's log-probs differ from the trainer's
+    forward in the last bits (other kernels for other shapes). Documented bound on CPU fp32:
+    max |diff| < 1e-4."""
+    gen = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=64, check_every=3))
+    groups = gen.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=16))
+    samples = [s for g in groups for s in g]
+    with torch.no_grad():
+        trainer = completion_logprobs(model, samples)
+    diff = torch.cat([torch.tensor(s.logprobs) - t for s, t in zip(samples, trainer, strict=True)])
+    diff = diff.abs()
+    record_property("max_abs_diff", float(diff.max()))
+    record_property("mean_abs_diff", float(diff.mean()))
+    print(f"generator vs trainer log-probs: max {diff.max():.3g}, mean {diff.mean():.3g}")
+    assert diff.max() < 1e-4
+
+
+def test_load_weights_in_place_and_versions(model):
+    gen = Generator(tiny_model(seed=0), config=GeneratorConfig(max_batch=2, max_seq_len=64))
+    before = ids(gen.generate(PROMPTS[:2], GREEDY))
+    ptrs = {n: p.data_ptr() for n, p in gen.model.named_parameters()}
+    other = tiny_model(seed=1).state_dict()
+    gen.load_weights(other, version=7)
+    assert {n: p.data_ptr() for n, p in gen.model.named_parameters()} == ptrs
+    for n, t in gen.model.state_dict().items():
+        assert torch.equal(t, other[n]), n
+    groups = gen.generate(PROMPTS[:2], GREEDY)
+    assert ids(groups) != before and groups[0][0].weight_version == 7
+    assert ids(groups) == ids(Generator(tiny_model(seed=1)).generate(PROMPTS[:2], GREEDY))
+
+    bad = dict(other)
+    del bad["norm.weight"]
+    bad["extra.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match=r"missing norm\.weight, unexpected extra\.weight"):
+        gen.load_weights(bad)
+    bad = dict(other)
+    bad["output.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"'output.weight' has shape \(3, 3\)"):
+        gen.load_weights(bad)
+
+
+def test_load_from_store_and_timeout():
+    import time
+
+    import tidal.store
+
+    store = tidal.store.connect()
+    try:
+        gen = Generator(tiny_model(seed=0), config=GeneratorConfig(max_batch=2, max_seq_len=64))
+        for v, seed in [(3, 1), (4, 2)]:
+            store.put_state_dict(tiny_model(seed=seed).state_dict(), "policy", version=v)
+        ptrs = [p.data_ptr() for p in gen.model.parameters()]
+        assert gen.load_from_store(store, "policy") == 4  # the newest
+        assert [p.data_ptr() for p in gen.model.parameters()] == ptrs
+        assert gen.generate(PROMPTS[:1], GREEDY)[0][0].weight_version == 4
+        assert gen.load_from_store(store, "policy", version=3) == 3
+        ref = tiny_model(seed=1).state_dict()
+        assert all(torch.equal(t, ref[n]) for n, t in gen.model.state_dict().items())
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="version 9 of 'policy' did not arrive"):
+            gen.load_from_store(store, "policy", version=9, timeout=0.3)
+        with pytest.raises(TimeoutError, match="version 0 of 'nothing' did not arrive"):
+            gen.load_from_store(store, "nothing", timeout=0.3)  # no version yet: waits for 0
+        assert time.monotonic() - start < 10
+        assert gen.version == 3  # unchanged by the failed reads
+    finally:
+        store.close()
+
+
+def word_tokenizer():
+    """A word-level tokenizer with an unknown token: text outside its words cannot come out."""
+    import tokenizers
+
+    from tidal.train.data import Tokenizer
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "<|eos|>": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return Tokenizer(tok, bos_id=3, eos_id=3)
+
+
+def test_bad_input_is_a_clear_error(model, tokenizer):
+    gen = Generator(model, tokenizer=tokenizer, config=GeneratorConfig(max_batch=2, max_seq_len=32))
+    cases = [
+        ([[]], GREEDY, "prompt 0 is empty"),
+        ([[1] * 40], GREEDY, "prompt 0 has 40 tokens; a row holds at most 32"),
+        ([[1] * 30], SamplingParams(max_new_tokens=5), "at most 2 new tokens fit"),
+        ([[1, 999]], GREEDY, r"outside the vocabulary \[0, 512\)"),
+        ([[1]], SamplingParams(n=3, max_new_tokens=8), "n=3 samples exceed .*max_batch=2"),
+        ([[1]], SamplingParams(stop_token_ids=(600,), max_new_tokens=8), "stop_token_ids"),
+        ([[1], [2]], [GREEDY], "2 prompts but 1 SamplingParams"),
+    ]
+    for prompts, params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            gen.generate(prompts, params)
+    with pytest.raises(TypeError, match="sequence of token-id sequences"):
+        gen.generate([1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        Generator(model).generate([[1]], SamplingParams(stop=("x",), max_new_tokens=8))
+    with pytest.raises(ValueError, match="stop string 'zz' cannot be produced by the tokenizer"):
+        Generator(model, tokenizer=word_tokenizer()).generate(
+            [[1]], SamplingParams(stop=("zz",), max_new_tokens=8)
+        )
+    for kw, match in [
+        ({"temperature": -0.1}, "temperature must be finite and >= 0"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+        ({"n": 0}, "n must be"),
+        ({"stop": "abc"}, "tuple of strings"),
+        ({"stop": ("",)}, "non-empty strings"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_len=128"):
+        Generator(model, config=GeneratorConfig(max_seq_len=129))
+    with pytest.raises(ValueError, match="need a model on a CUDA device"):
+        Generator(model, config=GeneratorConfig(cuda_graphs=True))
+    # The generator still works after every refusal.
+    assert gen.generate([[1, 2]], GREEDY)[0][0].finish_reason in ("stop", "length")

@@ -1,0 +1,815 @@
+"""The Generator: batched sampling with the training model's own module code.
+
+Design (after gpt-fast's generate.py and nanochat's engine.py, written for tidal):
+
+- One static KV cache of `max_batch` rows ("slots") x `max_seq_len` positions, with per-row
+  lengths (tidal/models/kv_cache.py). It is allocated once; weights and cache never move, so
+  captured CUDA graphs stay valid across weight updates (`load_weights` copies in place).
+- Prefill once per prompt: waiting requests are admitted together, their prompts right-padded
+  into one forward that writes each prompt's keys/values into the first slot of its group;
+  the row is then copied into the group's other n - 1 slots (the prompt's KV is computed once,
+  not n times), and each slot samples its own first token from the shared last logits.
+- Decode: one token for every slot of a bucket (the first b slots, b a power of two) per
+  step. Everything a step needs lives in device tensors (last token, position, count,
+  sampling parameters, random keys, stop ids, output buffers); a step reads and updates them
+  in place and never syncs with the host: no `.item()`, no data-dependent Python branches.
+  Finished rows are frozen on the device (their position stops advancing).
+- Host checks every `check_every` steps: one device-to-host copy of the done flags and
+  counts; finished samples (stop token, stop string, `max_new_tokens`) are collected, and
+  their slots refilled at once with waiting requests (continuous batching), so long-tailed
+  completion lengths do not idle the batch. When few rows remain, they are moved into the
+  lowest slots and the next-smaller bucket runs.
+- CUDA: the decode step of each (bucket, sampler variant) is compiled with torch.compile
+  (inductor, no cudagraphs of its own) and captured into a CUDA graph, replayed each step.
+  Prefill pads prompts to a multiple of 16 tokens and is compiled with dynamic shapes. In
+  batch-invariant mode the step is not compiled (inductor would fuse the ops into kernels the
+  trainer does not run) but still captured: a graph replays exactly the eager kernels.
+  CPU: eager.
+
+Randomness: per sample, a counter-based hash of (request seed, sample index, completion
+index, token id) (tidal/rl/sampling.py): the same request and seed give the same tokens in
+any batch.
+
+Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
+it in a `Generator` once, call `generate` for each batch of prompts and `load_weights` /
+`load_from_store` between calls. One Generator per process (per rank under tensor
+parallelism: every rank calls the same methods with the same arguments).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tidal.models.kv_cache import KVCache
+from tidal.models.transformer import Transformer
+from tidal.rl.sampling import SamplingParams, sample, sample_key
+
+MAX_STOP_IDS = 16
+"""Stop token ids per request (a fixed-width device table)."""
+
+_PREFILL_PAD = 16  # prompts are right-padded to a multiple of this many tokens
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GeneratorConfig:
+    """Sizes and modes of a Generator.
+
+    Example::
+
+        GeneratorConfig(max_batch=64, max_seq_len=1024, batch_invariant=True)
+    """
+
+    max_batch: int = 32
+    """KV-cache rows: samples decoded at once. Memory: 2 x layers x max_batch x max_seq_len x
+    kv heads x head dim elements of the model's dtype."""
+    max_seq_len: int | None = None
+    """Positions per row (prompt + completion); None: the model's max_seq_len."""
+    check_every: int = 8
+    """Decode steps between host checks (stop strings, finished rows, refills)."""
+    prefill_tokens: int = 16384
+    """Most (padded) prompt tokens per prefill forward; larger admissions are split."""
+    batch_invariant: bool = False
+    """Fixed reduction orders (tidal/models/batch_invariant.py): the reported log-probs are
+    bitwise those of `tidal.rl.logprobs(model, ..., batch_invariant=True)`. Slower."""
+    compile: bool | None = None
+    """torch.compile the decode step and prefill. None: on for CUDA outside batch-invariant
+    mode, for models without DTensor parameters (no FSDP or tensor parallel)."""
+    cuda_graphs: bool | None = None
+    """Capture the decode step in CUDA graphs per (batch bucket, sampler variant). None: on
+    for CUDA models without DTensor parameters."""
+    amp_dtype: Literal["bf16", "fp16"] | None = None
+    """Run under autocast in this dtype (fp32 weights, as a trainer without FSDP does).
+    A caller's autocast is honoured as well."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"GeneratorConfig.max_batch must be >= 1, got {self.max_batch}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"GeneratorConfig.max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.check_every < 1:
+            raise ValueError(f"GeneratorConfig.check_every must be >= 1, got {self.check_every}")
+        if self.prefill_tokens < 1:
+            raise ValueError(
+                f"GeneratorConfig.prefill_tokens must be >= 1, got {self.prefill_tokens}"
+            )
+        if self.amp_dtype not in (None, "bf16", "fp16"):
+            raise ValueError(
+                f"GeneratorConfig.amp_dtype must be None, 'bf16' or 'fp16', got {self.amp_dtype!r}"
+            )
+
+
+@dataclass(slots=True)
+class Sample:
+    """One completion of one prompt."""
+
+    prompt_index: int
+    """Position of the prompt in the `generate` call."""
+    sample_index: int
+    """Index in the prompt's group (0..n-1)."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    """Generated tokens; ends with the stop token when one was hit."""
+    text: str | None
+    """Decoded completion (special tokens dropped, cut before a stop string); None without a
+    tokenizer."""
+    finish_reason: Literal["stop", "length"]
+    """"stop": a stop token or string; "length": max_new_tokens reached."""
+    logprobs: list[float]
+    """Per completion token: log-prob under the model (temperature 1, no truncation)."""
+    sampling_logprobs: list[float]
+    """Per completion token: log-prob under the distribution sampled (after temperature and
+    truncation); 0 for greedy decoding."""
+    weight_version: int | None
+    """`Generator.version` when the sample was generated (None: unversioned weights)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+            "sampling_logprobs": self.sampling_logprobs,
+            "weight_version": self.weight_version,
+        }
+
+
+@dataclass(slots=True)
+class GeneratorStats:
+    """Counters since the Generator was built (tests and benchmarks read them)."""
+
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens run through the model (each prompt once, however many samples)."""
+    decode_steps: int = 0
+    host_checks: int = 0
+    graphs_captured: int = 0
+    decode_seconds: float = 0.0
+    """Host time spent in decode steps and checks (device-synchronized at each check)."""
+
+
+@dataclass(slots=True)
+class _Request:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Slot:
+    """Host view of an occupied cache row."""
+
+    request: _Request
+    sample_index: int
+    count: int  # tokens generated if the row is still running (exact until it finishes)
+    checked: int = 0  # tokens already searched for stop strings
+
+
+class _Rows:
+    """The device state of every slot (all [R] or [R, W]); decode steps update it in place."""
+
+    FIELDS = ("last", "pos", "count", "done", "max_new", "temperature", "top_k", "top_p",
+              "min_p", "key", "stop_ids", "out_tok", "out_lp", "out_slp")  # fmt: skip
+
+    def __init__(self, rows: int, width: int, device: torch.device):
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        f32 = torch.float32
+        self.last, self.pos, self.count = zeros(rows), zeros(rows), zeros(rows)
+        self.done = torch.ones(rows, dtype=torch.bool, device=device)
+        self.max_new = zeros(rows) + 1
+        self.temperature, self.top_k = zeros(rows, dtype=f32), zeros(rows)
+        self.top_p, self.min_p = zeros(rows, dtype=f32) + 1, zeros(rows, dtype=f32)
+        self.key = zeros(rows)
+        self.stop_ids = zeros(rows, MAX_STOP_IDS) - 1
+        self.out_tok = zeros(rows, width)
+        self.out_lp, self.out_slp = zeros(rows, width, dtype=f32), zeros(rows, width, dtype=f32)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f) for f in self.FIELDS]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in self.tensors():
+            t[dst] = t[src]
+
+
+class Generator:
+    """Generate completions with a tidal Transformer (see the module docstring).
+
+    Args:
+        model: the model, on its device, weights loaded (any dtype; eval mode is not needed:
+            the model has no dropout). Tensor parallel models use the plans of
+            tidal/parallel/parallelize.py with `sequence_parallel=False`.
+        tokenizer: optional; needed for `text`, stop strings and the default stop token (its
+            `eos_id`). Anything with `encode`, `decode(ids, skip_special_tokens=...)`,
+            `eos_id` and `vocab_size`, such as tidal.train.data.Tokenizer.
+        config: sizes and modes.
+
+    Example::
+
+        gen = Generator(model, tokenizer=tok, config=GeneratorConfig(max_batch=16))
+        groups = gen.generate([tok.encode("ROMEO:")], SamplingParams(n=4, max_new_tokens=32))
+        for s in groups[0]:
+            print(s.finish_reason, s.text, sum(s.logprobs))
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        tokenizer: Any = None,
+        config: GeneratorConfig | None = None,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config or GeneratorConfig()
+        args = model.args
+        self.capacity = cfg.max_seq_len or args.max_seq_len
+        if self.capacity > args.max_seq_len:
+            raise ValueError(
+                f"GeneratorConfig.max_seq_len={self.capacity} exceeds the model's "
+                f"max_seq_len={args.max_seq_len}"
+            )
+        self.device = model.rope.device
+        self.vocab_size = args.vocab_size
+        self.version: int | None = None
+        """Version of the loaded weights, stamped on every sample (None: unversioned)."""
+        self.stats = GeneratorStats()
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        cuda = self.device.type == "cuda"
+        self._graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else cuda and not sharded
+        self._compile_on = (
+            cfg.compile
+            if cfg.compile is not None
+            else cuda and not sharded and not cfg.batch_invariant
+        )
+        if (self._graphs_on or self._compile_on) and not cuda:
+            raise ValueError("GeneratorConfig.compile / cuda_graphs need a model on a CUDA device")
+        if self._compile_on and cfg.batch_invariant:
+            raise ValueError(
+                "GeneratorConfig.compile=True with batch_invariant=True: compiled kernels fuse "
+                "ops differently from the trainer's eager forward; leave compile=None"
+            )
+        self.cache = KVCache.for_model(model, batch_size=cfg.max_batch, capacity=self.capacity)
+        self._rows = _Rows(cfg.max_batch, self.capacity + 1, self.device)
+        self._slots: list[_Slot | None] = [None] * cfg.max_batch
+        self.buckets = _buckets(cfg.max_batch)
+        self._graphs: dict[tuple[int, bool, bool], Any] = {}
+        self._pool: Any = None
+        self._steps: dict[bool | str, Any] = {}
+        self._prefill_fn = self._prefill_forward
+        if self._compile_on:
+            self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True)
+
+    # -- weights --------------------------------------------------------------------------
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], *, version: int | None = None):
+        """Copy `state_dict` into the model's parameters in place (no reallocation: captured
+        CUDA graphs stay valid) and set `version`.
+
+        The keys must be exactly the model's state-dict keys (`model.state_dict()`: e.g.
+        `layers.0.attention.wq.weight`; no `output.weight` with tied embeddings) and each
+        tensor must have the parameter's global shape; dtypes are converted. Plain tensors are
+        sliced into tensor-parallel (DTensor) parameters.
+
+        Raises:
+            KeyError: missing or unexpected keys (both listed).
+            ValueError: a shape differs (key and both shapes named).
+        """
+        own = self.model.state_dict()
+        missing, unexpected = (
+            sorted(own.keys() - state_dict.keys()),
+            sorted(state_dict.keys() - own.keys()),
+        )
+        if missing or unexpected:
+            raise KeyError(
+                f"weights do not match the model: missing {_few(missing)}, "
+                f"unexpected {_few(unexpected)}"
+            )
+        for name, dst in own.items():
+            src = state_dict[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(src.shape)}, the model expects "
+                    f"{tuple(dst.shape)}"
+                )
+        with torch.no_grad():
+            for name, dst in own.items():
+                src = state_dict[name]
+                if isinstance(dst, DTensor) and not isinstance(src, DTensor):
+                    src = distribute_tensor(
+                        src.to(device=dst.to_local().device, dtype=dst.dtype),
+                        dst.device_mesh,
+                        dst.placements,
+                        src_data_rank=None,  # every rank holds the full tensor: slice it
+                    )
+                dst.copy_(src)
+        self.version = version
+
+    def load_from_store(
+        self,
+        store: Any,
+        key: str,
+        *,
+        version: int | None = None,
+        timeout: float = 60.0,
+    ) -> int:
+        """Read version `version` of state dict `key` from a tidal store into the parameters,
+        in place, resharding to this model's layout; returns the version read.
+
+        Args:
+            store: a `tidal.store.Store` (from `tidal.store.connect()`).
+            key: the key the trainer puts its state dict under (e.g. "policy").
+            version: a version number, waited for up to `timeout` seconds (streamed while it
+                is written); None: the newest committed version (or version 0, waited for,
+                when the key has none yet).
+            timeout: seconds to wait for the version.
+
+        Raises:
+            TimeoutError: the version did not arrive within `timeout`.
+            KeyError: a parameter is missing in the stored state dict.
+            ValueError: a stored tensor has another shape or dtype than the parameter.
+        """
+        from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
+
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+        if version is None:
+            try:
+                version = store.versions(key)[-1]
+            except (KeyNotFoundError, IndexError):
+                version = 0
+        assert version is not None
+        start = time.monotonic()
+        try:
+            store.get_state_dict(key, into=self.model.state_dict(), version=version, wait=timeout)
+        except (VersionNotFoundError, StoreError) as e:
+            if time.monotonic() - start >= timeout:
+                raise TimeoutError(
+                    f"version {version} of {key!r} did not arrive in the store within {timeout:g} s"
+                ) from e
+            raise
+        self.version = version
+        return version
+
+    # -- generation -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[Sample]]:
+        """Complete every prompt `params.n` times.
+
+        Args:
+            prompts: token ids of each prompt (at least one token; BOS is not added).
+            params: one SamplingParams for all prompts, or one per prompt.
+
+        Returns:
+            One list per prompt, in order, of its n samples (sample_index 0..n-1).
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt longer
+                than `max_seq_len - 1`, prompt + max_new_tokens over `max_seq_len`, n over
+                `max_batch`, a stop string without a tokenizer or one the tokenizer cannot
+                produce (its encoding does not decode back to it), more than
+                MAX_STOP_IDS stop token ids.
+        """
+        requests = self._requests(prompts, params)
+        results: list[list[Sample | None]] = [[None] * r.params.n for r in requests]
+        pending = deque(requests)
+        self._reset()
+        with self._autocast():
+            while pending or any(s is not None for s in self._slots):
+                admitted = self._admit(pending)
+                if admitted:
+                    self._prefill(admitted)
+                self._decode_and_check(results)
+        return [[s for s in group if s is not None] for group in results]
+
+    # -- validation -----------------------------------------------------------------------
+
+    def _requests(self, prompts, params) -> list[_Request]:
+        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a sequence of token-id sequences, one per prompt")
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        out = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): "
+                    f"{bad[:5]}"
+                )
+            if len(prompt) >= self.capacity:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; a row holds at most "
+                    f"{self.capacity} (GeneratorConfig.max_seq_len, model max_seq_len "
+                    f"{self.model.args.max_seq_len}) including at least one new token"
+                )
+            if len(prompt) + p.max_new_tokens > self.capacity:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens + max_new_tokens={p.max_new_tokens} "
+                    f"exceeds the {self.capacity} positions of a row; at most "
+                    f"{self.capacity - len(prompt)} new tokens fit"
+                )
+            if p.n > self.config.max_batch:
+                raise ValueError(
+                    f"prompt {i}: n={p.n} samples exceed GeneratorConfig.max_batch="
+                    f"{self.config.max_batch} (a group is decoded at once)"
+                )
+            stop_ids = p.stop_token_ids
+            if stop_ids is None:
+                eos = getattr(self.tokenizer, "eos_id", None)
+                stop_ids = (eos,) if eos is not None else ()
+            if len(stop_ids) > MAX_STOP_IDS:
+                raise ValueError(
+                    f"prompt {i}: {len(stop_ids)} stop_token_ids, at most {MAX_STOP_IDS}"
+                )
+            bad = [t for t in stop_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i}: stop_token_ids {bad} outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            self._check_stop_strings(i, p.stop)
+            out.append(_Request(i, prompt, p, tuple(stop_ids)))
+        return out
+
+    def _check_stop_strings(self, i: int, stop: tuple[str, ...]) -> None:
+        if not stop:
+            return
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {i}: stop strings {stop!r} need a tokenizer")
+        for s in stop:
+            # "Unknown": text the tokenizer cannot produce, i.e. whose encoding does not
+            # decode back to it (characters outside a non-byte-level vocabulary, specials).
+            if self.tokenizer.decode(self.tokenizer.encode(s)) != s:
+                raise ValueError(
+                    f"prompt {i}: stop string {s!r} cannot be produced by the tokenizer "
+                    f"(it decodes its encoding as "
+                    f"{self.tokenizer.decode(self.tokenizer.encode(s))!r})"
+                )
+
+    # -- admission and prefill ------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._slots = [None] * self.config.max_batch
+        self._rows.done.fill_(True)
+        self.cache.reset()
+
+    def _admit(self, pending: deque[_Request]) -> list[tuple[_Request, list[int]]]:
+        """Take waiting requests (in order) while their groups fit into free slots."""
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        admitted = []
+        while pending and len(free) >= pending[0].params.n:
+            req = pending.popleft()
+            slots, free = free[: req.params.n], free[req.params.n :]
+            for j, slot in enumerate(slots):
+                self._slots[slot] = _Slot(req, j, count=1)
+            admitted.append((req, slots))
+        return admitted
+
+    def _prefill_forward(self, tokens_PT, positions_PT, rows_P, last_P) -> torch.Tensor:
+        return self.model(
+            tokens_PT,
+            positions=positions_PT,
+            cache=self.cache,
+            cache_rows=rows_P,
+            logits_at=last_P,
+            batch_invariant=self.config.batch_invariant,
+        )[:, 0]
+
+    def _prefill(self, admitted: list[tuple[_Request, list[int]]]) -> None:
+        """Prefill each admitted prompt once into its group's first slot, copy it to the
+        group's other slots, and sample every slot's first token."""
+        chunk: list[tuple[_Request, list[int]]] = []
+        for item in admitted:
+            width = _round_up(max(len(r.prompt) for r, _ in [*chunk, item]), _PREFILL_PAD)
+            if chunk and width * (len(chunk) + 1) > self.config.prefill_tokens:
+                self._prefill_chunk(chunk)
+                chunk = []
+            chunk.append(item)
+        if chunk:
+            self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, chunk: list[tuple[_Request, list[int]]]) -> None:
+        dev, rows = self.device, self._rows
+        width = min(_round_up(max(len(r.prompt) for r, _ in chunk), _PREFILL_PAD), self.capacity)
+        tokens = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, (r, _) in enumerate(chunk):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
+        lengths = torch.tensor([len(r.prompt) for r, _ in chunk])
+        first = torch.tensor([slots[0] for _, slots in chunk])
+        positions = torch.arange(width).expand(len(chunk), width)
+        # The first prefill allocates the cache (in the dtype the keys come out in) eagerly,
+        # outside any compiled code.
+        prefill = self._prefill_fn if self.cache.allocated else self._prefill_forward
+        logits_PV = prefill(tokens.to(dev), positions.to(dev), first.to(dev), (lengths - 1).to(dev))
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += int(lengths.sum())
+        self.cache.lengths[first.to(dev)] = lengths.to(dev)
+
+        # Every slot of a group: copy the prompt's cache row, then per-slot state.
+        src = [slots[0] for _, slots in chunk for _ in slots[1:]]
+        dst = [s for _, slots in chunk for s in slots[1:]]
+        if dst:
+            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        group = [i for i, (_, slots) in enumerate(chunk) for _ in slots]
+        slots_t = torch.tensor([s for _, slots in chunk for s in slots], device=dev)
+        params = [(r, j) for r, slots in chunk for j in range(len(slots))]
+
+        def per_slot(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        rows.temperature[slots_t] = per_slot(
+            [r.params.temperature for r, _ in params], torch.float32
+        )
+        rows.top_k[slots_t] = per_slot([r.params.top_k for r, _ in params], torch.long)
+        rows.top_p[slots_t] = per_slot([r.params.top_p for r, _ in params], torch.float32)
+        rows.min_p[slots_t] = per_slot([r.params.min_p for r, _ in params], torch.float32)
+        rows.max_new[slots_t] = per_slot([r.params.max_new_tokens for r, _ in params], torch.long)
+        rows.key[slots_t] = per_slot([sample_key(r.params.seed, j) for r, j in params], torch.long)
+        stop = torch.full((len(params), MAX_STOP_IDS), -1, dtype=torch.long)
+        for i, (r, _) in enumerate(params):
+            stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.long)
+        rows.stop_ids[slots_t] = stop.to(dev)
+        prompt_len = per_slot([len(r.prompt) for r, _ in params], torch.long)
+
+        logits_SV = logits_PV[torch.tensor(group, device=dev)]
+        sampled = any(r.params.temperature > 0 for r, _ in params)
+        truncate = any(r.params.truncates for r, _ in params)
+        zero = torch.zeros(len(params), dtype=torch.long, device=dev)
+        tok, lp, slp = sample(
+            logits_SV,
+            temperature_B=rows.temperature[slots_t],
+            top_k_B=rows.top_k[slots_t],
+            top_p_B=rows.top_p[slots_t],
+            min_p_B=rows.min_p[slots_t],
+            keys_B=rows.key[slots_t],
+            steps_B=zero,
+            sampled=sampled,
+            truncate=truncate,
+            batch_invariant=self.config.batch_invariant,
+        )
+        rows.last[slots_t] = tok
+        rows.pos[slots_t] = prompt_len
+        rows.count[slots_t] = 1
+        rows.out_tok[slots_t, 0] = tok
+        rows.out_lp[slots_t, 0] = lp
+        rows.out_slp[slots_t, 0] = slp
+        hit = (tok[:, None] == rows.stop_ids[slots_t]).any(dim=-1)
+        rows.done[slots_t] = hit | (rows.max_new[slots_t] <= 1)
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def _decode_step(self, b: int, sampled: bool, truncate: bool) -> None:
+        """One token for every row of bucket b, in place (no host sync)."""
+        rows = self._rows
+        logits_BV = self.model(
+            rows.last[:b, None],
+            positions=rows.pos[:b, None],
+            cache=self.cache,
+            batch_invariant=self.config.batch_invariant,
+        )[:, 0]
+        count_B = rows.count[:b]
+        tok, lp, slp = sample(
+            logits_BV,
+            temperature_B=rows.temperature[:b],
+            top_k_B=rows.top_k[:b],
+            top_p_B=rows.top_p[:b],
+            min_p_B=rows.min_p[:b],
+            keys_B=rows.key[:b],
+            steps_B=count_B,
+            sampled=sampled,
+            truncate=truncate,
+            batch_invariant=self.config.batch_invariant,
+        )
+        active_B = ~rows.done[:b]
+        # A finished row writes one past its last token (harmless) and stays frozen.
+        idx_B1 = count_B[:, None]
+        rows.out_tok[:b].scatter_(1, idx_B1, tok[:, None])
+        rows.out_lp[:b].scatter_(1, idx_B1, lp[:, None])
+        rows.out_slp[:b].scatter_(1, idx_B1, slp[:, None])
+        step_B = active_B.long()
+        rows.count[:b] += step_B
+        rows.pos[:b] += step_B
+        rows.last[:b] = torch.where(active_B, tok, rows.last[:b])
+        hit_B = (tok[:, None] == rows.stop_ids[:b]).any(dim=-1)
+        rows.done[:b] |= active_B & (hit_B | (rows.count[:b] >= rows.max_new[:b]))
+
+    # Three entry points, one per sampler variant, so that torch.compile keeps a cache of
+    # its own per variant (one graph per bucket in each, under dynamo's recompile limit).
+    def _step_greedy(self, b: int) -> None:
+        self._decode_step(b, False, False)
+
+    def _step_sampled(self, b: int) -> None:
+        self._decode_step(b, True, False)
+
+    def _step_truncated(self, b: int) -> None:
+        self._decode_step(b, True, True)
+
+    def _step_fn(self, b: int, sampled: bool, truncate: bool):
+        variant = "truncated" if truncate else "sampled" if sampled else "greedy"
+        step = self._steps.get(variant)
+        if step is None:
+            step = getattr(self, f"_step_{variant}")
+            if self._compile_on:
+                step = torch.compile(step, dynamic=False)
+            self._steps[variant] = step
+        if not self._graphs_on:
+            return lambda: step(b)
+        key = (b, sampled, truncate)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(lambda: step(b))
+        return graph.replay
+
+    def _capture(self, step) -> Any:
+        """Capture `step` in a CUDA graph. Warm-up runs (compilation, cuBLAS set-up) execute
+        real steps, so the row state is saved before and restored after; the cache entries
+        they write lie at or past each row's position and are rewritten before being read."""
+        saved = [t.clone() for t in self._rows.tensors()]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()
+        for t, s in zip(self._rows.tensors(), saved, strict=True):
+            t.copy_(s)
+        self.stats.graphs_captured += 1
+        return graph
+
+    def _decode_and_check(self, results: list[list[Sample | None]]) -> None:
+        """Run up to `check_every` decode steps on the smallest bucket holding every active
+        row, then collect the finished rows."""
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        if not active:
+            return
+        self._compact(active)
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        b = next(x for x in self.buckets if x > active[-1])
+        slots = [self._slots[i] for i in active]
+        # Rows still running grow by one token per step: never run past the longest need.
+        steps = min(
+            self.config.check_every,
+            max(s.request.params.max_new_tokens - s.count for s in slots if s is not None),
+        )
+        sampled = any(s.request.params.temperature > 0 for s in slots if s is not None)
+        truncate = any(s.request.params.truncates for s in slots if s is not None)
+        start = time.perf_counter()
+        if steps > 0:
+            step = self._step_fn(b, sampled, truncate)
+            for _ in range(steps):
+                step()
+            self.stats.decode_steps += steps
+        self._check(active, steps, results)
+        self.stats.decode_seconds += time.perf_counter() - start
+
+    def _compact(self, active: list[int]) -> None:
+        """Move the rows of slots past the bucket the active rows need into free low slots."""
+        target = next(x for x in self.buckets if x >= len(active))
+        movers = [i for i in active if i >= target]
+        if not movers:
+            return
+        holes = [i for i in range(target) if self._slots[i] is None][: len(movers)]
+        src = torch.tensor(movers, device=self.device)
+        dst = torch.tensor(holes, device=self.device)
+        self.cache.copy_rows(src, dst)
+        self._rows.move(src, dst)
+        self._rows.done[src] = True
+        for s, d in zip(movers, holes, strict=True):
+            self._slots[d], self._slots[s] = self._slots[s], None
+
+    def _check(self, active: list[int], steps: int, results) -> None:
+        """One device-to-host copy of the done flags and counts; finish rows that hit a stop
+        token, a stop string or their length; free their slots."""
+        rows = self._rows
+        idx = torch.tensor(active, device=self.device)
+        done_count = torch.stack([rows.done[idx].long(), rows.count[idx]]).cpu()
+        self.stats.host_checks += 1
+        finished: dict[int, tuple[int, str]] = {}  # slot -> (tokens kept, reason)
+        to_search = []
+        for k, slot_id in enumerate(active):
+            slot = self._slots[slot_id]
+            assert slot is not None
+            done, count = bool(done_count[0, k]), int(done_count[1, k])
+            slot.count = count if done else slot.count + steps
+            assert done or slot.count == count, f"slot {slot_id}: {slot.count} != {count}"
+            if slot.request.params.stop:
+                to_search.append(slot_id)
+            elif done:
+                finished[slot_id] = (count, "")
+        if to_search or finished:
+            fetch = sorted(set(to_search) | finished.keys())
+            fidx = torch.tensor(fetch, device=self.device)
+            width = 1 + max(self._slots[s].count for s in fetch)  # type: ignore[union-attr]
+            toks, lps, slps = (
+                t[fidx, :width].cpu() for t in (rows.out_tok, rows.out_lp, rows.out_slp)
+            )
+            host = {s: (toks[i], lps[i], slps[i]) for i, s in enumerate(fetch)}
+            for slot_id in to_search:
+                slot = self._slots[slot_id]
+                assert slot is not None
+                hit = self._search_stop(slot, host[slot_id][0][: slot.count].tolist())
+                if hit is not None:
+                    finished[slot_id] = (hit, "stop")
+                elif bool(done_count[0, active.index(slot_id)]):
+                    finished[slot_id] = (slot.count, "")
+            for slot_id, (n, reason) in finished.items():
+                slot = self._slots[slot_id]
+                assert slot is not None
+                tok, lp, slp = host[slot_id]
+                ids = tok[:n].tolist()
+                if not reason:
+                    reason = "stop" if ids[-1] in slot.request.stop_ids else "length"
+                results[slot.request.index][slot.sample_index] = self._sample(
+                    slot, ids, lp[:n].tolist(), slp[:n].tolist(), reason
+                )
+                self._slots[slot_id] = None
+            rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True
+
+    def _search_stop(self, slot: _Slot, ids: list[int]) -> int | None:
+        """Tokens kept when a stop string ends within ids[slot.checked:] (the token that
+        completes it included), else None."""
+        stops = slot.request.params.stop
+        window = 4 * max(len(s) for s in stops) + 4  # tokens that can hold any stop string
+        for i in range(slot.checked, len(ids)):
+            tail = self.tokenizer.decode(ids[max(0, i + 1 - window) : i + 1])
+            if any(s in tail for s in stops):
+                return i + 1
+        slot.checked = len(ids)
+        return None
+
+    def _sample(self, slot: _Slot, ids, lps, slps, reason) -> Sample:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(ids)
+            cuts = [text.find(s) for s in slot.request.params.stop if s in text]
+            if cuts:
+                text = text[: min(cuts)]
+        return Sample(
+            prompt_index=slot.request.index,
+            sample_index=slot.sample_index,
+            prompt_ids=list(slot.request.prompt),
+            completion_ids=ids,
+            text=text,
+            finish_reason=reason,
+            logprobs=lps,
+            sampling_logprobs=slps,
+            weight_version=self.version,
+        )
+
+    def _autocast(self):
+        dev = self.device.type
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.amp_dtype or "")
+        if amp is None and torch.is_autocast_enabled(dev):
+            amp = torch.get_autocast_dtype(dev)  # the caller's autocast, kept
+        if amp is None:
+            return contextlib.nullcontext()
+        # No cast cache: a captured graph must cast the current weights on every replay.
+        return torch.autocast(dev, dtype=amp, cache_enabled=False)
+
+
+def _buckets(max_batch: int) -> list[int]:
+    """Decode batch sizes: powers of two below max_batch and max_batch itself, the largest 8
+    (one compiled graph each, within dynamo's default recompile limit)."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
+    return [*sizes, max_batch][-8:]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return (", ".join(names[:n]) or "none") + more
+
+
+__all__ = ["Generator", "GeneratorConfig", "GeneratorStats", "Sample"]

@@ -156,9 +156,10 @@ class Controller(Writes):
     def wait(
         self, conn: int, *, key: str, version: int, slots: list[int], wait_ms: int
     ) -> dict[str, Any]:
-        """Block up to ``wait_ms`` until ``slots`` of a pending version are written (or, with
-        no slots, until it is committed). Raises if the version was aborted, evicted or
-        deleted meanwhile."""
+        """Block up to ``wait_ms`` until the first of ``slots`` of a pending version is written
+        (or, with no slots, until it is committed); the reply names every one of ``slots``
+        written by then, so a streaming reader asks once per progress report, not per slot.
+        Raises if the version was aborted, evicted or deleted meanwhile."""
         deadline = time.monotonic() + wait_ms / 1000
         with self._changed:
             while True:
@@ -170,12 +171,13 @@ class Controller(Writes):
                         f"version {version} of key {key!r} is gone ({why or 'never written'})"
                     )
                 if vrec.committed:
-                    return {"done": True, "committed": True}
-                if slots and set(slots) <= vrec.written:
-                    return {"done": True, "committed": False}
+                    return {"done": True, "committed": True, "written": slots}
+                if slots and slots[0] in vrec.written:
+                    written = [s for s in slots if s in vrec.written]
+                    return {"done": True, "committed": False, "written": written}
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return {"done": False, "committed": False}
+                    return {"done": False, "committed": False, "written": []}
                 self._changed.wait(left)
 
     def release(self, conn: int, *, lease: int) -> dict[str, Any]:

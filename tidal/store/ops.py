@@ -200,8 +200,9 @@ ACQUIRE = _op(
 WAIT = _op(
     "wait", "controller",
     {"key": s_key, "version": s_version, "slots": s_slots, "wait_ms": s_int(0, 1 << 31)},
-    {"done": s_bool, "committed": s_bool},
-    doc="block until these slots of a pending version are written (no slots: its commit)",
+    {"done": s_bool, "committed": s_bool, "written": s_slots},
+    doc="block until the first of these slots of a pending version is written (no slots: "
+    "its commit); written: those of them written by then",
 )  # fmt: skip
 RELEASE = _op(
     "release", "controller", {"lease": s_int(1, 1 << 62)}, {"lost": s_bool},

@@ -176,6 +176,8 @@ class Reader:
             dst = layout.narrow(windows[c.dest][3], c.dst_off, c.sizes)
             job = ReadJob(slots[c.shard], c.shard_shape, dtypes[c.dest], c.src_off, c.sizes, dst)
             groups.setdefault(vols[c.shard], []).append(job)
+        if gate is not None:
+            gate.expect([j.slot for jobs in groups.values() for j in jobs])
         for v, jobs in groups.items():
             vol = volumes[v]
             self.s.transport_for(vol, jobs[0].slot).read(vol, jobs, gate)

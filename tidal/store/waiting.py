@@ -41,18 +41,31 @@ def until(
 class Gate:
     """For a pending version: ``gate(slot)`` returns once that slot's bytes are in place,
     ``gate.committed()`` once the version is committed. Both raise if the version is aborted
-    or the deadline passes."""
+    or the deadline passes. ``expect(slots)`` names the slots the read will copy, in order:
+    each wait then asks for all of them still missing and learns every one written so far,
+    one round trip per progress report of the writer rather than one per slot."""
 
     def __init__(self, conn: Callable[[], Conn], key: str, version: int, deadline: float,
                  wait: float) -> None:  # fmt: skip
         self._conn, self.key, self.version = conn, key, version
         self._deadline, self._wait = deadline, wait
         self._written: set[int] = set()
+        self._order: list[int] = []
         self._committed = False
 
+    def expect(self, slots: list[int]) -> None:
+        self._order = list(dict.fromkeys(slots))
+
     def __call__(self, slot: int) -> None:
-        if not self._committed and slot not in self._written:
-            self._ask([slot])
+        if self._committed or slot in self._written:
+            return
+        missing = [s for s in self._order if s not in self._written]
+        if slot in missing:  # ask from this slot on (it first), the rest after it
+            i = missing.index(slot)
+            missing = missing[i:] + missing[:i]
+        else:
+            missing = [slot]
+        self._ask(missing)
 
     def committed(self) -> None:
         if not self._committed:
@@ -67,7 +80,7 @@ class Gate:
             if not r["done"]:
                 return None
             self._committed = r["committed"]
-            self._written.update(slots)
+            self._written.update(r["written"])
             return True
 
         until(self._deadline, conn.timeout, attempt, lambda: StoreError(

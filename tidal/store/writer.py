@@ -137,14 +137,19 @@ class Writer:
                 # The reservation names slots of this connection: never resend it on another.
                 conn.send(ops.PUT_BEGIN, reconnect=False, reservation=res["id"], **begin)
                 started = True
-                first, rest = _split_jobs(jobs(res["slots"]), progress.PROGRESS_BYTES)
+                todo = jobs(res["slots"])
+                rest: list[WriteJob] = []
+                if vol["kind"] == "cuda":  # device copies are asynchronous: launch them all
+                    first = todo
+                else:  # host copies: the first chunk, then the reply says who streams
+                    first, rest = _split_jobs(todo, progress.PROGRESS_BYTES)
                 try:
                     transport.write(vol, first, Progress(None), res["grant"])
                 finally:
                     reply = conn.receive(ops.PUT_BEGIN)
                 version = reply["version"]
                 fresh.update(reply["fresh"])
-                prog, send = self._progress(conn, key, version, reply["report"])
+                prog, send = self._progress(conn, key, version, reply["report"], todo)
                 if reply["report"] and first:
                     send([j.slot for j in first])
                 extra = jobs(reply["slots"], skip=res["slots"])  # rare: a replica moved
@@ -161,7 +166,7 @@ class Writer:
                 if cuda is not None:
                     cuda.released(reply["freed"])
                     self._prepare(cuda, todo)
-                prog, _ = self._progress(conn, key, version, reply["report"])
+                prog, _ = self._progress(conn, key, version, reply["report"], todo)
                 transport.write(vol, todo, prog, reply["grant"])
         except BaseException:
             if started and version is not None:
@@ -180,16 +185,19 @@ class Writer:
         return version
 
     def _progress(
-        self, conn: Conn, key: str, version: int, report: bool
+        self, conn: Conn, key: str, version: int, report: bool, jobs: list[WriteJob]
     ) -> tuple[Progress, Callable[[list[int]], None]]:
         """A Progress for the copies of this put, and its reporting function (which tells
-        the controller slots are written, for a streaming reader; unused without one)."""
+        the controller slots are written, for a streaming reader; unused without one). It
+        reports every ``PROGRESS_BYTES``, and at most ``progress.MAX_REPORTS`` times a put."""
 
         def send(slots: list[int]) -> None:
             conn.request(ops.PUT_PROGRESS, key=key, version=version, writer=self.s.writer,
                          slots=slots)  # fmt: skip
 
-        return Progress(send if report else None), send
+        total = sum(j.nbytes for j in jobs)
+        every = max(progress.PROGRESS_BYTES, total // progress.MAX_REPORTS)
+        return Progress(send if report else None, every), send
 
     def _prepare(self, cuda: Any, jobs: list[WriteJob]) -> None:
         devices = [j.src.device.index if j.src.is_cuda else torch.cuda.current_device()

@@ -84,8 +84,9 @@ s_volume_id = _ident(96)
 s_host = s_str(512)
 s_version = s_int(0, 1 << 62)
 s_slot = s_int(1, 1 << 62)
-s_slots = s_list(s_slot, MAX_ITEMS)
-s_dims = s_list(s_int(0, 1 << 62), MAX_DIMS)
+s_slots = wire.s_ints(1, 1 << 62, MAX_ITEMS)
+s_slots_or_none = wire.s_ints(1, 1 << 62, MAX_ITEMS, none=True)  # None: no bytes to move
+s_dims = wire.s_ints(0, 1 << 62, MAX_DIMS)
 s_path = s_list(s_any_of(s_str(1024), s_int(0, 1 << 31)), 256)  # a state-dict path
 s_grant = s_bytes(GRANT_BYTES)
 s_handle = s_map({"slot": s_slot, "uuid": s_str(128), "handle": s_bytes(HANDLE_BYTES)})
@@ -111,7 +112,7 @@ s_meta = s_map(
 )  # fmt: skip
 s_object = s_map({"name": s_path, "value": s_value()})
 s_reservation = s_map(
-    {"id": s_int(1, 1 << 62), "slots": s_list(s_opt(s_slot), MAX_ITEMS), "fresh": s_slots,
+    {"id": s_int(1, 1 << 62), "slots": s_slots_or_none, "fresh": s_slots,
      "grant": s_grant}
 )  # fmt: skip
 
@@ -147,7 +148,7 @@ PUT_BEGIN = _op(
     "put_begin", "controller",
     {"key": s_key, "plan": s_int(1, 1 << 62), "version": s_opt(s_version), "writer": s_writer,
      "reservation": s_opt(s_int(1, 1 << 62)), "objects": s_list(s_object, 1 << 16)},
-    {"version": s_version, "slots": s_list(s_opt(s_slot), MAX_ITEMS), "fresh": s_slots,
+    {"version": s_version, "slots": s_slots_or_none, "fresh": s_slots,
      "grant": s_grant, "report": s_bool, "freed": s_slots},
     doc="start writing a version of a plan: slots per tensor (None: nothing to write, an "
     "empty shard or a replica another writer stores), the slots new to the volume (never "
@@ -188,7 +189,7 @@ ACQUIRE = _op(
      "known_sig": s_opt(s_str(128)), "wait_ms": s_opt(s_int(0, 1 << 31))},
     {"waiting": s_bool, "version": s_version, "lease": s_int(1, 1 << 62),
      "kind": s_enum("tensor", "state_dict"), "sig": s_str(128), "pending": s_bool,
-     "slots": s_list(s_opt(s_slot), MAX_ITEMS), "vols": s_list(s_int(0, 1 << 20), MAX_ITEMS),
+     "slots": s_slots_or_none, "vols": wire.s_ints(0, 1 << 20, MAX_ITEMS),
      "volumes": s_list(s_volume, 1 << 16), "meta": s_list(s_meta, MAX_ITEMS),
      "objects": s_list(s_object, 1 << 16)},
     optional=frozenset({"version", "lease", "kind", "sig", "pending", "slots", "vols",

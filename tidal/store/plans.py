@@ -108,6 +108,8 @@ class Copy:
     src_off: Dims  # relative to the stored shard
     dst_off: Dims  # relative to the destination's local tensor
     sizes: Dims
+    whole_src: bool = False  # the box is the whole stored shard
+    whole_dst: bool = False  # the box is the whole local destination
 
 
 Window = tuple[Path, Dims, Dims, torch.Tensor]  # path, box offsets, box sizes, local tensor
@@ -122,22 +124,18 @@ def read_plan(stored: dict[Path, Stored], windows: list[Window]) -> list[Copy]:
             continue
         for k, (b_off, b_size) in enumerate(s.boxes):
             if len(s.shape) == 0:
-                out.append(Copy(d, s.first + k, (), (), (), ()))
+                out.append(Copy(d, s.first + k, (), (), (), (), True, True))
                 continue
             hit = layout.intersect(offs, sizes, b_off, b_size)
             if hit is None:
                 continue
             h_off, h_size = hit
+            src_off = tuple(a - b for a, b in zip(h_off, b_off, strict=True))
+            dst_off = tuple(a - b for a, b in zip(h_off, offs, strict=True))
             out.append(
-                Copy(
-                    d,
-                    s.first + k,
-                    b_size,
-                    tuple(a - b for a, b in zip(h_off, b_off, strict=True)),
-                    tuple(a - b for a, b in zip(h_off, offs, strict=True)),
-                    h_size,
-                )
-            )
+                Copy(d, s.first + k, b_size, src_off, dst_off, h_size,
+                     whole_src=h_size == b_size, whole_dst=h_size == sizes)
+            )  # fmt: skip
     return out
 
 

@@ -152,8 +152,8 @@ class Reader:
         dtypes = []
         for path, dest in dests:
             s = stored.get(path)
-            shown = layout.path_str(path) or key
             if s is None:
+                shown = layout.path_str(path) or key
                 missing = [layout.path_str(p) for p, _ in dests if p not in stored]
                 raise KeyError(
                     f"version {reply['version']} of key {key!r} has no tensor {shown!r} "
@@ -161,6 +161,7 @@ class Reader:
                 )
             gshape, offs, sizes, local = layout.window(dest)
             if gshape != s.shape or (dest.dtype != s.dtype and not cast):
+                shown = layout.path_str(path) or key
                 hint = "; pass cast=True to convert" if gshape == s.shape else ""
                 raise ValueError(
                     f"{shown}: destination has global shape {list(gshape)} {dest.dtype}, "
@@ -173,8 +174,10 @@ class Reader:
         slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
         groups: dict[int, list[ReadJob]] = {}
         for c in plan:
-            dst = layout.narrow(windows[c.dest][3], c.dst_off, c.sizes)
-            job = ReadJob(slots[c.shard], c.shard_shape, dtypes[c.dest], c.src_off, c.sizes, dst)
+            local = windows[c.dest][3]
+            dst = local if c.whole_dst else layout.narrow(local, c.dst_off, c.sizes)
+            job = ReadJob(slots[c.shard], c.shard_shape, dtypes[c.dest], c.src_off, c.sizes, dst,
+                          c.whole_src)  # fmt: skip
             groups.setdefault(vols[c.shard], []).append(job)
         if gate is not None:
             gate.expect([j.slot for jobs in groups.values() for j in jobs])

@@ -55,6 +55,8 @@ class Segments:
         self._misses = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # populates fresh mappings
+        # Typed views of read-write mappings: path -> (dtype, shape) -> view.
+        self._typed: dict[str, dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self._rw) + len(self._ro)
@@ -85,6 +87,29 @@ class Segments:
                 seg = _map_rw(p, n)
                 populate(seg.data_ptr(), n, p, pool, fallback=functools.partial(fallocate, p, n))
                 out[i] = self._insert(p, seg)
+        return out  # type: ignore[return-value]  # every entry is filled above
+
+    def typed_all(
+        self, segments: list[tuple[str, int, torch.dtype, tuple[int, ...]]]
+    ) -> list[torch.Tensor]:
+        """``map_all`` of each (path, nbytes), as views of ``dtype`` and shape (kept: a
+        steady writer or reader sees the same slots in the same layouts)."""
+        out: list[torch.Tensor | None] = []
+        missing = []
+        for i, (path, _, dtype, shape) in enumerate(segments):
+            view = self._typed.get(path, {}).get((dtype, shape))
+            out.append(view)
+            if view is None:
+                missing.append(i)
+        if missing:
+            raw = self.map_all([(segments[i][0], segments[i][1]) for i in missing])
+            with self._lock:
+                for i, seg in zip(missing, raw, strict=True):
+                    path, _, dtype, shape = segments[i]
+                    view = seg.view(dtype).view(shape)
+                    if path in self._rw:  # not swept meanwhile
+                        self._typed.setdefault(path, {})[(dtype, shape)] = view
+                    out[i] = view
         return out  # type: ignore[return-value]  # every entry is filled above
 
     def has(self, path: str) -> bool:
@@ -153,6 +178,7 @@ class Segments:
         return bool(ok)
 
     def _unpin(self, path: str, seg: torch.Tensor) -> None:
+        self._typed.pop(path, None)  # every read-write mapping that goes passes here
         if self._pinned.pop(path, False):
             torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
 
@@ -174,6 +200,7 @@ class Segments:
                 self._unpin(path, seg)
             self._rw.clear()
             self._ro.clear()
+            self._typed.clear()
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)

@@ -164,6 +164,24 @@ def s_list(inner: Checker, max_len: int = 1 << 20) -> Checker:
     return check
 
 
+def s_ints(lo: int, hi: int, max_len: int, none: bool = False) -> Checker:
+    """A list of integers in [lo, hi] (or None, with ``none``): ``s_list(s_int(lo, hi))``
+    in one loop, for the long lists of slot ids and dims every put and get carries."""
+
+    def ok(x: Any) -> bool:
+        return (type(x) is int and lo <= x <= hi) or (none and x is None)
+
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, list) or len(v) > max_len:
+            _fail(f, f"a list of at most {max_len} items", v)
+        if not all(ok(x) for x in v):
+            bad = next(i for i, x in enumerate(v) if not ok(x))
+            _fail(f"{f}[{bad}]", f"an integer in [{lo}, {hi}]" + (" or None" if none else ""),
+                  v[bad])  # fmt: skip
+
+    return check
+
+
 def s_tuple(*inners: Checker) -> Checker:
     def check(v: Any, f: str) -> None:
         if not isinstance(v, list) or len(v) != len(inners):

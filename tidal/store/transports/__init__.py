@@ -47,16 +47,18 @@ class WriteJob:
     src: torch.Tensor
     dtype: torch.dtype
     fresh: bool = False
+    nbytes: int = -1  # derived below when not given
 
-    @property
-    def nbytes(self) -> int:
-        return self.src.numel() * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = self.src.numel() * self.dtype.itemsize
 
 
 @dataclass(slots=True)
 class ReadJob:
     """Copy the sub-box ``src_off``/``sizes`` of the shard in ``slot`` (of ``shard_shape``,
-    stored as ``dtype``) into ``dst``, a view of the destination of exactly that size."""
+    stored as ``dtype``) into ``dst``, a view of the destination of exactly that size.
+    ``whole``: the box is the whole shard (no narrowing)."""
 
     slot: int
     shard_shape: Dims
@@ -64,6 +66,14 @@ class ReadJob:
     src_off: Dims
     sizes: Dims
     dst: torch.Tensor
+    whole: bool = False
+
+    @property
+    def shard_nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shard_shape:
+            n *= s
+        return n
 
 
 class Transport(Protocol):

@@ -504,6 +504,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _narrow(src: torch.Tensor, job: ReadJob) -> torch.Tensor:
+    if job.whole:
+        return src
     for d, (o, s) in enumerate(zip(job.src_off, job.sizes, strict=True)):
         if o != 0 or s != src.shape[d]:
             src = src.narrow(d, o, s)

@@ -81,24 +81,26 @@ class ShmTransport:
             self._reachable[key] = ok
         return ok
 
-    def _map(self, vol: dict[str, Any], slot: int, nbytes: int) -> torch.Tensor:
-        return self.segments.readwrite(path_of(vol, slot), nbytes)
+    def _map(self, path: str, nbytes: int) -> torch.Tensor:
+        return self.segments.readwrite(path, nbytes)
 
     # ---------------------------------------------------------------- writes
 
     def write(
         self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
-        cold = [j for j in jobs if j.fresh and _plain_host(j.src, j.dtype)]
-        warm = [j for j in jobs if not (j.fresh and _plain_host(j.src, j.dtype))]
-        if cold:
-            self._pwrite(vol, cold, progress)
-        segs = self.segments.map_all([(path_of(vol, j.slot), j.nbytes) for j in warm])
+        cold = [j.fresh and _plain_host(j.src, j.dtype) for j in jobs]
+        if any(cold):
+            self._pwrite(vol, [j for j, c in zip(jobs, cold, strict=True) if c], progress)
+        warm = [j for j, c in zip(jobs, cold, strict=True) if not c]
+        paths = [path_of(vol, j.slot) for j in warm]
+        views = self.segments.typed_all([(p, j.nbytes, j.dtype, tuple(j.src.shape))
+                                         for p, j in zip(paths, warm, strict=True)])  # fmt: skip
         with torch.no_grad():
-            for job, dst in zip(warm, segs, strict=True):
+            for job, path, dst in zip(warm, paths, views, strict=True):
                 src = job.src
-                pinned = src.is_cuda and self.segments.pin(path_of(vol, job.slot), dst)
-                dst.view(job.dtype).view(src.shape).copy_(src, non_blocking=pinned)
+                pinned = src.is_cuda and self.segments.pin(path, self._map(path, job.nbytes))
+                dst.copy_(src, non_blocking=pinned)
                 progress.add(job.slot, job.nbytes, src.device if pinned else None)
         progress.synchronize()
 
@@ -137,39 +139,45 @@ class ShmTransport:
     # ---------------------------------------------------------------- reads
 
     def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
-        sizes = [layout.numel(j.shard_shape) * j.dtype.itemsize for j in jobs]
-        cold = [self._first_read(vol, j, n) for j, n in zip(jobs, sizes, strict=True)]
-        mapped = [(path_of(vol, j.slot), n) for j, n, c in zip(jobs, sizes, cold, strict=True)
-                  if not c]  # fmt: skip
-        if gate is None and mapped:  # map (and populate) them up front, in parallel
-            self.segments.map_all(mapped)
+        paths = [path_of(vol, j.slot) for j in jobs]
+        sizes = [j.shard_nbytes for j in jobs]
+        cold = [self._first_read(p, j) for p, j in zip(paths, jobs, strict=True)]
         if gate is None and any(cold):  # first reads: preadv in parallel threads
-            self._pread_all(vol, [(j, n) for j, n, c in zip(jobs, sizes, cold, strict=True)
-                                  if c])  # fmt: skip
+            self._pread_all([(p, j, n) for p, j, n, c in zip(paths, jobs, sizes, cold,
+                                                             strict=True) if c])  # fmt: skip
+        views: list[torch.Tensor | None] = [None] * len(jobs)
+        if gate is None:  # map (and populate) the others up front, in parallel
+            warm = [i for i, c in enumerate(cold) if not c]
+            got = self.segments.typed_all([(paths[i], sizes[i], jobs[i].dtype,
+                                            jobs[i].shard_shape) for i in warm])  # fmt: skip
+            for i, view in zip(warm, got, strict=True):
+                views[i] = view
         devices: set[torch.device] = set()  # CUDA devices with copies in flight
         with torch.no_grad():
-            for job, n, c in zip(jobs, sizes, cold, strict=True):
+            for job, path, n, c, known in zip(jobs, paths, sizes, cold, views, strict=True):
                 if c and gate is None:
                     continue  # read above
                 if gate is not None:
                     gate(job.slot)  # streaming: wait until the writer put it in place
                 if c:
-                    self._pread(vol, job, n, 0, None)
+                    self._pread(path, job, n, 0, None)
                     continue
-                seg = self._map(vol, job.slot, n)
-                path = path_of(vol, job.slot)
-                asynchronous = job.dst.is_cuda and self.segments.pin(path, seg)
-                src = seg.view(job.dtype).view(job.shard_shape)
-                job.dst.copy_(layout.narrow(src, job.src_off, job.sizes), non_blocking=asynchronous)
+                view = (
+                    known
+                    if known is not None
+                    else self.segments.typed_all([(path, n, job.dtype, job.shard_shape)])[0]
+                )
+                asynchronous = job.dst.is_cuda and self.segments.pin(path, self._map(path, n))
+                src = view if job.whole else layout.narrow(view, job.src_off, job.sizes)
+                job.dst.copy_(src, non_blocking=asynchronous)
                 if asynchronous:
                     devices.add(job.dst.device)
         for d in devices:  # the lease is released after this: the copies must be done
             torch.cuda.current_stream(d).synchronize()
 
-    def _first_read(self, vol: dict[str, Any], job: ReadJob, nbytes: int) -> bool:
+    def _first_read(self, path: str, job: ReadJob) -> bool:
         """Whether to read ``job`` with preadv: a slot not mapped here and not read before,
         a contiguous host destination of the stored dtype, contiguous bytes in the slot."""
-        path = path_of(vol, job.slot)
         return (
             path not in self._read_before
             and not self.segments.has(path)
@@ -177,17 +185,17 @@ class ShmTransport:
             and _contiguous_box(job.shard_shape, job.src_off, job.sizes)
         )
 
-    def _pread_all(self, vol: dict[str, Any], jobs: list[tuple[ReadJob, int]]) -> None:
+    def _pread_all(self, jobs: list[tuple[str, ReadJob, int]]) -> None:
         """Read jobs with preadv from a thread pool, in pieces of ``_PIECE`` bytes (reads of
         one file run in parallel, unlike writes)."""
         pieces = []
-        for job, n in jobs:
+        for path, job, n in jobs:
             total = job.dst.numel() * job.dtype.itemsize
             for start in range(0, max(1, total), _PIECE):
-                pieces.append((job, n, start, min(_PIECE, total - start)))
+                pieces.append((path, job, n, start, min(_PIECE, total - start)))
         pool = self.segments.threads()
-        futures = [pool.submit(self._pread, vol, job, n, start, size)
-                   for job, n, start, size in pieces]  # fmt: skip
+        futures = [pool.submit(self._pread, path, job, n, start, size)
+                   for path, job, n, start, size in pieces]  # fmt: skip
         try:
             for fut in futures:
                 fut.result()
@@ -196,11 +204,8 @@ class ShmTransport:
                 if not fut.cancel():
                     fut.exception()
 
-    def _pread(
-        self, vol: dict[str, Any], job: ReadJob, nbytes: int, start: int, size: int | None
-    ) -> None:
+    def _pread(self, path: str, job: ReadJob, nbytes: int, start: int, size: int | None) -> None:
         """Bytes ``start``.. (``size`` of them, or all) of the job's destination, by preadv."""
-        path = path_of(vol, job.slot)
         base = 0  # byte offset of the wanted box in the slot
         stride = job.dtype.itemsize
         for d in range(len(job.shard_shape) - 1, -1, -1):

@@ -198,6 +198,9 @@ class Server:
                     time.sleep(0.05)
                 continue
             backoff = 0.01
+            if self._closing.is_set():  # accepted while closing: nobody serves it
+                _close(sock)
+                return
             with self._lock:
                 full = len(self._conns) >= self.max_connections
                 crowded = self._pending >= self.max_pending
@@ -224,7 +227,13 @@ class Server:
     def close(self) -> None:
         """Stop listening, drop every connection and free the local volume's memory."""
         self._closing.set()
+        try:  # wakes the accept loop: closing alone leaves a blocked accept() listening
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         _close(self._listener)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
         with self._lock:
             conns = list(self._conns.values())
         for sock in conns:
@@ -273,10 +282,12 @@ class Server:
                 self.controller.connection_closed(cid)
 
     def _hello(self, sock: socket.socket) -> None:
-        # Before the token is checked: a deadline, a small header and no payload.
-        sock.settimeout(self.hello_timeout)
+        # Before the token is checked: a deadline for the whole message (not per receive,
+        # which a peer trickling a byte at a time would stretch), a small header, no payload.
+        deadline = time.monotonic() + self.hello_timeout
         try:
-            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0)
+            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0,
+                                            deadline=deadline)  # fmt: skip
         except TimeoutError:
             raise ProtocolError(f"no hello within {self.hello_timeout:g} s") from None
         op = ops.check_request(header, plen)

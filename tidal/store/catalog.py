@@ -35,6 +35,7 @@ from tidal.store.records import (
     VolumeRec,
     layout_signature,
 )
+from tidal.store.volume import segment_path
 
 # Volume work to do outside the lock, in order: (volume, call).
 Work = list[tuple[VolumeRec, Callable[[], None]]]
@@ -75,6 +76,14 @@ class Catalog:
         return n
 
     def add_volume(self, rec: VolumeRec) -> None:
+        """Add a volume; a shared-memory volume's directory and ids must be ones its segment
+        names can be built from (they may come from the network, and readers and writers
+        build paths from them)."""
+        if rec.kind == "shm":
+            try:
+                segment_path(rec.shm_dir, rec.store_id, rec.volume_id, 1)
+            except StoreError as e:
+                raise ValueError(f"volume {rec.volume_id!r} refused: {e}") from None
         with self._lock:
             old = self._volumes.get(rec.volume_id)
             if old is not None and old.alive:

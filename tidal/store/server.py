@@ -212,7 +212,7 @@ class Server:
                 why = (f"{self.max_connections} connections are open" if full else
                        f"{self.max_pending} connections are waiting to say hello")  # fmt: skip
                 self._warn("refused", f"refused a connection: {why}")
-                _close(sock)
+                _refuse(sock, f"tidal store refused the connection: {why}; try again later")
                 continue
             try:
                 threading.Thread(
@@ -385,6 +385,17 @@ class Server:
                 return
             wire.send(sock, {"ok": True})
         backend.monitor(self._closing)
+
+
+def _refuse(sock: socket.socket, why: str) -> None:
+    """Tell a connection the server will not serve it (the reply to its hello), without
+    ever waiting on it, then close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(wire.pack({"ok": False, "etype": "StoreError", "error": why}))
+    except OSError:
+        pass  # best effort: the peer sees the close either way
+    _close(sock)
 
 
 def _close(sock: socket.socket) -> None:

@@ -250,13 +250,17 @@ class Server:
             if not hello_done:
                 self._pending -= 1
 
-    def _reply_error(self, sock: socket.socket, e: BaseException) -> None:
+    def _reply_error(self, sock: socket.socket, e: BaseException, keep: bool = False) -> None:
+        """Send an error reply. ``keep``: the connection goes on, so a reply that could not
+        be sent whole (a peer that does not read) raises and ends it, rather than leaving a
+        cut message on the stream."""
         etype = type(e).__name__ if type(e).__name__ in WIRE_ERRORS else "StoreError"
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         try:
             wire.send(sock, {"ok": False, "etype": etype, "error": str(msg)})
         except OSError:
-            pass
+            if keep:
+                raise
 
     def _serve(self, sock: socket.socket, cid: int) -> None:
         hello_done = False
@@ -316,7 +320,7 @@ class Server:
             except ProtocolError as e:
                 if plen:  # framing is unsure: do not read an unvalidated payload
                     raise
-                self._reply_error(sock, e)  # well framed: answer, keep the connection
+                self._reply_error(sock, e, keep=True)  # well framed: answer, keep it
                 continue
             if op is ops.REGISTER_VOLUME and self.controller is not None:
                 self._register(sock, cid, header)
@@ -324,13 +328,14 @@ class Server:
             try:
                 reply, payload = self._dispatch(op, header, plen, sock, cid)
             except _USER_ERRORS as e:
-                self._reply_error(sock, e)
+                self._reply_error(sock, e, keep=True)
                 continue
             except OSError:
                 raise
             except Exception as e:  # a bug: report it to the caller, keep serving others
                 self._warn("bug", f"op {op.name!r} failed: {e!r}\n{traceback.format_exc()}")
-                self._reply_error(sock, StoreError(f"internal error in {op.name!r}: {e!r}"))
+                self._reply_error(sock, StoreError(f"internal error in {op.name!r}: {e!r}"),
+                                  keep=True)  # fmt: skip
                 continue
             reply["ok"] = True
             wire.send(sock, reply, payload)
@@ -360,6 +365,8 @@ class Server:
                 raise ValueError("op 'vol_read' needs a volume; this server runs none")
             view = self.volume.read_view(**fields)
             return {"nbytes": view.nbytes}, view
+        if op is ops.HELLO:
+            raise ValueError("this connection said hello already")
         handler = self._handlers.get(op.name)
         if handler is None:
             where = {

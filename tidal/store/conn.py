@@ -6,7 +6,10 @@ closes the socket and raises StoreError for that call; the next call reconnects 
 so a handle survives a timeout or a server restart, or says clearly that the server cannot be
 reached. What the server tied to the old connection (leases, pending writes, put plans, a
 device volume) is gone after a reconnect: ``generation`` counts connections, so owners of
-such state can tell.
+such state can tell. A connection the server closed while it sat idle (a restart, a server
+that dropped it) is noticed before a request goes out, which then goes out on a new one,
+except a request naming state of the old connection (``Op.bound``: a lease, a put plan, a
+pending write), which raises StoreError saying the connection was lost.
 
 ``send`` / ``receive`` pipeline a request: a caller that holds ``lock`` may send one and read
 its reply later, doing other work (copying bytes) in between.

@@ -79,14 +79,23 @@ class DeviceBackend:
 
 
 class RemoteBackend:
-    """Requests to a registered volume process over its registration connection."""
+    """Requests to a registered volume process over its registration connection.
+
+    ``destroy`` is queued, not waited for: the controller calls it holding its lock, which a
+    stopped or hostile volume must not hold up for everyone (a ``delete`` stalled every
+    client for the whole timeout). A thread of the backend sends the queue, and every other
+    request sends it first, so a create never runs ahead of the memory a destroy frees.
+    """
 
     def __init__(self, sock: socket.socket, volume_id: str, timeout: float = 30.0) -> None:
         self.sock = sock
         self.volume_id = volume_id
         self.timeout = timeout
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the connection: one request at a time
         self._dead = False
+        self._queue = threading.Condition()  # guards _doomed and _sender
+        self._doomed: list[int] = []  # slots to destroy, not yet sent
+        self._sender: threading.Thread | None = None
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -97,28 +106,63 @@ class RemoteBackend:
 
     def _call(self, op: ops.Op, **fields: Any) -> None:
         with self._lock:
-            if self._dead:
-                raise StoreError(f"volume {self.volume_id!r} is gone")
+            self._send_doomed()
+            reply = self._exchange(op, fields)
+        _check(self.volume_id, reply)
+
+    def _exchange(self, op: ops.Op, fields: dict[str, Any]) -> dict[str, Any]:
+        """One request and its reply (``_lock`` held); StoreError, and the volume counts as
+        dead, if it does not answer in time."""
+        if self._dead:
+            raise StoreError(f"volume {self.volume_id!r} is gone")
+        try:
+            self.sock.settimeout(self.timeout)
+            wire.send(self.sock, ops.request(op, **fields))
+            reply, plen = wire.recv_header(self.sock, max_header=1 << 20, max_payload=0)
+            if not isinstance(reply, dict):
+                raise ProtocolError(f"volume {self.volume_id!r} sent a reply that is no map")
+        except (OSError, StoreError) as e:
+            self._dead = True
+            raise StoreError(f"volume {self.volume_id!r} did not answer {op.name!r}: {e}") from None
+        return reply
+
+    def _send_doomed(self) -> None:
+        """Send the queued destroys (``_lock`` held). The volume's refusal of one is no
+        caller's business: the slots are gone from the controller either way."""
+        with self._queue:
+            slots, self._doomed = self._doomed, []
+        if slots:
+            self._exchange(ops.VOL_DESTROY, {"slots": slots})
+
+    def _sender_loop(self) -> None:
+        while True:
+            with self._queue:
+                while not self._doomed and not self._dead:
+                    self._queue.wait()
+                if self._dead:
+                    return
             try:
-                self.sock.settimeout(self.timeout)
-                wire.send(self.sock, ops.request(op, **fields))
-                reply, plen = wire.recv_header(self.sock, max_header=1 << 20, max_payload=0)
-                if not isinstance(reply, dict):
-                    raise ProtocolError(f"volume {self.volume_id!r} sent a reply that is no map")
-            except (OSError, StoreError) as e:
-                self._dead = True
-                raise StoreError(
-                    f"volume {self.volume_id!r} did not answer {op.name!r}: {e}"
-                ) from None
-        if not reply.get("ok", False):
-            cls = WIRE_ERRORS.get(str(reply.get("etype", "")), StoreError)
-            raise cls(f"volume {self.volume_id!r}: {reply.get('error', 'unknown error')}")
+                with self._lock:
+                    self._send_doomed()
+            except StoreError:
+                return  # the volume is dead; the controller finds out and forgets it
 
     def create(self, segments: list[tuple[int, int]]) -> None:
         self._call(ops.VOL_CREATE, segments=[{"slot": s, "nbytes": n} for s, n in segments])
 
     def destroy(self, slots: list[int]) -> None:
-        self._call(ops.VOL_DESTROY, slots=slots)
+        """Queue the slots' destruction (see the class docstring); returns at once."""
+        with self._queue:
+            if self._dead or not slots:
+                return
+            self._doomed.extend(slots)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._sender_loop, name=f"tidal-store-destroy-{self.volume_id}",
+                    daemon=True,
+                )  # fmt: skip
+                self._sender.start()
+            self._queue.notify()
 
     def grant(self, slots: list[int], grant: bytes) -> None:
         self._call(ops.VOL_GRANT, slots=slots, grant=grant)
@@ -164,6 +208,8 @@ class RemoteBackend:
 
     def close(self) -> None:
         self._dead = True
+        with self._queue:
+            self._queue.notify()  # the sender thread leaves
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -172,3 +218,10 @@ class RemoteBackend:
             self.sock.close()
         except OSError:
             pass
+
+
+def _check(volume_id: str, reply: dict[str, Any]) -> None:
+    """Raise the error a volume's reply names (from the fixed table), if it is one."""
+    if not reply.get("ok", False):
+        cls = WIRE_ERRORS.get(str(reply.get("etype", "")), StoreError)
+        raise cls(f"volume {volume_id!r}: {reply.get('error', 'unknown error')}")

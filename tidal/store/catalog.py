@@ -14,6 +14,9 @@ Slot rules:
 - A slot a connection may still be copying into (its reservation, or one of a write that
   ended early) sits in that connection's quarantine: nobody else gets it until the
   connection sends its next write, by which time its copies are done, or closes.
+- A key's ring holds slots only while the key has a version (pending or committed): slots
+  of an aborted first put, or of a key whose last version was deleted, are destroyed, so
+  no memory stays held for a key nobody can see.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tidal.store.records import (
     VolumeRec,
     layout_signature,
 )
+from tidal.store.volume import segment_path
 
 # Volume work to do outside the lock, in order: (volume, call).
 Work = list[tuple[VolumeRec, Callable[[], None]]]
@@ -78,6 +82,14 @@ class Catalog:
         return n
 
     def add_volume(self, rec: VolumeRec) -> None:
+        """Add a volume; a shared-memory volume's directory and ids must be ones its segment
+        names can be built from (they may come from the network, and readers and writers
+        build paths from them)."""
+        if rec.kind == "shm":
+            try:
+                segment_path(rec.shm_dir, rec.store_id, rec.volume_id, 1)
+            except StoreError as e:
+                raise ValueError(f"volume {rec.volume_id!r} refused: {e}") from None
         with self._lock:
             old = self._volumes.get(rec.volume_id)
             if old is not None and old.alive:
@@ -140,7 +152,11 @@ class Catalog:
         return slot
 
     def _to_ring(self, krec: KeyRec, items: list[RingSlot]) -> None:
-        """Slots nobody may be writing any more: back into the key's ring."""
+        """Slots nobody may be writing any more: back into the key's ring (destroyed if the
+        key has no version left, see ``_drop``)."""
+        if not krec.versions:
+            self._destroy_slots([slot for *_, slot in items])
+            return
         for vid, name, nbytes, slot in items:
             if slot in self._slot_owner:
                 krec.free.setdefault((vid, name, nbytes), []).append(slot)
@@ -181,6 +197,12 @@ class Catalog:
         """Remove a version; its slots return to the key's ring (or are destroyed) once no
         lease holds them."""
         krec.versions.pop(vrec.version, None)
+        if not krec.versions:
+            # No version left to reuse the ring (a first put aborted, its writer gone, the
+            # last version deleted): free it rather than hold memory nobody can see.
+            for pool in krec.free.values():
+                self._destroy_slots(pool)
+            krec.free.clear()
         krec.gone[vrec.version] = reason
         while len(krec.gone) > 1024:
             krec.gone.popitem(last=False)
@@ -194,7 +216,7 @@ class Catalog:
     def _release_slots(self, krec: KeyRec | None, vrec: VersionRec, destroy: bool) -> None:
         shards = vrec.shards()
         vrec.tensors = {}
-        if destroy or krec is None:
+        if destroy or krec is None or not krec.versions:
             self._destroy_slots([s.slot for _, s in shards])
             return
         if vrec.sig != krec.pruned_for:  # slots of another layout: prune at the next commit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import sys
 import threading
@@ -75,6 +76,19 @@ def _token(args: argparse.Namespace) -> str | None:
     return args.token or os.environ.get("TIDAL_STORE_TOKEN") or None
 
 
+def _raise_fd_limit() -> None:
+    """Lift this process's soft limit on open files to its hard limit. A volume holds one
+    file descriptor per segment (Python's mmap keeps one) besides one per connection, so
+    a store of a few large state dicts passes a default ``ulimit -n`` of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's default nr_open
+    if soft != resource.RLIM_INFINITY and want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # fallback: keep the soft limit; the server survives running out
+
+
 def _gb(x: float | None) -> int | None:
     return None if x is None else int(x * 1e9)
 
@@ -87,6 +101,7 @@ def _wait_for_signal() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _raise_fd_limit()
     reap_stale(args.shm_dir)
     store_id = new_store_id()
     volume = None
@@ -112,6 +127,7 @@ def _volume(args: argparse.Namespace) -> int:
     def ready(address: str) -> None:
         print(f"tidal store volume {args.id} at {address} joined {args.controller}", flush=True)
 
+    _raise_fd_limit()
     run_volume(
         args.controller,
         args.id,

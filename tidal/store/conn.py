@@ -6,7 +6,10 @@ closes the socket and raises StoreError for that call; the next call reconnects 
 so a handle survives a timeout or a server restart, or says clearly that the server cannot be
 reached. What the server tied to the old connection (leases, pending writes, put plans, a
 device volume) is gone after a reconnect: ``generation`` counts connections, so owners of
-such state can tell.
+such state can tell. A connection the server closed while it sat idle (a restart, a server
+that dropped it) is noticed before a request goes out, which then goes out on a new one,
+except a request naming state of the old connection (``Op.bound``: a lease, a put plan, a
+pending write), which raises StoreError saying the connection was lost.
 
 ``send`` / ``receive`` pipeline a request: a caller that holds ``lock`` may send one and read
 its reply later, doing other work (copying bytes) in between.
@@ -14,6 +17,7 @@ its reply later, doing other work (copying bytes) in between.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -84,6 +88,8 @@ class Conn:
         """Connect now if the last call dropped the connection (``generation`` is then that
         of the connection the next request goes out on)."""
         with self.lock:
+            if self.sock is not None and not _usable(self.sock):
+                self._drop()  # the server closed it meanwhile (restarted, or timed it out)
             if self.sock is None:
                 self._connect()
 
@@ -102,9 +108,15 @@ class Conn:
         if self.hook is not None:
             self.hook(op, fields)
         with self.lock:
+            if self.sock is not None and op is not ops.HELLO and not _usable(self.sock):
+                self._drop()  # the server closed it meanwhile (restarted, or timed it out)
             if self.sock is None:
-                if not reconnect:
-                    raise StoreError(f"connection to tidal store at {self.address} was lost")
+                if not reconnect or op.bound:
+                    raise StoreError(
+                        f"connection to tidal store at {self.address} was lost before "
+                        f"{op.name!r}; what it held (leases, put plans, pending writes) went "
+                        "with it"
+                    )
                 self._connect()
             assert self.sock is not None, "connected above"
             try:
@@ -145,6 +157,11 @@ class Conn:
 
     def _fail(self, op: ops.Op, e: BaseException) -> None:
         self._drop()
+        if isinstance(e, wire.ConnectionClosed):
+            raise StoreError(
+                f"tidal store at {self.address} closed the connection during {op.name!r} "
+                "(stopped, restarted, or it dropped this connection); the next call reconnects"
+            ) from None
         if isinstance(e, StoreError):
             raise e
         raise StoreError(
@@ -171,6 +188,14 @@ class Conn:
                     pass  # closing anyway; the server cleans up when it sees the socket close
             self._closed = True
             self._drop()
+
+
+def _usable(sock: socket.socket) -> bool:
+    """Whether an idle connection can carry a request: no reply is due on it, so anything
+    readable (end of file, a reset, stray bytes) means the server dropped it."""
+    poller = select.poll()  # not select.select: fds above 1023 are common in trainers
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 class Pool:

@@ -59,6 +59,9 @@ class Op:
     optional: frozenset[str] = frozenset()  # reply fields that may be left out
     payload: bool = False  # the request carries bulk bytes
     reply_payload: bool = False  # the reply carries bulk bytes
+    # The request names state of the connection it travels on (a lease, a put plan, a
+    # pending write, a device volume): a client never resends it on a new connection.
+    bound: bool = False
     doc: str = ""
 
 
@@ -150,6 +153,7 @@ PUT_BEGIN = _op(
      "reservation": s_opt(s_int(1, 1 << 62)), "objects": s_list(s_object, 1 << 16)},
     {"version": s_version, "slots": s_slots_or_none, "fresh": s_slots,
      "grant": s_grant, "report": s_bool, "freed": s_slots},
+    bound=True,
     doc="start writing a version of a plan: slots per tensor (None: nothing to write, an "
     "empty shard or a replica another writer stores), the slots new to the volume (never "
     "written: a device volume's owner allocates them, a shared-memory writer fills them "
@@ -158,17 +162,20 @@ PUT_BEGIN = _op(
 PUT_PROGRESS = _op(
     "put_progress", "controller",
     {"key": s_key, "version": s_version, "writer": s_writer, "slots": s_slots},
+    bound=True,
     doc="these slots of a pending version are written (for streaming readers)",
 )  # fmt: skip
 PUT_COMMIT = _op(
     "put_commit", "controller",
     {"key": s_key, "version": s_version, "writer": s_writer, "reserve": s_bool},
     {"visible": s_bool, "next": s_opt(s_reservation), "freed": s_slots},
+    bound=True,
     doc="a writer's bytes are all in place; with reserve, slots for its next put come back",
 )  # fmt: skip
 PUT_ABORT = _op(
     "put_abort", "controller",
     {"key": s_key, "version": s_version, "writer": s_writer},
+    bound=True,
     doc="drop a pending version this connection began",
 )  # fmt: skip
 DEVICE_VOLUME = _op(
@@ -179,6 +186,7 @@ DEVICE_VOLUME = _op(
 PUT_HANDLES = _op(
     "put_handles", "controller",
     {"volume_id": s_volume_id, "handles": s_list(s_handle, MAX_ITEMS)},
+    bound=True,
     doc="CUDA IPC handles of slots the owner of a device volume allocated",
 )  # fmt: skip
 
@@ -206,7 +214,7 @@ WAIT = _op(
     "its commit); written: those of them written by then",
 )  # fmt: skip
 RELEASE = _op(
-    "release", "controller", {"lease": s_int(1, 1 << 62)}, {"lost": s_bool},
+    "release", "controller", {"lease": s_int(1, 1 << 62)}, {"lost": s_bool}, bound=True,
     doc="unpin a version; lost says whether its volume died meanwhile",
 )  # fmt: skip
 SLOT_HANDLES = _op(
@@ -287,7 +295,8 @@ def check_request(header: Any, payload_len: int) -> Op:
     """Validate a decoded request header; returns its op."""
     if not isinstance(header, dict):
         raise ProtocolError(f"message header must be a map, got {type(header).__name__}")
-    op = OPS.get(header.get("op"))  # type: ignore[arg-type]
+    name = header.get("op")
+    op = OPS.get(name) if isinstance(name, str) else None  # any value may come: a list too
     if op is None:
         raise ProtocolError(f"unknown op {header.get('op')!r}; known ops: {sorted(OPS)}")
     _check_fields(op.name, op.request, header, skip={"op"})

@@ -198,6 +198,9 @@ class Server:
                     time.sleep(0.05)
                 continue
             backoff = 0.01
+            if self._closing.is_set():  # accepted while closing: nobody serves it
+                _close(sock)
+                return
             with self._lock:
                 full = len(self._conns) >= self.max_connections
                 crowded = self._pending >= self.max_pending
@@ -209,7 +212,7 @@ class Server:
                 why = (f"{self.max_connections} connections are open" if full else
                        f"{self.max_pending} connections are waiting to say hello")  # fmt: skip
                 self._warn("refused", f"refused a connection: {why}")
-                _close(sock)
+                _refuse(sock, f"tidal store refused the connection: {why}; try again later")
                 continue
             try:
                 threading.Thread(
@@ -224,7 +227,13 @@ class Server:
     def close(self) -> None:
         """Stop listening, drop every connection and free the local volume's memory."""
         self._closing.set()
+        try:  # wakes the accept loop: closing alone leaves a blocked accept() listening
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         _close(self._listener)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
         with self._lock:
             conns = list(self._conns.values())
         for sock in conns:
@@ -241,13 +250,17 @@ class Server:
             if not hello_done:
                 self._pending -= 1
 
-    def _reply_error(self, sock: socket.socket, e: BaseException) -> None:
+    def _reply_error(self, sock: socket.socket, e: BaseException, keep: bool = False) -> None:
+        """Send an error reply. ``keep``: the connection goes on, so a reply that could not
+        be sent whole (a peer that does not read) raises and ends it, rather than leaving a
+        cut message on the stream."""
         etype = type(e).__name__ if type(e).__name__ in WIRE_ERRORS else "StoreError"
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         try:
             wire.send(sock, {"ok": False, "etype": etype, "error": str(msg)})
         except OSError:
-            pass
+            if keep:
+                raise
 
     def _serve(self, sock: socket.socket, cid: int) -> None:
         hello_done = False
@@ -273,10 +286,12 @@ class Server:
                 self.controller.connection_closed(cid)
 
     def _hello(self, sock: socket.socket) -> None:
-        # Before the token is checked: a deadline, a small header and no payload.
-        sock.settimeout(self.hello_timeout)
+        # Before the token is checked: a deadline for the whole message (not per receive,
+        # which a peer trickling a byte at a time would stretch), a small header, no payload.
+        deadline = time.monotonic() + self.hello_timeout
         try:
-            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0)
+            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0,
+                                            deadline=deadline)  # fmt: skip
         except TimeoutError:
             raise ProtocolError(f"no hello within {self.hello_timeout:g} s") from None
         op = ops.check_request(header, plen)
@@ -305,7 +320,7 @@ class Server:
             except ProtocolError as e:
                 if plen:  # framing is unsure: do not read an unvalidated payload
                     raise
-                self._reply_error(sock, e)  # well framed: answer, keep the connection
+                self._reply_error(sock, e, keep=True)  # well framed: answer, keep it
                 continue
             if op is ops.REGISTER_VOLUME and self.controller is not None:
                 self._register(sock, cid, header)
@@ -313,13 +328,14 @@ class Server:
             try:
                 reply, payload = self._dispatch(op, header, plen, sock, cid)
             except _USER_ERRORS as e:
-                self._reply_error(sock, e)
+                self._reply_error(sock, e, keep=True)
                 continue
             except OSError:
                 raise
             except Exception as e:  # a bug: report it to the caller, keep serving others
                 self._warn("bug", f"op {op.name!r} failed: {e!r}\n{traceback.format_exc()}")
-                self._reply_error(sock, StoreError(f"internal error in {op.name!r}: {e!r}"))
+                self._reply_error(sock, StoreError(f"internal error in {op.name!r}: {e!r}"),
+                                  keep=True)  # fmt: skip
                 continue
             reply["ok"] = True
             wire.send(sock, reply, payload)
@@ -349,6 +365,8 @@ class Server:
                 raise ValueError("op 'vol_read' needs a volume; this server runs none")
             view = self.volume.read_view(**fields)
             return {"nbytes": view.nbytes}, view
+        if op is ops.HELLO:
+            raise ValueError("this connection said hello already")
         handler = self._handlers.get(op.name)
         if handler is None:
             where = {
@@ -374,6 +392,17 @@ class Server:
                 return
             wire.send(sock, {"ok": True})
         backend.monitor(self._closing)
+
+
+def _refuse(sock: socket.socket, why: str) -> None:
+    """Tell a connection the server will not serve it (the reply to its hello), without
+    ever waiting on it, then close it."""
+    try:
+        sock.setblocking(False)
+        sock.send(wire.pack({"ok": False, "etype": "StoreError", "error": why}))
+    except OSError:
+        pass  # best effort: the peer sees the close either way
+    _close(sock)
 
 
 def _close(sock: socket.socket) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -261,22 +262,33 @@ def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | None
             sock.sendall(payload[start : start + CHUNK_BYTES])
 
 
-def recv_into(sock: socket.socket, buf: memoryview) -> None:
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    """Before a receive: a socket timeout of the time left until ``deadline`` (monotonic
+    seconds; None: leave the socket's timeout as it is). TimeoutError once it passed."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(left)
+
+
+def recv_into(sock: socket.socket, buf: memoryview, deadline: float | None = None) -> None:
     """Fill ``buf`` (a writable byte view) from the socket; raises StoreError if the peer
-    closes first."""
+    closes first, TimeoutError if ``deadline`` (monotonic seconds) passes first."""
     buf = buf.cast("B")
     n = buf.nbytes
     got = 0
     while got < n:
+        _arm(sock, deadline)
         k = sock.recv_into(buf[got : got + CHUNK_BYTES * 4])
         if k == 0:
             raise ProtocolError(f"connection closed by peer after {got} of {n} bytes")
         got += k
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
@@ -290,18 +302,24 @@ def discard(sock: socket.socket, n: int) -> None:
 
 
 def recv_header(
-    sock: socket.socket, max_header: int = MAX_HEADER_BYTES, max_payload: int = 1 << 62
+    sock: socket.socket,
+    max_header: int = MAX_HEADER_BYTES,
+    max_payload: int = 1 << 62,
+    deadline: float | None = None,
 ) -> tuple[Any, int]:
     """Read a prefix and header. Returns (decoded header, payload length still on the wire).
 
     Raises ConnectionClosed when the peer closed cleanly before a new message, ProtocolError
     for a bad magic, an oversized header or payload, an undecodable header or a message cut
-    short.
+    short, TimeoutError when ``deadline`` (monotonic seconds) passes before the header is
+    in (a peer trickling bytes cannot stretch it; the socket's timeout alone bounds each
+    receive, not the message).
     """
     prefix = bytearray(PREFIX.size)
     view = memoryview(prefix)
     got = 0
     while got < PREFIX.size:
+        _arm(sock, deadline)
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0:
@@ -315,7 +333,7 @@ def recv_header(
         raise ProtocolError(f"header of {header_len} bytes exceeds the limit of {max_header}")
     if payload_len > max_payload:
         raise ProtocolError(f"payload of {payload_len} bytes exceeds the limit of {max_payload}")
-    body = recv_exact(sock, header_len)
+    body = recv_exact(sock, header_len, deadline)
     try:
         header = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage input

@@ -173,7 +173,7 @@ class Writes(Catalog):
                 work.append((vol, _call(vol.backend.grant, granted, grant)))
             self._changed.notify_all()
             freed = self._freed(vol)
-        self._run(work, lambda e: self._abort_write(key, vrec, vol, e))
+        self._run(work, lambda e: self._abort_write(conn, key, vrec, vol, writer, e))
         return {"version": vrec.version, "slots": slots,
                 "fresh": fresh, "grant": grant,
                 "report": report, "freed": freed}  # fmt: skip
@@ -322,12 +322,20 @@ class Writes(Catalog):
             raise ValueError(f"reservation {reservation} is not held by this connection")
         return res
 
-    def _abort_write(self, key: str, vrec: VersionRec, vol: VolumeRec, e: BaseException) -> None:
+    def _abort_write(
+        self, conn: int, key: str, vrec: VersionRec, vol: VolumeRec, writer: str, e: BaseException
+    ) -> None:
+        """The volume could not take a write ``put_begin`` registered: drop the version and
+        end this writer's part in it, so its slots are destroyed now, not when the
+        connection closes (a writer may have copied into reserved ones: destroyed slots are
+        never handed to anyone else)."""
         with self._lock:
             krec = self._keys.get(key)
             if krec is not None and vrec.dropped is None:
                 reason = f"aborted: volume {vol.volume_id!r} could not take the write: {e}"
                 self._drop(key, krec, vrec, reason, destroy=True)
+            vrec.destroy = True
+            self._end_write(conn, key, vrec, writer)
 
     def put_progress(
         self, conn: int, *, key: str, version: int, writer: str, slots: list[int]

@@ -1092,13 +1092,6 @@ def test_clients_refuse_a_hijacked_segment(victim, tmp_path, plant):
     healthy(store, saved, base)
 
 
-FIFO_HANGS = (
-    "volume.open_segment opens a read-only segment without O_NONBLOCK: a FIFO "
-    "planted at its path blocks a zero-copy read forever"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=FIFO_HANGS)
 def test_zero_copy_read_of_a_planted_fifo_does_not_hang(victim, tmp_path):
     store, saved, base = victim
     vol = _acquire_volume(store)
@@ -1127,13 +1120,6 @@ def test_zero_copy_read_of_a_planted_fifo_does_not_hang(victim, tmp_path):
     healthy(store, saved, base)
 
 
-SEAL_RACES = (
-    "Volume.seal does not wait for vol_write calls already past their grant check: "
-    "bytes still arriving land in the committed slot"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SEAL_RACES)
 def test_a_write_in_flight_cannot_change_a_version_after_its_commit(victim):
     """The grant holder (the version's own writer, over TCP) starts a vol_write, commits
     while it is still sending, then sends the rest: the bytes a reader can see once the
@@ -1165,9 +1151,6 @@ def test_a_write_in_flight_cannot_change_a_version_after_its_commit(victim):
     healthy(store, saved, base)
 
 
-@pytest.mark.xfail(strict=True, reason="Python's mmap keeps a dup of the file descriptor: every "
-                   "segment holds an fd in the volume and in each client that mapped it, so a "
-                   "large state dict exhausts a default ulimit -n of 1024")  # fmt: skip
 def test_segments_do_not_each_hold_a_file_descriptor(victim):
     store, saved, base = victim
     many = {f"t{i}": torch.full((4,), float(i)) for i in range(64)}
@@ -1298,9 +1281,6 @@ def test_bad_counts_are_value_errors(victim):
     healthy(store, saved, base)
 
 
-@pytest.mark.xfail(strict=True, reason="client._check_count has no upper bound: counts past the "
-                   "wire's limits (version <= 2**62, keep and writers <= 2**20) reach the wire and "
-                   "come back as ProtocolError, or OverflowError past 2**64")  # fmt: skip
 @pytest.mark.parametrize("call", [
     lambda s: s.put("w", W, version=1 << 63),
     lambda s: s.put("w", W, version=1 << 70),

@@ -480,9 +480,14 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
+_HIGHEST = {"version": 1 << 62, "keep": 1 << 20, "writers": 1 << 20}  # the wire's limits
+
+
 def _check_count(name: str, value: Any, lo: int, what: str | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
-        raise ValueError(f"{name} must be {what or f'an int >= {lo}'}, got {value!r}")
+    hi = _HIGHEST[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        what = what or f"an int in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def connect(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from tidal.store import layout, wire
+from tidal.store import layout, ops, wire
 from tidal.store.layout import Dims, Path
 
 
@@ -51,6 +51,11 @@ def describe(
     decls, locals_ = [], []
     meshes = 0
     for path, value in items:
+        if value.dim() > ops.MAX_DIMS:
+            raise ValueError(
+                f"{layout.path_str(path) or 'the tensor'} has {value.dim()} dimensions; "
+                f"tidal.store carries at most {ops.MAX_DIMS}"
+            )
         shape, offs, sizes, local = layout.window(value)
         if isinstance(value, DTensor):
             meshes = max(meshes, value.device_mesh.size())

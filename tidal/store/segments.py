@@ -15,7 +15,6 @@ its memory alive.
 from __future__ import annotations
 
 import functools
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -26,7 +25,7 @@ from typing import TypeVar
 import torch
 
 from tidal.store.errors import StoreError
-from tidal.store.volume import as_bytes, fallocate, map_segment, populate
+from tidal.store.volume import Mapping, as_bytes, fallocate, map_segment, populate
 
 M = TypeVar("M")
 _LIMIT = 65536  # mappings per cache
@@ -50,7 +49,7 @@ class Segments:
 
     def __init__(self) -> None:
         self._rw: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._ro: OrderedDict[str, mmap.mmap] = OrderedDict()  # views still alive keep theirs
+        self._ro: OrderedDict[str, Mapping] = OrderedDict()  # views still alive keep theirs
         self._pinned: dict[str, bool] = {}  # read-write mapping -> registered with CUDA
         self._misses = 0
         self._lock = threading.Lock()
@@ -125,7 +124,7 @@ class Segments:
                 self._pool = ThreadPoolExecutor(n, thread_name_prefix="tidal-populate")
             return self._pool
 
-    def readonly(self, path: str, nbytes: int) -> mmap.mmap:
+    def readonly(self, path: str, nbytes: int) -> Mapping:
         """The segment mapped read-only, for zero-copy views."""
         open_ = lambda: _open(path, lambda: map_segment(path, nbytes, writable=False))  # noqa: E731
         return self._cached(self._ro, path, open_, lambda *_: None)

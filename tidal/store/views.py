@@ -23,7 +23,6 @@ corrupting the version other readers see. ``clone()`` a view to modify it.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import warnings
@@ -36,6 +35,7 @@ import torch
 
 from tidal.store.errors import StoreError
 from tidal.store.server import SERVER_THREAD
+from tidal.store.volume import Mapping
 
 
 class Lease:
@@ -49,10 +49,10 @@ def _keep(token: Lease) -> None:
 
 
 def alias(
-    mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], token: Lease
+    mapping: Mapping, dtype: torch.dtype, shape: tuple[int, ...], token: Lease
 ) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over the whole (read-only) ``mapping``."""
-    arr = np.frombuffer(mapping, dtype=np.uint8)
+    arr = np.frombuffer(memoryview(mapping), dtype=np.uint8)  # a view: keeps the mapping
     weakref.finalize(arr, _keep, token).atexit = False
     with warnings.catch_warnings():
         # torch warns once that it has no read-only tensors; the mapping enforces it.

@@ -37,6 +37,8 @@ import secrets
 import socket
 import stat
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -137,7 +139,9 @@ def reap_stale(shm_dir: str = "/dev/shm") -> int:
 
 def open_segment(path: str, nbytes: int, writable: bool) -> int:
     """An fd on an existing segment: a regular file (no symlink followed) of ``nbytes``."""
-    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK: a FIFO planted at the path would block an open for reading forever; on a
+    # regular file (and for mmap, pread, pwrite) it changes nothing.
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
@@ -158,18 +162,43 @@ def open_segment(path: str, nbytes: int, writable: bool) -> int:
     return fd
 
 
-def map_segment(path: str, nbytes: int, writable: bool = True) -> mmap.mmap:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]  # fmt: skip
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+
+Mapping = ctypes.Array  # a mapped segment: bytes at a fixed address, unmapped when garbage
+
+
+def mmap_fd(fd: int, nbytes: int, writable: bool) -> Mapping:
+    """Map ``nbytes`` of ``fd`` shared. Unlike Python's ``mmap``, which keeps a duplicate of
+    the file descriptor per mapping (a store of thousands of segments would run out of
+    them), nothing stays open: the memory is unmapped once the returned buffer, and
+    everything made from it, is garbage."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = _libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    buf = (ctypes.c_char * nbytes).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, nbytes)
+    return buf
+
+
+def map_segment(path: str, nbytes: int, writable: bool = True) -> Mapping:
     """Map an existing segment (shared); raises StoreError if it is gone or has changed."""
     fd = open_segment(path, nbytes, writable)
     try:
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+        return mmap_fd(fd, nbytes, writable)
+    except OSError as e:
+        raise StoreError(f"cannot map shared-memory segment {path}: {e.strerror}") from None
     finally:
         os.close(fd)
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
-_libc = ctypes.CDLL(None, use_errno=True)
 POPULATE_CHUNK = 32 << 20  # bytes a thread populates at a time
 
 
@@ -214,13 +243,8 @@ def fallocate(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
-def address(mapping: mmap.mmap) -> int:
-    """The address of a mapping's first byte."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-
-
-def as_bytes(mapping: mmap.mmap) -> torch.Tensor:
-    """A flat uint8 tensor over a writable mapping (no copy)."""
+def as_bytes(mapping: Mapping) -> torch.Tensor:
+    """A flat uint8 tensor over a writable mapping (no copy; it keeps the mapping)."""
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
@@ -253,10 +277,12 @@ class Volume:
         segment_path(self.shm_dir, store_id, self.volume_id, 1)  # checks the components
         self.capacity = capacity
         self.used = 0
-        self._segments: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
+        self._segments: dict[int, tuple[Mapping | None, torch.Tensor]] = {}
         self._grants: dict[int, bytes] = {}
         self._populated: set[int] = set()  # slots this process allocated for TCP writes
+        self._inflight: dict[int, int] = {}  # slot -> network writes receiving into it
         self._lock = threading.Lock()
+        self._done_writing = threading.Condition(self._lock)
 
     def path(self, slot: int) -> str:
         return segment_path(self.shm_dir, self.store_id, self.volume_id, slot)
@@ -270,7 +296,7 @@ class Volume:
                     f"volume {self.volume_id} is full: {self.used} of {self.capacity} bytes "
                     f"used, cannot add {nbytes}; delete keys or lower retention (keep)"
                 )
-            mapping: mmap.mmap | None = None
+            mapping: Mapping | None = None
             seg = torch.empty(0, dtype=torch.uint8)
             if nbytes:
                 st = os.statvfs(self.shm_dir)
@@ -290,7 +316,7 @@ class Volume:
                     ) from None
                 try:
                     os.ftruncate(fd, nbytes)  # sparse: the first writer allocates the pages
-                    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+                    mapping = mmap_fd(fd, nbytes, writable=True)
                 except OSError as e:
                     os.close(fd)
                     os.unlink(path)
@@ -327,11 +353,23 @@ class Volume:
                     raise StoreError(f"volume {self.volume_id} has no slot {slot}")
                 self._grants[slot] = grant
 
-    def seal(self, slots: list[int]) -> None:
-        """No more network writes into these slots (their version commits or ends)."""
-        with self._lock:
+    def seal(self, slots: list[int], timeout: float = 60.0) -> None:
+        """No more network writes into these slots (their version commits or ends): new
+        writes are refused at once, and this returns when those already receiving bytes
+        are done. Raises StoreError if one is still receiving after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._done_writing:
             for slot in slots:
                 self._grants.pop(slot, None)
+            while any(self._inflight.get(s) for s in slots):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    busy = [s for s in slots if self._inflight.get(s)]
+                    raise StoreError(
+                        f"volume {self.volume_id}: a network write into slots {busy} is still "
+                        f"in flight after {timeout:g} s; the version cannot be sealed"
+                    )
+                self._done_writing.wait(left)
 
     def segment(self, slot: int) -> torch.Tensor:
         try:
@@ -340,38 +378,59 @@ class Volume:
             raise StoreError(f"volume {self.volume_id} has no slot {slot}") from None
 
     def writable(self, slot: int, grant: bytes) -> torch.Tensor:
-        """The slot's bytes if ``grant`` allows writing them; raises ValueError otherwise."""
+        """The slot's bytes if ``grant`` allows writing them; raises ValueError otherwise.
+        The caller is counted as writing the slot until it calls ``_written(slot)``."""
         with self._lock:
             held = self._grants.get(slot)
-        if held is None or not hmac.compare_digest(held, grant):
-            raise ValueError(
-                f"slot {slot} of volume {self.volume_id} is not open for writing with this "
-                "grant (committed, not yet begun, or another writer's)"
-            )
-        return self.segment(slot)
+            if held is None or not hmac.compare_digest(held, grant):
+                raise ValueError(
+                    f"slot {slot} of volume {self.volume_id} is not open for writing with "
+                    "this grant (committed, not yet begun, or another writer's)"
+                )
+            seg = self.segment(slot)
+            self._inflight[slot] = self._inflight.get(slot, 0) + 1
+            return seg
+
+    def _written(self, slot: int) -> None:
+        with self._done_writing:
+            left = self._inflight.get(slot, 1) - 1
+            if left:
+                self._inflight[slot] = left
+            else:
+                self._inflight.pop(slot, None)
+            self._done_writing.notify_all()
 
     def write_from(
         self, sock: socket.socket, slot: int, offset: int, nbytes: int, grant: bytes
     ) -> None:
         """Receive ``nbytes`` from the socket straight into the slot at ``offset``; the
-        payload is discarded (and ValueError raised) when the write is not allowed."""
+        payload is discarded (and ValueError raised) when the write is not allowed. A seal
+        of the slot waits for a write that already passed the grant check."""
         try:
             seg = self.writable(slot, grant)
+        except (ValueError, StoreError):
+            wire.discard(sock, nbytes)
+            raise
+        try:
             if offset + nbytes > seg.numel():
+                wire.discard(sock, nbytes)
                 raise ValueError(
                     f"write of {nbytes} bytes at offset {offset} exceeds slot {slot} "
                     f"of {seg.numel()} bytes"
                 )
             if slot not in self._populated:  # allocate before recv_into touches a page
                 path = self.path(slot)
-                populate(seg.data_ptr(), seg.numel(), path,
-                         fallback=lambda: fallocate(path, seg.numel()))  # fmt: skip
+                try:
+                    populate(seg.data_ptr(), seg.numel(), path,
+                             fallback=lambda: fallocate(path, seg.numel()))  # fmt: skip
+                except StoreError:
+                    wire.discard(sock, nbytes)
+                    raise
                 self._populated.add(slot)
-        except (ValueError, StoreError):
-            wire.discard(sock, nbytes)
-            raise
-        if nbytes:
-            wire.recv_into(sock, seg[offset : offset + nbytes].numpy().data)
+            if nbytes:
+                wire.recv_into(sock, seg[offset : offset + nbytes].numpy().data)
+        finally:
+            self._written(slot)
 
     def read_view(
         self,

@@ -12,7 +12,9 @@ shape:
   (padded with zeros), one call per block. A row's result then depends only on the row and
   the weight, not on M.
 - Row reductions over the last dim (`mean` and `sum` as in RMSNorm, `_log_softmax`,
-  `_softmax`, the fused RMSNorm kernel): the same fixed row blocks.
+  `_softmax`, the fused RMSNorm kernel of CUDA): the same fixed row blocks. Each
+  replacement returns the dtypes of the kernel it replaces (RMSNorm: rows in the input
+  dtype, rstd in fp32), so a bf16 model stays bf16.
 - Attention (`attention` below, called by the model): keys and values in fixed chunks of
   `KV_CHUNK` positions, an online softmax that combines the chunks in increasing order, and
   per-chunk matmuls whose two small dims (chunk length, head dim) are fixed. A query at
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,16 +66,28 @@ def row_block(device: torch.device) -> int:
     return _ROW_BLOCK.get(device.type, 128)
 
 
-def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn over fixed blocks of rows of x (all dims but the last are rows), concatenated."""
+def by_rows(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+    """fn over fixed blocks of rows of x (all dims but the last are rows), concatenated.
+
+    fn returns a tensor or a tuple of tensors (a kernel with several outputs, each with rows
+    in its first dim); each output is concatenated on its own, so it keeps the dtype fn gives
+    it (RMSNorm's normed rows in the input dtype, its rstd in fp32).
+    """
     lead, D = x.shape[:-1], x.shape[-1]
     x_MD = x.reshape(-1, D)
     M, R = x_MD.shape[0], row_block(x.device)
     pad = (-M) % R
     if pad:
         x_MD = torch.cat([x_MD, x_MD.new_zeros(pad, D)])
-    out = torch.cat([fn(x_MD[i : i + R]) for i in range(0, M + pad, R)])[:M]
-    return out.reshape(*lead, out.shape[-1])
+    blocks = [fn(x_MD[i : i + R]) for i in range(0, M + pad, R)] or [fn(x_MD)]  # M = 0
+
+    def join(parts: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.cat(parts)[:M]
+        return out.reshape(*lead, out.shape[-1])
+
+    if isinstance(blocks[0], tuple):
+        return tuple(join(list(parts)) for parts in zip(*blocks, strict=True))
+    return join(blocks)
 
 
 def _last_dim(x: torch.Tensor, dims) -> bool:
@@ -117,10 +132,8 @@ def _softmax(func, x, dim, half_to_float):
 def _fused_rms_norm(func, x, normalized_shape, weight, eps):
     if len(normalized_shape) != 1 or x.dim() < 2:
         return func(x, normalized_shape, weight, eps)
-    D = x.shape[-1]
-    # Both outputs (normed rows [.., D] and rstd [.., 1]) travel in one block result.
-    both = by_rows(lambda x_RD: torch.cat(func(x_RD, normalized_shape, weight, eps), -1), x)
-    return both[..., :D].contiguous(), both[..., D:].contiguous()
+    # Two outputs: normed rows [.., D] in x's dtype and rstd [.., 1] in fp32 (for bf16 x).
+    return by_rows(lambda x_RD: func(x_RD, normalized_shape, weight, eps), x)
 
 
 _aten = torch.ops.aten

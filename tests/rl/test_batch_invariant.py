@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.rl.conftest import qwen_tiny, tiny_model
 from tidal.models import batch_invariant as bi
@@ -118,6 +119,50 @@ def test_bitwise_with_bf16_weights(rms_norm, request):
     for s, lp in zip(samples, trainer, strict=True):
         assert torch.equal(torch.tensor(s.logprobs), lp), (s.prompt_index, s.sample_index)
         assert all(math.isfinite(x) for x in s.logprobs)
+
+
+class _Bmms(TorchDispatchMode):
+    """Records the operand shapes, strides and 16-byte alignment of every bmm call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten.bmm:
+            ts = [*args, *kwargs.values()]
+            self.calls.add(tuple((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in ts))
+        return func(*args, **kwargs)
+
+
+def test_attention_matmuls_have_one_shape_for_any_query_count():
+    """Every attention matmul has one shape (queries padded to fixed blocks, problems to
+    whole calls), so a library picking its kernel by shape (cuBLAS by M, N and the batch)
+    computes each query the same way in a trainer's forward, a prefill and a decode step;
+    and on CPU the bits agree."""
+    torch.manual_seed(0)
+    B, H, G, T, S, K = 2, 4, 2, 150, 200, 16  # J = 2 query columns per key head and token
+    q, k, v = torch.randn(B, H, T, K), torch.randn(B, G, T, K), torch.randn(B, G, T, K)
+    # A generator's cache: the same keys, then stale entries past the rows' lengths.
+    k_cache = torch.cat([k, torch.randn(B, G, S - T, K)], dim=2)
+    v_cache = torch.cat([v, torch.randn(B, G, S - T, K)], dim=2)
+    bmms = _Bmms()
+    with bmms:
+        full = bi.attention(q, k, v, torch.arange(T).expand(B, T))  # 300 columns per head
+        rows, pos = torch.tensor([0, 1, 1]), torch.tensor([[0], [149], [70]])
+        one = bi.attention(q[rows, :, pos[:, 0], None], k_cache[rows], v_cache[rows], pos)
+        alone = bi.attention(q[1:, :, 70:71], k_cache[1:], v_cache[1:], pos[2:])  # batch 1
+        prefill = bi.attention(q[1:, :, :37], k_cache[1:], v_cache[1:], torch.arange(37)[None])
+    assert len(bmms.calls) == 2, bmms.calls  # scores, and values with the denominator
+    for shape, stride, align in (t for call in bmms.calls for t in call):
+        assert stride == torch.empty(shape).stride() and align == 0  # contiguous, aligned
+    for i, (b, t) in enumerate(zip(rows.tolist(), pos[:, 0].tolist(), strict=True)):
+        assert torch.equal(one[i, :, 0], full[b, :, t]), (b, t)
+    assert torch.equal(alone[0, :, 0], full[1, :, 70])
+    assert torch.equal(prefill[0], full[1, :, :37])
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(full, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_attention_equals_sdpa_numerically():

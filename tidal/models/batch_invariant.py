@@ -53,19 +53,24 @@ M rows.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 
 KV_CHUNK = 64
 """Keys per attention chunk: the decode split of the KV cache by a fixed size (not count)."""
 
 _ROW_BLOCK = {"cpu": 16, "cuda": 128}
 _QUERY_BLOCK = {"cpu": 8, "cuda": 16}
-_PROBLEM_BLOCK = {"cpu": 8, "cuda": 256}
+_PROBLEM_BLOCK = {"cpu": 32, "cuda": 256}
 
 
 def row_block(device: torch.device) -> int:
@@ -82,7 +87,7 @@ def query_block(device: torch.device) -> int:
 
 
 def problem_block(device: torch.device) -> int:
-    """Attention problems (key head x query block) per matmul call: 256 on CUDA, 8 on CPU."""
+    """Attention problems (key head x query block) per matmul call: 256 on CUDA, 32 on CPU."""
     return _PROBLEM_BLOCK.get(device.type, 256)
 
 
@@ -220,7 +225,11 @@ def attention(
     Backward (the trainer): the gradient of plain masked attention on the saved inputs
     (normal kernels, as for every op of the mode); no chunk intermediates are kept.
     """
-    return _FixedOrderAttention.apply(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
+    # No op of this kernel is one the mode replaces (its matmuls are bmm.out calls of one
+    # shape): run it outside the mode, without the mode's per-op Python dispatch.
+    inside = isinstance(_get_current_dispatch_mode(), BatchInvariantMode)
+    with _pop_mode_temporarily() if inside else contextlib.nullcontext():
+        return _FixedOrderAttention.apply(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
 
 
 class _FixedOrderAttention(torch.autograd.Function):
@@ -267,13 +276,16 @@ def _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT) -> torch.Tensor:
     m_P1N = torch.full((P, 1, N), -math.inf, device=dev)
     acc_PKN = torch.zeros(P, K, N, device=dev)
     den_P1N = torch.zeros(P, 1, N, device=dev)
-    ones_P1C = torch.ones(P, 1, C, device=dev)
+    ones_X1C = torch.ones(X, 1, C, device=dev)
     for c0 in range(0, S, C):
-        # This chunk's keys of every problem's head: [X, C, K] (a last partial chunk padded
-        # with masked zero keys) -> [P, C, K].
+        # This chunk's keys of each key head: [X, C, K] (a last partial chunk padded with
+        # masked zero keys), then gathered for every problem: [P, C, K].
         k_XCK = _pad(k_BGSK[:, :, c0 : c0 + C].float().reshape(X, -1, K), 1, C)
         v_XCK = _pad(v_BGSK[:, :, c0 : c0 + C].float().reshape(X, -1, K), 1, C)
-        k_PCK, v_PCK = k_XCK.index_select(0, head_P), v_XCK.index_select(0, head_P)
+        # [V^T; 1]: the values and a row of ones, so that one matmul gives the weighted
+        # values and the weights' sum.
+        vt1_XK1C = torch.cat([v_XCK.transpose(1, 2), ones_X1C], dim=1)
+        k_PCK, vt1_PK1C = k_XCK.index_select(0, head_P), vt1_XK1C.index_select(0, head_P)
         s_PCN = _bmm_blocks(k_PCK, q_PKN, PB) * scale
         slot_C = torch.arange(c0, c0 + C, device=dev)
         hidden_PCN = slot_C[None, :, None] > pos_PN[:, None, :]
@@ -281,8 +293,6 @@ def _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT) -> torch.Tensor:
         m_new = torch.maximum(m_P1N, s_PCN.amax(dim=1, keepdim=True))  # max: order-free
         alpha_P1N = torch.exp(m_P1N - m_new)
         p_PCN = torch.exp(s_PCN - m_new)
-        # [V^T; 1] @ P: the weighted values and the weights' sum in one fixed-shape matmul.
-        vt1_PK1C = torch.cat([v_PCK.transpose(1, 2), ones_P1C], dim=1)
         pv_PK1N = _bmm_blocks(vt1_PK1C, p_PCN, PB)
         acc_PKN = acc_PKN * alpha_P1N + pv_PK1N[:, :K]
         den_P1N = den_P1N * alpha_P1N + pv_PK1N[:, K:]
@@ -300,9 +310,7 @@ def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     extra = size - x.shape[dim]
     if not extra:
         return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
 
 
 def _bmm_blocks(a_PMK: torch.Tensor, b_PKN: torch.Tensor, block: int) -> torch.Tensor:
@@ -310,9 +318,9 @@ def _bmm_blocks(a_PMK: torch.Tensor, b_PKN: torch.Tensor, block: int) -> torch.T
     the same shapes, strides and alignment), written into one result."""
     P, M, N = a_PMK.shape[0], a_PMK.shape[1], b_PKN.shape[2]
     assert P % block == 0, f"{P} problems are not whole blocks of {block}"
-    a_PMK, b_PKN = a_PMK.contiguous(), b_PKN.contiguous()
     out_PMN = a_PMK.new_empty(P, M, N)
-    for p0 in range(0, P, block):
-        # bmm.out: not a replaced op, and it writes the slice in place.
-        torch.bmm(a_PMK[p0 : p0 + block], b_PKN[p0 : p0 + block], out=out_PMN[p0 : p0 + block])
+    blocks = zip(a_PMK.contiguous().split(block), b_PKN.contiguous().split(block),
+                 out_PMN.split(block), strict=True)  # fmt: skip
+    for a, b, out in blocks:
+        torch.bmm(a, b, out=out)  # bmm.out: not a replaced op; writes the slice in place
     return out_PMN

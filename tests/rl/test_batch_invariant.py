@@ -136,24 +136,34 @@ class _Bmms(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_attention_matmuls_have_one_shape_for_any_query_count():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    ],
+)  # fmt: skip
+def test_attention_matmuls_have_one_shape_for_any_query_count(device):
     """Every attention matmul has one shape (queries padded to fixed blocks, problems to
     whole calls), so a library picking its kernel by shape (cuBLAS by M, N and the batch)
     computes each query the same way in a trainer's forward, a prefill and a decode step;
-    and on CPU the bits agree."""
+    and the bits agree (on CUDA: with several calls per chunk, as a real prefill has)."""
     torch.manual_seed(0)
-    B, H, G, T, S, K = 2, 4, 2, 150, 200, 16  # J = 2 query columns per key head and token
-    q, k, v = torch.randn(B, H, T, K), torch.randn(B, G, T, K), torch.randn(B, G, T, K)
+    # CPU: J = 2 query columns per key head and token; CUDA: J = 4, Llama 3's head dim.
+    B, H, G, T, S, K = (2, 4, 2, 150, 200, 16) if device == "cpu" else (2, 16, 4, 600, 700, 64)
+    q, k, v = (torch.randn(B, n, T, K, device=device) for n in (H, G, G))
     # A generator's cache: the same keys, then stale entries past the rows' lengths.
-    k_cache = torch.cat([k, torch.randn(B, G, S - T, K)], dim=2)
-    v_cache = torch.cat([v, torch.randn(B, G, S - T, K)], dim=2)
+    k_cache = torch.cat([k, torch.randn(B, G, S - T, K, device=device)], dim=2)
+    v_cache = torch.cat([v, torch.randn(B, G, S - T, K, device=device)], dim=2)
+    rows = torch.tensor([0, 1, 1], device=device)
+    pos = torch.tensor([[0], [T - 1], [70]], device=device)
     bmms = _Bmms()
-    with bmms:
-        full = bi.attention(q, k, v, torch.arange(T).expand(B, T))  # 300 columns per head
-        rows, pos = torch.tensor([0, 1, 1]), torch.tensor([[0], [149], [70]])
+    with torch.no_grad(), bmms:
+        full = bi.attention(q, k, v, torch.arange(T, device=device).expand(B, T))
         one = bi.attention(q[rows, :, pos[:, 0], None], k_cache[rows], v_cache[rows], pos)
         alone = bi.attention(q[1:, :, 70:71], k_cache[1:], v_cache[1:], pos[2:])  # batch 1
-        prefill = bi.attention(q[1:, :, :37], k_cache[1:], v_cache[1:], torch.arange(37)[None])
+        prefill = bi.attention(q[1:, :, :37], k_cache[1:], v_cache[1:], pos.new_tensor([range(37)]))
     assert len(bmms.calls) == 2, bmms.calls  # scores, and values with the denominator
     for shape, stride, align in (t for call in bmms.calls for t in call):
         assert stride == torch.empty(shape).stride() and align == 0  # contiguous, aligned
@@ -162,7 +172,8 @@ def test_attention_matmuls_have_one_shape_for_any_query_count():
     assert torch.equal(alone[0, :, 0], full[1, :, 70])
     assert torch.equal(prefill[0], full[1, :, :37])
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(full, ref, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if device == "cpu" else 1e-4
+    torch.testing.assert_close(full, ref, atol=tol, rtol=tol)
 
 
 def test_chunked_attention_equals_sdpa_numerically():

@@ -270,7 +270,7 @@ def _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT) -> torch.Tensor:
     # position 0 (they see slot 0 only: finite, and dropped at the end).
     q_PNK = _pad(_pad(q_XQK, 1, nq * N).view(X * nq, N, K), 0, P)
     pos_PN = _pad(_pad(pos_XQ, 1, nq * N).view(X * nq, N), 0, P)
-    head_P = _pad(torch.arange(X, device=dev).repeat_interleave(nq), 0, P)  # its key head
+    head_P = _pad(torch.arange(X * nq, device=dev) // nq, 0, P)  # its key head (no sync)
     q_PKN = q_PNK.transpose(1, 2).contiguous()
     scale = 1.0 / math.sqrt(K)
     m_P1N = torch.full((P, 1, N), -math.inf, device=dev)

@@ -14,6 +14,9 @@ the ratio tidal / transformers is printed. Finally the trainer-side cost of
 batch-invariant mode: forward + backward of `tidal.rl.logprobs` on `--score-batch` x
 `--score-len` tokens, normal against batch-invariant.
 
+A configuration that raises prints its error (and traceback, on stderr) in its place and the
+run goes on with the others; the JSON holds {"error": ...} there, and the exit status is 1.
+
     python benchmarks/generate.py --json results.json                  # one GPU
     python benchmarks/generate.py --device cpu --flavor debug --batches 1 8 \
         --prompt-len 32 --new-tokens 32 --score-len 128                # smoke test on CPU
@@ -26,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -145,6 +151,20 @@ def run_score(model, args) -> dict:
     return out
 
 
+def attempt(failures: list[str], label: str, fn: Callable[..., dict | None], *args) -> dict | None:
+    """fn(*args), or {"error": ...} when it raises: one failing configuration must not cost
+    the rest of the table (the documented fallback; main exits 1 when any failed)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # reported here and in the exit status; the next one runs
+        traceback.print_exc()
+        print(f"{label}: FAILED: {type(e).__name__}: {e}", flush=True)
+        failures.append(label)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="llama3_1b")
@@ -178,49 +198,71 @@ def main() -> None:
           f"{args.prompt_len} + {args.new_tokens} new tokens")  # fmt: skip
     results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype, "runs": []}
     modes = [False] if args.no_batch_invariant else [False, True]
+    failures: list[str] = []
     for batch in args.batches:
         for mode in args.modes:
             row: dict = {"batch": batch, "mode": mode}
             for bi in modes:
-                r = run_tidal(model, args, batch, mode, bi)
-                row["batch_invariant" if bi else "tidal"] = r
+                name = "batch_invariant" if bi else "tidal"
+                label = f"batch {batch} {mode} {name}"
+                row[name] = attempt(failures, label, run_tidal, model, args, batch, mode, bi)
             if device.type == "cuda":
                 length = args.prompt_len + args.new_tokens / 2
                 w, wkv = hbm_bound_ms(model, batch, length, args.hbm_gbps * 1e9)
                 row["hbm_bound_ms"] = {"weights": w, "weights_and_kv": wkv}
-            hf = None if args.no_hf else run_hf(args, batch, mode, device)
-            if hf is not None:
-                row["transformers"] = hf
+            if not args.no_hf:
+                label = f"batch {batch} {mode} transformers"
+                hf = attempt(failures, label, run_hf, args, batch, mode, device)
+                if hf is not None:
+                    row["transformers"] = hf
             results["runs"].append(row)
             print_row(row)
     if not args.no_batch_invariant:
-        score = run_score(model, args)
+        score = attempt(failures, "trainer logprobs", run_score, model, args)
         results["score"] = score
-        print(f"trainer logprobs fwd+bwd {args.score_batch}x{args.score_len}: normal "
-              f"{1e3 * score['normal']:.1f} ms, batch-invariant "
-              f"{1e3 * score['batch_invariant']:.1f} ms ({score['ratio']:.2f}x)")  # fmt: skip
+        if score is not None and "error" not in score:
+            print(f"trainer logprobs fwd+bwd {args.score_batch}x{args.score_len}: normal "
+                  f"{1e3 * score['normal']:.1f} ms, batch-invariant "
+                  f"{1e3 * score['batch_invariant']:.1f} ms ({score['ratio']:.2f}x)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if failures:
+        print(f"{len(failures)} configuration(s) failed: {', '.join(failures)}", flush=True)
+        sys.exit(1)
 
 
 def print_row(row: dict) -> None:
-    t = row["tidal"]
-    line = (f"batch {row['batch']:>4} {row['mode']:8s} tidal {t['new_tokens_per_s']:>10,.0f} "
-            f"new tok/s, decode {t['decode_ms_per_step']:7.2f} ms/step")  # fmt: skip
-    if "hbm_bound_ms" in row:
-        b = row["hbm_bound_ms"]
-        line += (f" (HBM bound {b['weights']:.2f} ms weights, {b['weights_and_kv']:.2f} ms "
-                 f"with KV: {t['decode_ms_per_step'] / b['weights_and_kv']:.2f}x)")  # fmt: skip
+    """One line per configuration; a run that failed reads FAILED and the ratios to it are
+    left out."""
+
+    def ok(name: str) -> dict | None:
+        r = row.get(name)
+        return r if r is not None and "error" not in r else None
+
+    t, h, b = ok("tidal"), ok("transformers"), ok("batch_invariant")
+    line = f"batch {row['batch']:>4} {row['mode']:8s} tidal "
+    if t is None:
+        line += "FAILED"
+    else:
+        line += (f"{t['new_tokens_per_s']:>10,.0f} new tok/s, decode "
+                 f"{t['decode_ms_per_step']:7.2f} ms/step")  # fmt: skip
+        if "hbm_bound_ms" in row:
+            bound = row["hbm_bound_ms"]
+            line += (f" (HBM bound {bound['weights']:.2f} ms weights, "
+                     f"{bound['weights_and_kv']:.2f} ms with KV: "
+                     f"{t['decode_ms_per_step'] / bound['weights_and_kv']:.2f}x)")  # fmt: skip
     if "transformers" in row:
-        h = row["transformers"]
-        line += (f" | transformers {h['new_tokens_per_s']:,.0f} tok/s, tidal/transformers "
-                 f"{t['new_tokens_per_s'] / h['new_tokens_per_s']:.1f}x")  # fmt: skip
+        line += " | transformers " + ("FAILED" if h is None else
+                                      f"{h['new_tokens_per_s']:,.0f} tok/s")  # fmt: skip
+        if t is not None and h is not None:
+            line += f", tidal/transformers {t['new_tokens_per_s'] / h['new_tokens_per_s']:.1f}x"
     if "batch_invariant" in row:
-        b = row["batch_invariant"]
-        line += (f" | batch-invariant {b['new_tokens_per_s']:,.0f} tok/s, "
-                 f"{b['decode_ms_per_step']:.2f} ms/step "
-                 f"({t['new_tokens_per_s'] / b['new_tokens_per_s']:.2f}x slower)")  # fmt: skip
+        line += " | batch-invariant " + ("FAILED" if b is None else
+                                         f"{b['new_tokens_per_s']:,.0f} tok/s, "
+                                         f"{b['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
+        if t is not None and b is not None:
+            line += f" ({t['new_tokens_per_s'] / b['new_tokens_per_s']:.2f}x slower)"
     print(line, flush=True)
 
 

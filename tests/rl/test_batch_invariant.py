@@ -1,5 +1,5 @@
-"""Batch-invariant mode on CPU fp32: kernels independent of the batch, and generator
-log-probs bitwise equal to the trainer's forward."""
+"""Batch-invariant mode on CPU (fp32, bf16 weights, bf16 autocast): kernels independent of
+the batch, and generator log-probs bitwise equal to the trainer's forward."""
 
 import math
 import os
@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.rl.conftest import qwen_tiny, tiny_model
 from tidal.models import batch_invariant as bi
@@ -31,6 +32,148 @@ def test_matmul_rows_do_not_depend_on_the_batch():
             assert torch.equal(F.rms_norm(x[:m], (256,), eps=1e-5), norm[:m])
     # The reason for the mode: plain kernels change a row's bits with the row count.
     assert not all(torch.equal(F.linear(x[:m], w), F.linear(x, w)[:m]) for m in [1, 2, 3])
+
+
+@pytest.fixture
+def fused_rms_norm():
+    """RMSNorm through `aten._fused_rms_norm`, as on CUDA: CPU has no kernel for it, so
+    F.rms_norm decomposes before the mode sees it; with this CPU kernel (the reference math,
+    outputs in CUDA's dtypes: normed rows in the input dtype, rstd in fp32) the mode's
+    replacement runs on CPU too."""
+
+    def kernel(x, normalized_shape, weight, eps):
+        dims = tuple(range(-len(normalized_shape), 0))
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)
+        out = x.float() * rstd
+        return (out if weight is None else out * weight).to(x.dtype), rstd
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_fused_rms_norm", kernel, "CPU")
+    yield
+    lib._destroy()
+
+
+class _Replaced(bi.BatchInvariantMode):
+    """The mode, noting which of its replacements ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in bi._IMPLS:
+            self.ops.add(func)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32 + bf16 autocast"])
+def test_replacements_keep_the_dtypes_of_the_normal_kernels(precision, fused_rms_norm):
+    """Each replacement returns what the kernel it replaces returns (dtype, shape, values up
+    to rounding), also under autocast: a bf16 model's activations stay bf16 (the H200 failure
+    was RMSNorm's rows coming back in fp32, rejected by the next bf16 matmul)."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    x, w = torch.randn(40, 64, dtype=dtype), torch.randn(32, 64, dtype=dtype)
+    bias, scale = torch.randn(32, dtype=dtype), torch.rand(64, dtype=dtype) + 0.5
+    ops = {
+        "linear": lambda: F.linear(x, w),
+        "linear with bias": lambda: F.linear(x, w, bias),
+        "linear on a strided 3-D input": lambda: F.linear(x.view(5, 8, 64).transpose(0, 1), w),
+        "mean": lambda: x.mean(-1),
+        "mean keepdim": lambda: x.pow(2).mean(-1, keepdim=True),
+        "sum": lambda: x.sum(-1),
+        "sum in fp32": lambda: x.sum(-1, dtype=torch.float32),
+        "softmax": lambda: torch.softmax(x, -1),
+        "log_softmax": lambda: torch.log_softmax(x, -1),
+        "log_softmax in fp32": lambda: torch.log_softmax(x.float(), -1),
+        "rms_norm": lambda: F.rms_norm(x, (64,), scale, 1e-5),
+        "rms_norm without weight": lambda: F.rms_norm(x.view(5, 8, 64), (64,), None, 1e-5),
+    }
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled="autocast" in precision)
+    mode = _Replaced()
+    for name, op in ops.items():
+        with torch.no_grad(), autocast:
+            want = op()
+            with mode:
+                got = op()
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        tol = 2e-2 if torch.bfloat16 in (want.dtype, got.dtype) or "autocast" in precision else 1e-5
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=name)
+    assert mode.ops == set(bi._IMPLS), "every replacement is exercised"
+
+
+@pytest.mark.parametrize("rms_norm", ["composite (CPU)", "fused (as on CUDA)"])
+def test_bitwise_with_bf16_weights(rms_norm, request):
+    """bf16 parameters (no autocast), the H200's failing configuration, on the tiny model."""
+    if rms_norm.startswith("fused"):
+        request.getfixturevalue("fused_rms_norm")
+    model = tiny_model().to(torch.bfloat16)
+    gen = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=112, check_every=3,
+                                                  batch_invariant=True))  # fmt: skip
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=i) for i in range(3)]
+    samples = [s for g in gen.generate(PROMPTS[:3], params) for s in g]
+    assert gen.cache.k[0].dtype == torch.bfloat16
+    with torch.no_grad():
+        trainer = completion_logprobs(model, samples, batch_invariant=True)
+    for s, lp in zip(samples, trainer, strict=True):
+        assert torch.equal(torch.tensor(s.logprobs), lp), (s.prompt_index, s.sample_index)
+        assert all(math.isfinite(x) for x in s.logprobs)
+
+
+class _Bmms(TorchDispatchMode):
+    """Records the operand shapes, strides and 16-byte alignment of every bmm call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten.bmm:
+            ts = [*args, *kwargs.values()]
+            self.calls.add(tuple((tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in ts))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA device")]),
+    ],
+)  # fmt: skip
+def test_attention_matmuls_have_one_shape_for_any_query_count(device):
+    """Every attention matmul has one shape (queries padded to fixed blocks, problems to
+    whole calls), so a library picking its kernel by shape (cuBLAS by M, N and the batch)
+    computes each query the same way in a trainer's forward, a prefill and a decode step;
+    and the bits agree (on CUDA: with several calls per chunk, as a real prefill has)."""
+    torch.manual_seed(0)
+    # CPU: J = 2 query columns per key head and token; CUDA: J = 4, Llama 3's head dim.
+    B, H, G, T, S, K = (2, 4, 2, 150, 200, 16) if device == "cpu" else (2, 16, 4, 600, 700, 64)
+    q, k, v = (torch.randn(B, n, T, K, device=device) for n in (H, G, G))
+    # A generator's cache: the same keys, then stale entries past the rows' lengths.
+    k_cache = torch.cat([k, torch.randn(B, G, S - T, K, device=device)], dim=2)
+    v_cache = torch.cat([v, torch.randn(B, G, S - T, K, device=device)], dim=2)
+    rows = torch.tensor([0, 1, 1], device=device)
+    pos = torch.tensor([[0], [T - 1], [70]], device=device)
+    bmms = _Bmms()
+    with torch.no_grad(), bmms:
+        full = bi.attention(q, k, v, torch.arange(T, device=device).expand(B, T))
+        one = bi.attention(q[rows, :, pos[:, 0], None], k_cache[rows], v_cache[rows], pos)
+        alone = bi.attention(q[1:, :, 70:71], k_cache[1:], v_cache[1:], pos[2:])  # batch 1
+        prefill = bi.attention(q[1:, :, :37], k_cache[1:], v_cache[1:], pos.new_tensor([range(37)]))
+    assert len(bmms.calls) == 2, bmms.calls  # scores, and values with the denominator
+    for shape, stride, align in (t for call in bmms.calls for t in call):
+        assert stride == torch.empty(shape).stride() and align == 0  # contiguous, aligned
+    for i, (b, t) in enumerate(zip(rows.tolist(), pos[:, 0].tolist(), strict=True)):
+        assert torch.equal(one[i, :, 0], full[b, :, t]), (b, t)
+    assert torch.equal(alone[0, :, 0], full[1, :, 70])
+    assert torch.equal(prefill[0], full[1, :, :37])
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    tol = 1e-5 if device == "cpu" else 1e-4
+    torch.testing.assert_close(full, ref, atol=tol, rtol=tol)
 
 
 def test_chunked_attention_equals_sdpa_numerically():

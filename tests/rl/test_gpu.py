@@ -89,9 +89,15 @@ def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
     assert [s.logprobs for s in again] == [s.logprobs for s in samples]
 
 
+# Outside batch-invariant mode, bf16 weights, compiled decode vs the trainer's forward, this
+# test's model and samples: measured max |diff| 0.02971, mean 0.005784 on one H200 (torch
+# 2.11.0+cu130). The bounds are 3x those figures (docs/generate.md).
+MAX_GAP_BF16, MEAN_GAP_BF16 = 0.09, 0.018
+
+
 def test_normal_mode_bf16_logprob_gap_is_bounded(record_property):
-    """Documented bound outside batch-invariant mode, bf16 on CUDA: max |diff| < 0.5 and
-    mean |diff| < 0.05 between generator and trainer log-probs (compiled decode)."""
+    """Documented bound outside batch-invariant mode, bf16 on CUDA: max |diff| < 0.09 and
+    mean |diff| < 0.018 between generator and trainer log-probs (compiled decode)."""
     model = _model(dtype=torch.bfloat16)
     gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256))
     samples = [s for g in gen.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=64)) for s in g]
@@ -104,7 +110,7 @@ def test_normal_mode_bf16_logprob_gap_is_bounded(record_property):
     record_property("max_abs_diff", float(diff.max()))
     record_property("mean_abs_diff", float(diff.mean()))
     print(f"bf16 generator vs trainer log-probs: max {diff.max():.4g}, mean {diff.mean():.4g}")
-    assert diff.max() < 0.5 and diff.mean() < 0.05
+    assert diff.max() < MAX_GAP_BF16 and diff.mean() < MEAN_GAP_BF16
 
 
 def test_continuous_batching_on_cuda_finishes_everything():

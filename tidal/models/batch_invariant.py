@@ -12,13 +12,17 @@ shape:
   (padded with zeros), one call per block. A row's result then depends only on the row and
   the weight, not on M.
 - Row reductions over the last dim (`mean` and `sum` as in RMSNorm, `_log_softmax`,
-  `_softmax`, the fused RMSNorm kernel): the same fixed row blocks.
+  `_softmax`, the fused RMSNorm kernel of CUDA): the same fixed row blocks. Each
+  replacement returns the dtypes of the kernel it replaces (RMSNorm: rows in the input
+  dtype, rstd in fp32), so a bf16 model stays bf16.
 - Attention (`attention` below, called by the model): keys and values in fixed chunks of
   `KV_CHUNK` positions, an online softmax that combines the chunks in increasing order, and
-  per-chunk matmuls whose two small dims (chunk length, head dim) are fixed. A query at
-  position p does the same arithmetic whether it is one of 4096 training queries or the only
-  query of a decode step: chunks past p are exact no-ops (weights exp(-inf) = 0, rescale
-  exp(0) = 1), and the keys past p inside p's chunk are masked to -inf before the exponent.
+  matmuls of one shape: the queries are cut into fixed blocks of columns per key head
+  (padded), and each call takes a fixed number of (key head, query block) problems (padded).
+  A query at position p does the same arithmetic whether it is one of 4096 training queries
+  or the only query of a decode step: chunks past p are exact no-ops (weights exp(-inf) = 0,
+  rescale exp(0) = 1), and the keys past p inside p's chunk are masked to -inf before the
+  exponent.
 
 `BatchInvariantMode` is a TorchDispatchMode: it sees the aten ops under autograd and
 autocast, replaces the ones above in the forward pass and lets the backward pass run the
@@ -31,8 +35,10 @@ write persistent Triton kernels): plain PyTorch ops at fixed shapes, so the same
 CPU and CUDA, under autograd, inside CUDA graphs, and with tensor-parallel DTensors passed
 through untouched. The invariance then rests on a library computing a given shape the same
 way each time, which holds for MKL and ATen on CPU (tests/rl/test_batch_invariant.py checks
-bit equality) and for cuBLAS at a fixed shape and workspace; the attention matmuls keep the
-chunk and head dims fixed but not the number of queries (`-m gpu` checks bf16 on CUDA).
+bit equality) and for cuBLAS at a fixed shape, layout, alignment and workspace: every matmul
+call of the mode has one shape per weight (linear layers) or one shape in all (attention),
+whatever the batch, the sequence length or the number of queries (`-m gpu` checks bf16 on
+CUDA).
 On CPU, the elementwise ops are exact as long as ATen's threads split tensors at multiples of
 its vector width, true for power-of-two thread counts and the model widths used here.
 
@@ -40,21 +46,31 @@ Cost: see benchmarks/README.md ("Batch-invariant mode"); it is a mode for exact 
 the fast path.
 
 Shape legend: B batch, H query heads, G key/value heads, J = H / G query heads per key head,
-T queries, S keys, K head dim, C keys per chunk, N = T * J query columns, M rows.
+T queries, S keys, K head dim, C keys per chunk, X = B * G key heads, Q = T * J query
+columns per key head, N query columns per problem, P problems (key head x query block),
+M rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 
 KV_CHUNK = 64
 """Keys per attention chunk: the decode split of the KV cache by a fixed size (not count)."""
 
 _ROW_BLOCK = {"cpu": 16, "cuda": 128}
+_QUERY_BLOCK = {"cpu": 8, "cuda": 16}
+_PROBLEM_BLOCK = {"cpu": 32, "cuda": 256}
 
 
 def row_block(device: torch.device) -> int:
@@ -63,16 +79,40 @@ def row_block(device: torch.device) -> int:
     return _ROW_BLOCK.get(device.type, 128)
 
 
-def by_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn over fixed blocks of rows of x (all dims but the last are rows), concatenated."""
+def query_block(device: torch.device) -> int:
+    """Query columns per attention problem (one key head): 16 on CUDA, 8 on CPU. A decode
+    step has J = heads / key heads columns per key head and pads them to this; a prefill of
+    T tokens has T * J columns, in blocks of this."""
+    return _QUERY_BLOCK.get(device.type, 16)
+
+
+def problem_block(device: torch.device) -> int:
+    """Attention problems (key head x query block) per matmul call: 256 on CUDA, 32 on CPU."""
+    return _PROBLEM_BLOCK.get(device.type, 256)
+
+
+def by_rows(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+    """fn over fixed blocks of rows of x (all dims but the last are rows), concatenated.
+
+    fn returns a tensor or a tuple of tensors (a kernel with several outputs, each with rows
+    in its first dim); each output is concatenated on its own, so it keeps the dtype fn gives
+    it (RMSNorm's normed rows in the input dtype, its rstd in fp32).
+    """
     lead, D = x.shape[:-1], x.shape[-1]
     x_MD = x.reshape(-1, D)
     M, R = x_MD.shape[0], row_block(x.device)
     pad = (-M) % R
     if pad:
         x_MD = torch.cat([x_MD, x_MD.new_zeros(pad, D)])
-    out = torch.cat([fn(x_MD[i : i + R]) for i in range(0, M + pad, R)])[:M]
-    return out.reshape(*lead, out.shape[-1])
+    blocks = [fn(x_MD[i : i + R]) for i in range(0, M + pad, R)] or [fn(x_MD)]  # M = 0
+
+    def join(parts: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.cat(parts)[:M]
+        return out.reshape(*lead, out.shape[-1])
+
+    if isinstance(blocks[0], tuple):
+        return tuple(join(list(parts)) for parts in zip(*blocks, strict=True))
+    return join(blocks)
 
 
 def _last_dim(x: torch.Tensor, dims) -> bool:
@@ -117,10 +157,8 @@ def _softmax(func, x, dim, half_to_float):
 def _fused_rms_norm(func, x, normalized_shape, weight, eps):
     if len(normalized_shape) != 1 or x.dim() < 2:
         return func(x, normalized_shape, weight, eps)
-    D = x.shape[-1]
-    # Both outputs (normed rows [.., D] and rstd [.., 1]) travel in one block result.
-    both = by_rows(lambda x_RD: torch.cat(func(x_RD, normalized_shape, weight, eps), -1), x)
-    return both[..., :D].contiguous(), both[..., D:].contiguous()
+    # Two outputs: normed rows [.., D] in x's dtype and rstd [.., 1] in fp32 (for bf16 x).
+    return by_rows(lambda x_RD: func(x_RD, normalized_shape, weight, eps), x)
 
 
 _aten = torch.ops.aten
@@ -174,57 +212,115 @@ def attention(
 ) -> torch.Tensor:
     """Causal GQA attention with a fixed reduction order, in fp32; output in q's dtype.
 
-    Key slot s holds absolute position s; a query at position p sees slots 0..p. Keys are
-    processed in chunks of KV_CHUNK slots in increasing order with an online softmax; each
-    chunk's matmuls have the chunk length and the head dim as their fixed dims (the queries of
-    one key head are the free dim N), and the softmax denominator comes out of the same
-    matmul as the values (a row of ones appended to V), so no reduction depends on how many
-    queries or keys the call has.
+    Key slot s holds absolute position s; a query at position p sees slots 0..p. The work
+    is cut into problems: one key head and a block of `query_block(device)` query columns
+    (the heads j of that key head at consecutive times, zero-padded). Keys are processed in
+    chunks of KV_CHUNK slots in increasing order with an online softmax. Every matmul runs
+    on `problem_block(device)` problems at once, so each call has one shape, [P, C, K] @
+    [P, K, N] and [P, K + 1, C] @ [P, C, N], whatever the batch, the number of queries
+    (prefill or decode) or the number of keys; the softmax denominator comes out of the same
+    matmul as the values (a row of ones appended to V). Elementwise ops and the max are
+    exact whatever the shape.
+
+    Backward (the trainer): the gradient of plain masked attention on the saved inputs
+    (normal kernels, as for every op of the mode); no chunk intermediates are kept.
     """
+    # No op of this kernel is one the mode replaces (its matmuls are bmm.out calls of one
+    # shape): run it outside the mode, without the mode's per-op Python dispatch.
+    inside = isinstance(_get_current_dispatch_mode(), BatchInvariantMode)
+    with _pop_mode_temporarily() if inside else contextlib.nullcontext():
+        return _FixedOrderAttention.apply(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
+
+
+class _FixedOrderAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHTK, k_BGSK, v_BGSK, q_pos_BT):
+        ctx.save_for_backward(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
+        with torch.autocast(q_BHTK.device.type, enabled=False):  # fp32 matmuls, as documented
+            return _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
+
+    @staticmethod
+    def backward(ctx, grad_BHTK):
+        q, k, v, pos_BT = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        inputs = [t.detach().requires_grad_(n) for t, n in zip((q, k, v), needs, strict=True)]
+        visible_BTS = torch.arange(k.shape[2], device=k.device) <= pos_BT[:, :, None]
+        with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                *(t.float() for t in inputs), attn_mask=visible_BTS[:, None], enable_gqa=True
+            )
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(o, wanted, grad_BHTK.float()))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None)
+
+
+def _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT) -> torch.Tensor:
     B, H, T, K = q_BHTK.shape
     G, S = k_BGSK.shape[1], k_BGSK.shape[2]
     J, C = H // G, KV_CHUNK
     dev = q_BHTK.device
-    # Queries of key head g as columns: [B*G, K, N], columns ordered (t, j).
-    q_BGTJK = q_BHTK.float().view(B, G, J, T, K).transpose(2, 3)
-    q_XNK = q_BGTJK.reshape(B * G, T * J, K)
-    pos_XN = q_pos_BT[:, None, :, None].expand(B, G, T, J).reshape(B * G, T * J)
-    N = T * J
-    if N == 1:  # one column takes a matrix-vector path: pad to two (the copy sees key 0)
-        q_XNK = torch.cat([q_XNK, q_XNK], dim=1)
-        pos_XN = torch.cat([pos_XN, torch.zeros_like(pos_XN)], dim=1)
-    kv_heads = B * G
-    if kv_heads == 1:  # likewise one matrix takes another path than a batch of them
-        q_XNK, pos_XN = torch.cat([q_XNK, q_XNK]), torch.cat([pos_XN, pos_XN])
-        k_BGSK, v_BGSK = torch.cat([k_BGSK, k_BGSK]), torch.cat([v_BGSK, v_BGSK])
-    q_XKN = q_XNK.transpose(1, 2)
+    N, PB = query_block(dev), problem_block(dev)
+    X, Q = B * G, T * J  # key heads, query columns per key head
+    nq = -(-Q // N)  # query blocks per key head
+    P = -(-X * nq // PB) * PB  # problems, padded to whole calls
+    # Queries of key head g as columns, ordered (t, j): [B, G, J, T, K] -> [X, Q, K].
+    q_XQK = q_BHTK.float().view(B, G, J, T, K).transpose(2, 3).reshape(X, Q, K)
+    pos_XQ = q_pos_BT[:, None, :, None].expand(B, G, T, J).reshape(X, Q)
+    # Problems (x, query block): [P, N, K]. Padding columns and problems are zero queries at
+    # position 0 (they see slot 0 only: finite, and dropped at the end).
+    q_PNK = _pad(_pad(q_XQK, 1, nq * N).view(X * nq, N, K), 0, P)
+    pos_PN = _pad(_pad(pos_XQ, 1, nq * N).view(X * nq, N), 0, P)
+    head_P = _pad(torch.arange(X * nq, device=dev) // nq, 0, P)  # its key head (no sync)
+    q_PKN = q_PNK.transpose(1, 2).contiguous()
     scale = 1.0 / math.sqrt(K)
-    X, Np = q_XNK.shape[0], q_XNK.shape[1]
-    m_X1N = torch.full((X, 1, Np), -math.inf, device=dev)
-    acc_XKN = torch.zeros(X, K, Np, device=dev)
-    den_X1N = torch.zeros(X, 1, Np, device=dev)
+    m_P1N = torch.full((P, 1, N), -math.inf, device=dev)
+    acc_PKN = torch.zeros(P, K, N, device=dev)
+    den_P1N = torch.zeros(P, 1, N, device=dev)
     ones_X1C = torch.ones(X, 1, C, device=dev)
     for c0 in range(0, S, C):
-        k_XCK = k_BGSK[:, :, c0 : c0 + C].float().reshape(X, -1, K)
-        v_XCK = v_BGSK[:, :, c0 : c0 + C].float().reshape(X, -1, K)
-        if k_XCK.shape[1] < C:  # a last partial chunk: pad with masked zero keys
-            pad = C - k_XCK.shape[1]
-            k_XCK = torch.cat([k_XCK, k_XCK.new_zeros(X, pad, K)], dim=1)
-            v_XCK = torch.cat([v_XCK, v_XCK.new_zeros(X, pad, K)], dim=1)
-        s_XCN = torch.bmm(k_XCK, q_XKN) * scale
-        slot_C = torch.arange(c0, c0 + C, device=dev)
-        hidden_XCN = slot_C[None, :, None] > pos_XN[:, None, :]
-        s_XCN = s_XCN.masked_fill(hidden_XCN, -math.inf)
-        m_new = torch.maximum(m_X1N, s_XCN.amax(dim=1, keepdim=True))  # max: order-free
-        alpha_X1N = torch.exp(m_X1N - m_new)
-        p_XCN = torch.exp(s_XCN - m_new)
-        # [V^T; 1] @ P: the weighted values and the weights' sum in one fixed-shape matmul.
+        # This chunk's keys of each key head: [X, C, K] (a last partial chunk padded with
+        # masked zero keys), then gathered for every problem: [P, C, K].
+        k_XCK = _pad(k_BGSK[:, :, c0 : c0 + C].float().reshape(X, -1, K), 1, C)
+        v_XCK = _pad(v_BGSK[:, :, c0 : c0 + C].float().reshape(X, -1, K), 1, C)
+        # [V^T; 1]: the values and a row of ones, so that one matmul gives the weighted
+        # values and the weights' sum.
         vt1_XK1C = torch.cat([v_XCK.transpose(1, 2), ones_X1C], dim=1)
-        pv_XK1N = torch.bmm(vt1_XK1C, p_XCN)
-        acc_XKN = acc_XKN * alpha_X1N + pv_XK1N[:, :K]
-        den_X1N = den_X1N * alpha_X1N + pv_XK1N[:, K:]
-        m_X1N = m_new
-    o_XNK = (acc_XKN / den_X1N).transpose(1, 2)[:kv_heads, :N]
-    # [B*G, T*J, K] -> [B, G, T, J, K] -> [B, H, T, K] (heads g*J + j, as in enable_gqa).
-    o_BHTK = o_XNK.reshape(B, G, T, J, K).transpose(2, 3).reshape(B, H, T, K)
+        k_PCK, vt1_PK1C = k_XCK.index_select(0, head_P), vt1_XK1C.index_select(0, head_P)
+        s_PCN = _bmm_blocks(k_PCK, q_PKN, PB) * scale
+        slot_C = torch.arange(c0, c0 + C, device=dev)
+        hidden_PCN = slot_C[None, :, None] > pos_PN[:, None, :]
+        s_PCN = s_PCN.masked_fill(hidden_PCN, -math.inf)
+        m_new = torch.maximum(m_P1N, s_PCN.amax(dim=1, keepdim=True))  # max: order-free
+        alpha_P1N = torch.exp(m_P1N - m_new)
+        p_PCN = torch.exp(s_PCN - m_new)
+        pv_PK1N = _bmm_blocks(vt1_PK1C, p_PCN, PB)
+        acc_PKN = acc_PKN * alpha_P1N + pv_PK1N[:, :K]
+        den_P1N = den_P1N * alpha_P1N + pv_PK1N[:, K:]
+        m_P1N = m_new
+    o_PNK = (acc_PKN / den_P1N).transpose(1, 2)
+    # [X * nq, N, K] -> [X, Q, K] -> [B, G, T, J, K] -> [B, H, T, K] (heads g*J + j, as in
+    # enable_gqa).
+    o_XQK = o_PNK[: X * nq].reshape(X, nq * N, K)[:, :Q]
+    o_BHTK = o_XQK.reshape(B, G, T, J, K).transpose(2, 3).reshape(B, H, T, K)
     return o_BHTK.to(q_BHTK.dtype)
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """x zero-padded along dim to `size` (x itself when it has that size)."""
+    extra = size - x.shape[dim]
+    if not extra:
+        return x
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, extra])
+
+
+def _bmm_blocks(a_PMK: torch.Tensor, b_PKN: torch.Tensor, block: int) -> torch.Tensor:
+    """a @ b, one bmm per `block` consecutive matrices (contiguous slices: every call sees
+    the same shapes, strides and alignment), written into one result."""
+    P, M, N = a_PMK.shape[0], a_PMK.shape[1], b_PKN.shape[2]
+    assert P % block == 0, f"{P} problems are not whole blocks of {block}"
+    out_PMN = a_PMK.new_empty(P, M, N)
+    blocks = zip(a_PMK.contiguous().split(block), b_PKN.contiguous().split(block),
+                 out_PMN.split(block), strict=True)  # fmt: skip
+    for a, b, out in blocks:
+        torch.bmm(a, b, out=out)  # bmm.out: not a replaced op; writes the slice in place
+    return out_PMN

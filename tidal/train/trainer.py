@@ -130,6 +130,14 @@ class Trainer:
             model_name=f"model.flavor {cfg.model.flavor!r}",
         )
         self._open_run_folder()
+        try:
+            self._build(data)
+        except BaseException:
+            self._release_locks()  # a run that never started leaves the folder free
+            raise
+
+    def _build(self, data) -> None:
+        cfg, t = self.cfg, self.cfg.training
         self.device = resolve_device(cfg.job.device, self.dist.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -212,6 +220,12 @@ class Trainer:
         self.step = 0
         self._pp_norm: float | torch.Tensor = 1.0
         self.train_iter = iter(self.data.train)
+        layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
+        self.log(
+            f"model {cfg.model.flavor}: {self.n_params / 1e6:.1f}M parameters, "
+            f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
+            f"compile {t.compile}, world {self.dist.world_size} ({layout})"
+        )
         self.checkpoint = Checkpointer(
             cfg.checkpoint,
             folder=checkpoint_folder(cfg.checkpoint, cfg.job.output_dir),
@@ -231,12 +245,6 @@ class Trainer:
             self.step = self.checkpoint.load(self.plan)
         # Every rank agrees on a Ctrl-C stop through a host-side all-reduce (no device sync).
         self._stop_group = dist.new_group(backend="gloo") if self.dist.world_size > 1 else None
-        layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
-        self.log(
-            f"model {cfg.model.flavor}: {self.n_params / 1e6:.1f}M parameters, "
-            f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
-            f"compile {t.compile}, world {self.dist.world_size} ({layout})"
-        )
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -212,9 +212,14 @@ def read_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{path / layout.DCP_METADATA}: missing") from None
     except Exception as e:  # unpickling garbage raises many types
         raise CheckpointError(
-            f"{path / layout.DCP_METADATA}: unreadable ({type(e).__name__}: {e}); the checkpoint "
-            "is corrupt"
+            f"{path / layout.DCP_METADATA}: unreadable ({_first_line(e)}); the checkpoint is "
+            "corrupt"
         ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _arch_diff(saved: dict[str, Any], args: ModelArgs) -> list[str]:
@@ -284,8 +289,8 @@ class _NamingReader(FileSystemReader):
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except Exception as e:
                 raise CheckpointError(
-                    f"{Path(self.path) / name}: unreadable ({type(e).__name__}: {e}); the "
-                    "checkpoint is corrupt"
+                    f"{Path(self.path) / name}: unreadable ({_first_line(e)}); the checkpoint "
+                    "is corrupt"
                 ) from e
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(None)
@@ -692,7 +697,7 @@ class Checkpointer:
             self._keep_config_hyperparameters(hyper)
         else:
             set_model_state_dict(self.model, model_sd, options=_OPTIONS)
-        step = 0
+        step = plan.step if plan.resume else 0  # a model-only checkpoint has no train_state
         if "train_state" in flat:
             step = int(json.loads(flat["train_state"])["step"])
         if "lr_scheduler" in flat:

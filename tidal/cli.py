@@ -20,6 +20,17 @@ import sys
 
 
 def _train(argv: list[str]) -> int:
+    try:
+        return _train_command(argv)
+    except KeyboardInterrupt:
+        # In the training loop a first Ctrl-C stops after the current step (the trainer says
+        # so); this one came during set-up, data preparation or the final sample, or it is a
+        # second Ctrl-C in the loop.
+        print("tidal train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train_command(argv: list[str]) -> int:
     from tidal.train.config_parse import apply_overrides, help_text, to_json
     from tidal.train.configs import CONFIGS, get_config
 
@@ -92,19 +103,12 @@ def _train(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tidal train: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("tidal train: interrupted during set-up", file=sys.stderr)
-        return 130
     try:
-        try:
-            last = trainer.train()
-        finally:
-            trainer.close()
-    except KeyboardInterrupt:
-        # During the loop a first Ctrl-C stops after the step (the trainer prints it); this is
-        # a second one, or one during the final sample.
-        print("tidal train: interrupted", file=sys.stderr)
-        return 130
+        last = trainer.train()
+    except Exception:
+        trainer.close()
+        raise
+    trainer.close()  # not after a KeyboardInterrupt: it would wait for a save to finish
     return 130 if last.get("interrupted") else 0
 
 

@@ -115,6 +115,54 @@ def test_resume_is_bitwise_exact(straight, tmp_path):
     assert [r["step"] for r in records(out)] == [*range(1, 11), 10, *range(11, 21)]
 
 
+def rng_states_across_a_resume(out: Path, *extra: str) -> tuple[dict, dict]:
+    """Train with Ctrl-C during step 10, drawing random numbers every step (so the RNG
+    states move); return the states at the save and right after the resumed Trainer's load."""
+    import random
+
+    def states():
+        out = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and "cuda" in extra:
+            out["cuda"] = torch.cuda.get_rng_state()
+        return out
+
+    trainer = Trainer(run_config(out, *extra), data=random_data(), log=lambda *a: None)
+    real_step, real_save = trainer.train_step, trainer.checkpoint.save
+    saved: dict = {}
+
+    def train_step(batches, n_tokens):
+        random.random(), torch.rand(3)
+        if "cuda" in extra:
+            torch.rand(3, device="cuda")
+        if trainer.step == 10:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(batches, n_tokens)
+
+    def save(step, **kw):
+        saved.update(states())
+        return real_save(step, **kw)
+
+    trainer.train_step, trainer.checkpoint.save = train_step, save  # type: ignore[method-assign]
+    trainer.train()
+    trainer.close()
+    random.seed(123), torch.manual_seed(123)  # scrambled; seed_everything reseeds anyway
+    resumed = Trainer(run_config(out, *extra), data=random_data(), log=lambda *a: None)
+    restored = states()
+    resumed.train()
+    resumed.close()
+    return saved, restored
+
+
+def test_rng_states_are_restored(tmp_path):
+    saved, restored = rng_states_across_a_resume(tmp_path / "run")
+    assert saved["python"] == restored["python"]
+    assert torch.equal(saved["torch"], restored["torch"])
+    import random
+
+    random.seed(0)
+    assert random.getstate() != saved["python"]  # the states had moved past the seed's
+
+
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_async_saves_change_neither_losses_nor_contents(mode, straight, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

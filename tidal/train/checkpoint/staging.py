@@ -108,10 +108,12 @@ class PinnedStaging:
 
     def run_host_copy(self) -> None:
         """Writer thread, CPU tensors: copy into the buffers now."""
-        if not self.cuda and self._sources is not None:
-            assert self._buffers is not None
-            _copy_into(self._buffers, self._sources, non_blocking=False)
-        self._done()
+        try:
+            if not self.cuda and self._sources is not None:
+                assert self._buffers is not None
+                _copy_into(self._buffers, self._sources, non_blocking=False)
+        finally:
+            self._done()  # even on failure: the training thread must not wait forever
 
     def wait_copied(self) -> None:
         """Writer thread: block until the buffers hold the staged values."""

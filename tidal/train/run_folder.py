@@ -106,7 +106,8 @@ def check_fresh(output_dir: str | Path, *, resuming: bool, checkpointing: bool) 
 
 class StopOnInterrupt:
     """SIGINT asks the training loop to stop after the current step (see the module
-    docstring). Use as a context manager around the loop; `requested()` after each step.
+    docstring). `install()` before the loop (or use it as a context manager), `requested()`
+    after each step, `uninstall()` after the loop.
 
     `group`: a gloo process group over all ranks for the agreement (None in one process).
     """
@@ -121,16 +122,24 @@ class StopOnInterrupt:
         self._previous: Any = None
         self._installed = False
 
-    def __enter__(self) -> StopOnInterrupt:
+    def install(self) -> None:
+        """Take over SIGINT (from the main thread only; elsewhere this does nothing)."""
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
             self._installed = True
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
+        """Give SIGINT back to the handler it had."""
         if self._installed:
             signal.signal(signal.SIGINT, self._previous)
             self._installed = False
+
+    def __enter__(self) -> StopOnInterrupt:
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     def _handle(self, signum, frame) -> None:
         now = time.monotonic()

@@ -218,6 +218,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
         self.step = 0
+        self._first_step = 0
         self._pp_norm: float | torch.Tensor = 1.0
         self.train_iter = iter(self.data.train)
         layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
@@ -475,48 +476,47 @@ class Trainer:
         )
         watch, last = Stopwatch(), {}
         window_tokens, window_steps, start = 0, 0, time.perf_counter()
-        self._first_step = self.step
+        self._first_step = self.step  # a resumed run's ETA counts its own steps
         self.model.train()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         interrupted = False
         lr_start = self.checkpoint.lr_start  # the step the LR schedule (re)started at
+        stop = StopOnInterrupt(self._stop_group, log=self.log)
         try:
-            with StopOnInterrupt(self._stop_group, log=self.log) as stop:
-                while self.step < total_steps:
-                    self.step += 1
-                    lr = cfg.optimizer.lr * wsd_multiplier(
-                        self.step - lr_start, total_steps - lr_start, cfg.lr_scheduler
+            stop.install()
+            while self.step < total_steps:
+                self.step += 1
+                lr = cfg.optimizer.lr * wsd_multiplier(
+                    self.step - lr_start, total_steps - lr_start, cfg.lr_scheduler
+                )
+                set_lr(self.optimizer, lr)
+                batches, n_tokens, wait = self.next_batches()
+                watch.add("data_wait", wait)
+                result = self.train_step(batches, n_tokens)
+                window_tokens += result.tokens
+                window_steps += 1
+                if self.step % m.log_every == 0 or self.step == total_steps:
+                    last = self._log_step(
+                        logger, result, lr, window_tokens, window_steps, watch, start
                     )
-                    set_lr(self.optimizer, lr)
-                    batches, n_tokens, wait = self.next_batches()
-                    watch.add("data_wait", wait)
-                    result = self.train_step(batches, n_tokens)
-                    window_tokens += result.tokens
-                    window_steps += 1
-                    if self.step % m.log_every == 0 or self.step == total_steps:
-                        last = self._log_step(
-                            logger, result, lr, window_tokens, window_steps, watch, start
-                        )
-                        window_tokens, window_steps = 0, 0
-                    if m.val_every and (self.step % m.val_every == 0 or self.step == total_steps):
-                        self._log_validation(logger)
-                    self.checkpoint.maybe_save(self.step, total_steps)
-                    if stop.requested():
-                        interrupted = True
-                        break
-                if interrupted:
-                    if window_steps:  # the stopping step is logged even off the log interval
-                        last = self._log_step(
-                            logger, result, lr, window_tokens, window_steps, watch, start
-                        )
-                    if (
-                        self.checkpoint.saves_enabled
-                        and self.checkpoint.last_saved_step != self.step
-                    ):
-                        self.checkpoint.save(self.step)
-                self.checkpoint.finish()
+                    window_tokens, window_steps = 0, 0
+                if m.val_every and (self.step % m.val_every == 0 or self.step == total_steps):
+                    self._log_validation(logger)
+                self.checkpoint.maybe_save(self.step, total_steps)
+                if stop.requested():
+                    interrupted = True
+                    break
+            if interrupted:
+                if window_steps:  # the stopping step is logged even off the log interval
+                    last = self._log_step(
+                        logger, result, lr, window_tokens, window_steps, watch, start
+                    )
+                if self.checkpoint.saves_enabled and self.checkpoint.last_saved_step != self.step:
+                    self.checkpoint.save(self.step)
+            self.checkpoint.finish()
         finally:
+            stop.uninstall()
             if logger is not None:
                 logger.close()
         if interrupted:
@@ -559,7 +559,7 @@ class Trainer:
         }
         if logger is None:
             return record
-        first = getattr(self, "_first_step", 0)  # a resumed run times its own steps only
+        first = self._first_step
         done = (self.step - first) / max(1, self.cfg.training.steps - first)
         eta = record["elapsed_s"] * (1 - done) / max(done, 1e-9)
         mfu = f" mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""

@@ -18,8 +18,8 @@ plus tidal.json (model flavor and args, layout, contents) and the COMPLETE marke
 process: DCP reads for each rank the pieces of every tensor it holds.
 
 Lifecycle (every rank makes the same calls in the same order): the Trainer calls `plan_load`
-first (file system only: bad input fails before the data, the model or any process group
-exists), builds one `Checkpointer` after the optimizer, calls `load(plan)` once, then
+first (tidal/train/checkpoint/plan.py: file system only, before the data, the model or any
+process group exists), builds one `Checkpointer` after the optimizer, calls `load(plan)` once, then
 `maybe_save(step)` after every step, `wait_before_update()` before every optimizer step and
 `finish()` at the end, which waits for a background save. Saves run on a gloo process group
 of their own, so a background save never shares a communicator with training.
@@ -27,12 +27,10 @@ of their own, so a background save never shares a communicator with training.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,11 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,361 +50,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tidal.models.transformer import ModelArgs, Transformer
+from tidal.models.transformer import ModelArgs
 from tidal.train.checkpoint import layout
+from tidal.train.checkpoint.dcp_io import (
+    begin_partial,
+    load_flat,
+    mismatch_message,
+    read_metadata,
+    save_flat,
+    shape_diff,
+)
 from tidal.train.checkpoint.layout import CheckpointError
+from tidal.train.checkpoint.plan import LoadPlan, arch_diff
 from tidal.train.checkpoint.staging import PinnedStaging, copy_to_host
 from tidal.train.config import CHECKPOINT_STATES, CheckpointConfig
 
 Log = Callable[[str], None]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# ModelArgs fields that shape the weights or the math; attention kernel, max_seq_len (RoPE
-# tables, not saved) and notes may differ between the saving and the loading run.
-_ARCH_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(ModelArgs)
-    if f.name not in ("attention", "max_seq_len", "extra")
-)
-
-
-def checkpoint_folder(cfg: CheckpointConfig, output_dir: str | Path) -> Path:
-    """`checkpoint.folder` resolved against the run's output_dir."""
-    folder = Path(cfg.folder).expanduser()
-    return folder if folder.is_absolute() else Path(output_dir) / folder
-
-
-def model_info(args: ModelArgs, flavor: str) -> dict[str, Any]:
-    """The model part of tidal.json: the flavor name and the architecture it resolved to."""
-    fields = dataclasses.asdict(args)
-    fields.pop("extra", None)
-    return {"flavor": flavor, "args": fields}
-
-
-# -- which checkpoint to load -------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class LoadPlan:
-    """The checkpoint a run starts from, decided before anything is built."""
-
-    path: Path
-    step: int
-    info: dict[str, Any]
-    model_only: bool
-    resume: bool
-    """True: the run's own checkpoint (everything not excluded is restored, the metrics file
-    is appended to). False: `initial_load_path` (a fresh run starting from those weights)."""
-
-
-def plan_load(
-    cfg: CheckpointConfig,
-    output_dir: str | Path,
-    args: ModelArgs,
-    flavor: str,
-    *,
-    total_steps: int,
-    log: Log = print,
-) -> LoadPlan | None:
-    """The checkpoint this run will load, or None for a start from the seed initialization.
-
-    Resumes from the newest complete checkpoint in `checkpoint.folder` (or `load_step`), else
-    starts from `initial_load_path`; names the checkpoint chosen and any incomplete one
-    skipped. Reads only tidal.json and DCP's `.metadata`, no tensor: a checkpoint of another
-    model fails here, naming the keys, both shapes and the settings that differ.
-
-    Raises:
-        CheckpointError: a missing folder or path, a `load_step` without a checkpoint (naming
-            the steps there are), an incomplete, corrupt or mismatched checkpoint.
-    """
-    if not cfg.enable:
-        for name in ("initial_load_path", "load_step"):
-            if getattr(cfg, name) not in (None, -1):
-                log(f"warning: checkpoint.{name} is ignored without --checkpoint.enable true")
-        return None
-    folder = checkpoint_folder(cfg, output_dir)
-    found = layout.scan(folder)
-    skipped = f"; skipped incomplete: {found.describe_incomplete()}" if found.incomplete else ""
-    if cfg.create_seed_checkpoint:
-        if found.complete:
-            raise CheckpointError(
-                f"checkpoint.create_seed_checkpoint: {folder} already holds checkpoints "
-                f"({_steps(found)}); use an empty checkpoint.folder"
-            )
-        return None
-    if found.complete:
-        step = max(found.complete) if cfg.load_step == -1 else cfg.load_step
-        if step not in found.complete:
-            raise CheckpointError(
-                f"checkpoint.load_step={cfg.load_step}: {folder} has no complete step-{step}; "
-                f"complete checkpoints: {_steps(found)}{skipped}"
-            )
-        if cfg.initial_load_path:
-            log(f"warning: checkpoint.initial_load_path is ignored: resuming from {folder}")
-        path, resume = found.complete[step], True
-    elif cfg.load_step != -1:
-        where = (
-            "does not exist"
-            if not folder.exists()
-            else f"holds no complete checkpoint (incomplete: {found.describe_incomplete()})"
-        )
-        raise CheckpointError(f"checkpoint.load_step={cfg.load_step} but {folder} {where}")
-    elif cfg.initial_load_path:
-        path, resume = _initial_path(Path(cfg.initial_load_path).expanduser()), False
-    else:
-        if found.incomplete:
-            log(f"checkpoint: no complete checkpoint in {folder}{skipped}; starting fresh")
-        return None
-
-    info = layout.verify(path)  # marker, file sizes, tidal.json
-    contents = info.get("contents", ["model"])
-    step = int(info.get("step", 0))
-    if resume:
-        model_only = contents == ["model"]
-        if model_only and 0 < step < total_steps:
-            raise CheckpointError(
-                f"{path} holds only the model (saved with checkpoint.last_save_model_only), "
-                f"so training cannot resume from it; complete checkpoints: {_steps(found)}. "
-                f"Pick one with all states (--checkpoint.load_step), or start a new run from "
-                f"these weights with --checkpoint.initial_load_path {path}"
-            )
-    else:
-        model_only = cfg.initial_load_model_only
-        if not model_only and contents == ["model"]:
-            raise CheckpointError(
-                f"checkpoint.initial_load_model_only=false but {path} holds only the model"
-            )
-    _check_model(path, info, args, flavor)
-    what = "resuming from" if resume else "starting from"
-    part = " (model only)" if model_only else ""
-    log(f"checkpoint: {what} {path}{part}, step {step}{skipped if resume else ''}")
-    return LoadPlan(path=path, step=step, info=info, model_only=model_only, resume=resume)
-
-
-def _steps(found: layout.Scan) -> str:
-    return ", ".join(f"step-{s}" for s in found.steps) or "none"
-
-
-def _initial_path(path: Path) -> Path:
-    if not path.exists():
-        raise CheckpointError(f"checkpoint.initial_load_path {path} does not exist")
-    if layout.is_checkpoint(path):
-        return path
-    inner = layout.scan(path)
-    if inner.complete:  # a run's checkpoint folder: take its newest
-        return inner.complete[max(inner.complete)]
-    raise CheckpointError(
-        f"checkpoint.initial_load_path {path} is not a checkpoint (no {layout.MARKER} marker "
-        f"or DCP {layout.DCP_METADATA}) nor a folder of step-N checkpoints"
-    )
-
-
-def read_metadata(path: Path) -> Metadata:
-    """DCP's index of a checkpoint (keys, global shapes, dtypes), read without any tensor."""
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path / layout.DCP_METADATA}: missing") from None
-    except Exception as e:  # unpickling garbage raises many types
-        raise CheckpointError(
-            f"{path / layout.DCP_METADATA}: unreadable ({_first_line(e)}); the checkpoint is "
-            "corrupt"
-        ) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def _arch_diff(saved: dict[str, Any], args: ModelArgs) -> list[str]:
-    mine = model_info(args, "")["args"]
-    out = []
-    for name in _ARCH_FIELDS:
-        if name in saved and saved[name] != mine[name]:
-            flag = " (--model.vocab_size)" if name == "vocab_size" else ""
-            out.append(f"{name} {saved[name]!r} in the checkpoint, {mine[name]!r} here{flag}")
-    return out
-
-
-def _shape_diff(
-    target: dict[str, tuple[int, ...]], metadata: Metadata
-) -> tuple[list[str], list[str]]:
-    """(keys whose shapes differ, described with both shapes; keys the checkpoint lacks)."""
-    saved = metadata.state_dict_metadata
-    wrong, missing = [], []
-    for key, shape in target.items():
-        md = saved.get(key)
-        if md is None:
-            missing.append(key)
-        elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(shape):
-            wrong.append(f"{key} is {list(md.size)} in the checkpoint and {list(shape)} here")
-    return wrong, missing
-
-
-def _mismatch_message(path: Path, wrong: list[str], missing: list[str], diff: list[str]) -> str:
-    parts = []
-    if wrong:
-        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
-        parts.append("; ".join(wrong[:3]) + more)
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        parts.append(f"missing from the checkpoint: {', '.join(missing[:3])}{more}")
-    if diff:
-        parts.append("the model settings differ: " + "; ".join(diff))
-    return f"checkpoint {path} does not fit this run: " + ". ".join(parts)
-
-
-def _check_model(path: Path, info: dict[str, Any], args: ModelArgs, flavor: str) -> None:
-    """Compare the saved model with this run's before any tensor is read."""
-    saved = info.get("model", {})
-    diff = _arch_diff(saved.get("args", {}), args)
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
-    wrong, missing = _shape_diff(shapes, read_metadata(path))
-    saved_flavor = saved.get("flavor")
-    if diff and saved_flavor and saved_flavor != flavor:
-        diff.insert(0, f"saved from model.flavor {saved_flavor!r}, this run builds {flavor!r}")
-    if wrong or missing or diff:
-        raise CheckpointError(_mismatch_message(path, wrong, missing, diff))
-
-
-# -- reading with errors that name the file --------------------------------------------------
-
-
-class _NamingReader(FileSystemReader):
-    """DCP's file reader, reading one file at a time so that a failure names the file."""
-
-    def read_data(self, plan, planner):
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except Exception as e:
-                raise CheckpointError(
-                    f"{Path(self.path) / name}: unreadable ({_first_line(e)}); the checkpoint "
-                    "is corrupt"
-                ) from e
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(None)
-        return done
-
-
-def _unwrap(e: CheckpointException) -> BaseException:
-    """The first rank's error inside DCP's wrapper (ours carry the file name)."""
-    for exc, _trace in e.failures.values():
-        if isinstance(exc, CheckpointError):
-            return exc
-    first = next(iter(e.failures.values()), (e, None))[0]
-    return first
-
-
-def _quiet_single_process() -> None:
-    """DCP warns on every call without a process group; one process is a normal case here.
-    (A filter, not catch_warnings: saves also run on a background thread.)"""
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-
-
-def load_flat(flat: dict[str, Any], path: Path, process_group=None) -> None:
-    """Fill `flat` (DCP keys -> tensors or placeholders) in place from the checkpoint `path`,
-    resharding to whatever layout `flat`'s DTensors have.
-
-    Raises:
-        CheckpointError: a file is unreadable (named).
-    """
-    _quiet_single_process()
-    try:
-        dcp.load(
-            flat,
-            storage_reader=_NamingReader(str(path)),
-            process_group=process_group,
-            no_dist=not dist.is_initialized(),
-        )
-    except CheckpointException as e:
-        err = _unwrap(e)
-        if isinstance(err, CheckpointError):
-            raise err from None
-        raise CheckpointError(f"loading {path} failed: {type(err).__name__}: {err}") from None
-
-
-# -- model-only checkpoints (also for `tidal convert`) --------------------------------------
-
-
-def save_model(
-    state_dict: dict[str, torch.Tensor],
-    folder: str | Path,
-    step: int,
-    *,
-    info: dict[str, Any],
-    process_group=None,
-) -> Path:
-    """Save a model state dict (FQN -> tensor or DTensor) as the model-only checkpoint
-    `folder/step-<step>`, with the same layout, marker and crash safety as training saves.
-    `info` is tidal.json's content beyond step and contents: at least
-    `{"model": model_info(args, flavor)}`. Every rank calls it; returns the path.
-
-    Example::
-
-        sd = get_model_state_dict(model)  # or a converted Hugging Face state dict
-        save_model(sd, "ckpt", 0, info={"model": model_info(args, "llama3_1b")})
-    """
-    folder = Path(folder)
-    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-    partial = _begin_partial(folder, step, rank, process_group)
-    _save_flat(dict(state_dict), partial, process_group)
-    final = layout.step_dir(folder, step)
-    if rank == 0:
-        full = {"format": layout.FORMAT, "step": step, "contents": ["model"], **info}
-        layout.commit(partial, final, full)
-    return final
-
-
-def load_model(state_dict: dict[str, torch.Tensor], path: str | Path, process_group=None) -> None:
-    """Fill a model state dict (FQN -> tensor or DTensor, any layout) in place from the
-    checkpoint at `path` (model-only or full; other keys are not read).
-
-    Raises:
-        CheckpointError: incomplete, corrupt, or lacking a key / with another shape (named).
-    """
-    path = Path(path)
-    layout.verify(path)
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
-    wrong, missing = _shape_diff(shapes, read_metadata(path))
-    if wrong or missing:
-        raise CheckpointError(_mismatch_message(path, wrong, missing, []))
-    load_flat(state_dict, path, process_group)
-
-
-def _save_flat(flat: dict[str, Any], partial: Path, process_group) -> None:
-    _quiet_single_process()
-    dcp.save(
-        flat,
-        storage_writer=FileSystemWriter(str(partial)),  # fsyncs every file it writes
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-    )
-
-
-def _begin_partial(folder: Path, step: int, rank: int, process_group) -> Path:
-    """Rank 0 clears leftovers of earlier saves; every rank then writes into the same
-    partial folder (the broadcast orders the clean-up before any write)."""
-    partial = layout.partial_dir(folder, step)
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        layout.remove_incomplete(folder)
-    if dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        box = [str(partial)]
-        dist.broadcast_object_list(
-            box,
-            src=dist.get_global_rank(process_group, 0) if process_group is not None else 0,
-            group=process_group,
-        )
-    return partial
-
-
-# -- the training-run checkpointer ----------------------------------------------------------
 
 
 class _Stages(nn.Module):
@@ -604,8 +262,8 @@ class Checkpointer:
                 self.staging.wait_copied()
             else:
                 self.staging.run_host_copy()
-        partial = _begin_partial(self.folder, step, self.rank, self.pg)
-        _save_flat(flat, partial, self.pg)
+        partial = begin_partial(self.folder, step, self.rank, self.pg)
+        save_flat(flat, partial, self.pg)
         final = layout.step_dir(self.folder, step)
         if self.rank == 0:
             layout.commit(partial, final, info)
@@ -697,7 +355,9 @@ class Checkpointer:
             self._keep_config_hyperparameters(hyper)
         else:
             set_model_state_dict(self.model, model_sd, options=_OPTIONS)
-        step = plan.step if plan.resume else 0  # a model-only checkpoint has no train_state
+        # The step comes from train_state; without it (excluded, or an initial load of the
+        # model) training starts at 0, except a finished run's model-only last checkpoint.
+        step = plan.step if plan.resume and plan.model_only else 0
         if "train_state" in flat:
             step = int(json.loads(flat["train_state"])["step"])
         if "lr_scheduler" in flat:
@@ -720,11 +380,11 @@ class Checkpointer:
 
     def _check_fits(self, plan: LoadPlan, flat: dict[str, Any], metadata: Metadata) -> None:
         shapes = {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        wrong, missing = _shape_diff(shapes, metadata)
+        wrong, missing = shape_diff(shapes, metadata)
         missing += [k for k in flat if k not in shapes and k not in metadata.state_dict_metadata]
         if wrong or missing:
-            diff = _arch_diff(plan.info.get("model", {}).get("args", {}), self.args)
-            raise CheckpointError(_mismatch_message(plan.path, wrong, missing, diff))
+            diff = arch_diff(plan.info.get("model", {}).get("args", {}), self.args)
+            raise CheckpointError(mismatch_message(plan.path, wrong, missing, diff))
 
     def _keep_config_hyperparameters(self, before: list[dict[str, Any]]) -> None:
         """The config's betas, eps and weight decay win over the checkpoint's (the learning

@@ -387,3 +387,24 @@ def test_a_fresh_run_refuses_a_used_folder_and_two_runs_never_share_one(straight
         Trainer(run_config(out), data=random_data())
     first.close()
     Trainer(run_config(out), data=random_data(), log=lambda *a: None).close()  # free again
+
+
+def test_names_do_not_depend_on_activation_checkpointing_or_compile_wrappers(tmp_path):
+    src = tmp_path / "ac"
+    train(src, "--activation_checkpoint.mode", "full", steps=2)
+    keys = set(read_metadata(src / "checkpoint" / "step-2").state_dict_metadata)
+    assert "layers.0.attention.wq.weight" in keys
+    assert not any("_checkpoint_wrapped_module" in k for k in keys)
+    plain = Trainer(
+        run_config(tmp_path / "plain", "--checkpoint.initial_load_path", str(src / "checkpoint")),
+        data=random_data(),
+        log=lambda *a: None,
+    )
+    saved = Trainer(
+        run_config(src, "--activation_checkpoint.mode", "full", steps=2),
+        data=random_data(),
+        log=lambda *a: None,
+    )  # resumes its step-2
+    for (k, a), b in zip(plain.model.state_dict().items(), saved.model.state_dict().values(),
+                         strict=True):  # fmt: skip
+        assert torch.equal(a, b), k

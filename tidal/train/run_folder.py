@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ class StopOnInterrupt:
 
     REPEAT_S = 1.0
 
-    def __init__(self, group=None, log=print):
+    def __init__(self, group: Any = None, log: Callable[[str], None] = print) -> None:
         self.group = group
         self.log = log
         self.flag = False
@@ -141,7 +142,7 @@ class StopOnInterrupt:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         now = time.monotonic()
         if not self.flag:
             self.flag, self.first_at = True, now

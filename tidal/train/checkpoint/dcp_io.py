@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from tidal.train.checkpoint import layout
 from tidal.train.checkpoint.layout import CheckpointError
@@ -73,8 +74,8 @@ def mismatch_message(path: Path, wrong: list[str], missing: list[str], diff: lis
 class _NamingReader(FileSystemReader):
     """DCP's file reader, reading one file at a time so that a failure names the file."""
 
-    def read_data(self, plan, planner):
-        by_file: dict[str, list] = {}
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():

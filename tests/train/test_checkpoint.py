@@ -245,10 +245,13 @@ def test_exclude_from_loading_restarts_data_and_schedule(straight, tmp_path):
     assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.05
     trainer.train()
     trainer.close()
-    without_step = Trainer(run_config(out, "--checkpoint.exclude_from_loading", "train_state",
-                                      "--checkpoint.load_step", "10"), data=random_data(),
-                           log=lambda *a: None)  # fmt: skip
+    logs.clear()
+    cfg = run_config(out, "--checkpoint.exclude_from_loading", "train_state",
+                     "--checkpoint.load_step", "10")  # fmt: skip
+    without_step = Trainer(cfg, data=random_data(), log=logs.append)
     assert without_step.step == 0 and without_step.data.train.state_dict()["batch"] == 10
+    assert any("warning: step-20 in" in line and "come from before this resume" in line
+               for line in logs)  # fmt: skip
     without_step.close()
     lrs = {s: r[2] for s, r in step_records(out).items()}
     # A fresh warmup over the remaining 10 steps (3 warmup steps, then decay over the last 3).

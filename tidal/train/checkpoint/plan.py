@@ -106,6 +106,13 @@ def plan_load(
             )
         if cfg.initial_load_path:
             log(f"warning: checkpoint.initial_load_path is ignored: resuming from {folder}")
+        later = [s for s in found.steps if s > step]
+        if later:
+            log(
+                f"warning: {', '.join(f'step-{s}' for s in later)} in {folder} come from before "
+                f"this resume; this run replaces them as it saves those steps, and a restart "
+                "before then would resume from the newest of them"
+            )
         path, resume = found.complete[step], True
     elif cfg.load_step != -1:
         where = (

@@ -24,7 +24,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -110,14 +109,15 @@ class StopOnInterrupt:
     docstring). `install()` before the loop (or use it as a context manager), `requested()`
     after each step, `uninstall()` after the loop.
 
-    `group`: a gloo process group over all ranks for the agreement (None in one process).
+    `group`: a gloo process group over all ranks for the agreement (None in one process);
+    `announce`: say on stderr that the run will stop (rank 0).
     """
 
     REPEAT_S = 1.0
 
-    def __init__(self, group: Any = None, log: Callable[[str], None] = print) -> None:
+    def __init__(self, group: Any = None, *, announce: bool = True) -> None:
         self.group = group
-        self.log = log
+        self.announce = announce
         self.flag = False
         self.first_at = 0.0
         self._previous: Any = None
@@ -146,7 +146,10 @@ class StopOnInterrupt:
         now = time.monotonic()
         if not self.flag:
             self.flag, self.first_at = True, now
-            self.log("\ninterrupt: stopping after this step (Ctrl-C again to stop at once)")
+            if self.announce:  # os.write: a handler may interrupt a print of the main thread
+                os.write(
+                    2, b"\ninterrupt: stopping after this step (Ctrl-C again to stop at once)\n"
+                )
         elif now - self.first_at > self.REPEAT_S:
             raise KeyboardInterrupt
 

@@ -482,7 +482,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         interrupted = False
         lr_start = self.checkpoint.lr_start  # the step the LR schedule (re)started at
-        stop = StopOnInterrupt(self._stop_group, log=self.log)
+        stop = StopOnInterrupt(self._stop_group, announce=self.dist.is_main)
         try:
             stop.install()
             while self.step < total_steps:

@@ -58,7 +58,6 @@ def run_tidal(args, mode: str) -> dict:
 
     from tidal.models.flavors import get_flavor
     from tidal.train.checkpoint import plan_load
-    from tidal.train.checkpoint.staging import PinnedStaging
     from tidal.train.config import (
         CheckpointConfig,
         Config,
@@ -127,20 +126,22 @@ def run_tidal(args, mode: str) -> dict:
         s["blocked_s"] = sum(window) - len(window) * ordinary
         s["window_steps"] = len(window)
 
-    # The device-to-host copy of the same bytes into the same kind of buffers, alone.
-    flat = ckpt._flat(steps, model_only=False)
-    staging = PinnedStaging(device)
-    copies = []
-    for _ in range(4):  # the first allocates (and pins) the buffers
-        start = time.perf_counter()
-        staging.stage(flat)
-        if staging.cuda:
-            staging.wait_copied()
-        else:
-            staging.run_host_copy()
-        copies.append(time.perf_counter() - start)
-    copy_s = statistics.median(copies[1:])
-    del staging, flat
+    # The pinned mode: the device-to-host copy of the same bytes into the same buffers, alone.
+    copy_s = None
+    if ckpt.staging is not None:
+        flat = ckpt._flat(steps, model_only=False)
+        copies = []
+        for _ in range(3):
+            start = time.perf_counter()
+            ckpt.staging.stage(flat)
+            if ckpt.staging.cuda:
+                ckpt.staging.wait_copied()
+            else:
+                ckpt.staging.run_host_copy()
+            copies.append(time.perf_counter() - start)
+            ckpt.staging.wait_before_update()
+        copy_s = statistics.median(copies)
+        del flat
 
     plan = plan_load(cfg.checkpoint, out, trainer.args, args.flavor, total_steps=steps + 1,
                      log=lambda *a: None)  # fmt: skip
@@ -186,7 +187,7 @@ def run_torchtitan(args) -> list[dict]:
     folder = Path(args.folder)
     common = (f"--model.flavor {flavor} --training.local_batch_size {args.batch} "
               f"--training.seq_len {args.seq} --metrics.log_freq 1 --checkpoint.enable "
-              f"--checkpoint.keep_latest_k 2 --checkpoint.last_save_model_only false")  # fmt: skip
+              f"--checkpoint.keep_latest_k 2 --checkpoint.no_last_save_model_only")  # fmt: skip
     runs = []
     for mode in MODES:
         # torchtitan saves at step % interval == 0: the same steps as tidal's saves.

@@ -23,6 +23,7 @@ With `--torchtitan DIR` (the `.anchors/` folder from shared/anchors/prepare.sh) 
 lines give the same figures, side by side, with the ratios tidal / torchtitan.
 
     python benchmarks/checkpoint.py --torchtitan .anchors              # one GPU
+    python benchmarks/checkpoint.py --modes none --torchtitan .anchors # torchtitan only
     python benchmarks/checkpoint.py --flavor debug --device cpu --batch 2 --seq 128 \\
         --interval 6 --saves 2                                         # smoke test on CPU
 """
@@ -267,7 +268,7 @@ def main() -> None:
         "--interval", type=int, default=30, help="steps before the first save and between saves"
     )
     p.add_argument("--saves", type=int, default=3)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES), help="tidal's modes, or none")
     p.add_argument("--folder", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--torchtitan", default=None, help="the .anchors folder; omit to skip")
     p.add_argument("--torchtitan-timeout", type=int, default=600)
@@ -275,12 +276,13 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.folder = args.folder or tempfile.mkdtemp(prefix="tidal_ckpt_bench_")
+    modes = [m for m in args.modes.split(",") if m and m != "none"]  # none: torchtitan only
     if args.worker:
         print("RESULT " + json.dumps(run_tidal(args, args.worker)), flush=True)
         return
 
     results = []
-    for mode in args.modes.split(","):
+    for mode in modes:
         cmd = [sys.executable, __file__, "--worker", mode, *sys.argv[1:]]
         if "--folder" not in sys.argv:
             cmd += ["--folder", args.folder]
@@ -308,7 +310,7 @@ def main() -> None:
             print(fmt(r), flush=True)
         print("\nratios tidal / torchtitan (lower is better):")
         by = {(r["system"], r["mode"]): r for r in results if "error" not in r}
-        for mode in args.modes.split(","):
+        for mode in MODES:
             a, b = by.get(("tidal", mode)), by.get(("torchtitan", mode))
             if not (a and b):
                 continue

@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/tidal fetch shakespeare
+	rm -rf outputs/debug  # a fresh run refuses a folder holding an earlier run's metrics
 	$(BIN)/tidal train --config debug
 
 lint: setup

@@ -21,6 +21,17 @@ import sys
 
 
 def _train(argv: list[str]) -> int:
+    try:
+        return _train_command(argv)
+    except KeyboardInterrupt:
+        # In the training loop a first Ctrl-C stops after the current step (the trainer says
+        # so); this one came during set-up, data preparation or the final sample, or it is a
+        # second Ctrl-C in the loop.
+        print("tidal train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _train_command(argv: list[str]) -> int:
     from tidal.train.config_parse import apply_overrides, help_text, to_json
     from tidal.train.configs import CONFIGS, get_config
 
@@ -64,7 +75,7 @@ def _train(argv: list[str]) -> int:
         print(to_json(cfg))
         return 0
     if args.nproc > 1:
-        return _exec_torchrun(args.nproc, argv)
+        return _run_local_ranks(args.nproc, argv)
     if args.dry_run:
         from tidal.parallel.dry_run import dry_run
         from tidal.train.trainer import model_args_for
@@ -95,13 +106,22 @@ def _train(argv: list[str]) -> int:
         return 2
     try:
         last = trainer.train()
-    finally:
+    except Exception:
         trainer.close()
+        raise
+    trainer.close()  # not after a KeyboardInterrupt: it would wait for a save to finish
     return 130 if last.get("interrupted") else 0
 
 
-def _exec_torchrun(nproc: int, argv: list[str]) -> int:
-    """Replace this process with torchrun running `tidal train` on `nproc` local ranks."""
+def _run_local_ranks(nproc: int, argv: list[str]) -> int:
+    """Run `tidal train` on `nproc` local ranks through torchrun, inside this process, so
+    that Ctrl-C ends with the ranks' one-line messages rather than torchrun's traceback."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -111,19 +131,29 @@ def _exec_torchrun(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "tidal",
-        "train",
-        *rest,
-    ]
-    os.execv(sys.executable, cmd)
-    return 0  # not reached
+    launch = ["--standalone", f"--nproc_per_node={nproc}", "-m", "tidal", "train", *rest]
+    # After Ctrl-C torchrun gives the ranks this long to finish the step and save before it
+    # kills them (30 s by default; recent torch reads this variable).
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+    for name in list(logging.Logger.manager.loggerDict):  # each sets its own level
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        run(get_args_parser().parse_args(launch))
+    except SignalException:  # Ctrl-C reached torchrun too; the ranks have said what they did
+        return 130
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        if len(codes) == 1 and codes[0] in (2, 130):  # bad input or Ctrl-C, already printed
+            return codes[0]
+        codes_text = ", ".join(map(str, codes))
+        print(
+            f"tidal train: {len(e.failures)} rank(s) failed with exit code(s) {codes_text}; "
+            "their errors are above",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _fetch(argv: list[str]) -> int:

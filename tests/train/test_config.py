@@ -59,6 +59,7 @@ def test_overrides_are_typed_and_validated():
         (["--data.val_fraction", "1.5"], "val_fraction must be in [0, 1)"),
         (["--data.dataset", "jsonl"], "DataConfig.path is required"),
         (["--training.steps"], "needs a value"),
+        (["--training.steps", "--training.seed", "1"], "--training.steps needs a value"),
     ],
 )
 def test_bad_overrides_name_the_field(argv, message):
@@ -104,3 +105,9 @@ def test_cli_lists_models_and_configs(capsys):
     assert "llama3_8b" in capsys.readouterr().out
     assert main(["configs"]) == 0
     assert "debug" in capsys.readouterr().out
+
+
+def test_a_bare_boolean_flag_means_true():
+    cfg = apply_overrides(get_config("debug"), ["--checkpoint.enable", "--checkpoint.interval",
+                                                "50", "--training.compile"])  # fmt: skip
+    assert cfg.checkpoint.enable and cfg.checkpoint.interval == 50 and cfg.training.compile

@@ -153,20 +153,24 @@ def test_batches_are_pinned_only_for_cuda(tmp_path, monkeypatch):
     assert calls == ["pin", ("cuda", True)]
 
 
-def test_ctrl_c_stops_cleanly(tmp_path):
-    trainer = tiny_trainer(tmp_path, "--metrics.log_every", "1")
+def test_ctrl_c_stops_after_the_current_step(tmp_path):
+    import os
+    import signal
+
+    trainer = tiny_trainer(tmp_path, "--metrics.log_every", "2")
     real_step = trainer.train_step
 
     def step(batches, n_tokens):
         if trainer.step == 3:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of step 3
         return real_step(batches, n_tokens)
 
     trainer.train_step = step
     last = trainer.train()
-    assert last["interrupted"] and last["step"] == 2
+    assert last["interrupted"] and last["step"] == 3  # finished and logged off the interval
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    assert [json.loads(x)["step"] for x in lines] == [2, 3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler removed
 
 
 def test_tokenizer_larger_than_embedding_fails_before_training(tmp_path, text_corpus, cache_dir):

@@ -22,7 +22,9 @@ class JobConfig:
     name: str = "debug"
     """Name of the run, printed in logs."""
     output_dir: str = "outputs/debug"
-    """Directory for metrics.jsonl, TensorBoard events and samples; created if missing."""
+    """Directory of the run (metrics.jsonl, checkpoints, TensorBoard events, samples); created
+    if missing. One run at a time holds it (a lock); a fresh run refuses a folder that holds
+    an earlier run's metrics (resume that run with checkpoint.enable, or pick another)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto picks cuda when available, else cpu."""
 
@@ -211,6 +213,97 @@ class SampleConfig:
         _check(self.top_k >= 0, f"sample.top_k must be >= 0, got {self.top_k}")
 
 
+CHECKPOINT_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Distributed checkpoints (DCP): save, resume, reshard. Field names follow torchtitan's;
+    docs/checkpoint.md describes the folder layout, resume and crash safety."""
+
+    enable: bool = False
+    """Save checkpoints every `interval` steps, at the last step and on Ctrl-C, and resume from
+    the newest complete one in `folder` at start."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.output_dir (or absolute); holds one step-N folder per
+    checkpoint."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 10
+    """Keep the newest k complete checkpoints, deleting older ones after each save; 0 keeps all."""
+    load_step: int = -1
+    """Resume from the checkpoint of this step; -1 takes the newest complete one."""
+    load_only: bool = False
+    """Load checkpoints but never save any (evaluation, debugging)."""
+    exclude_from_loading: str = ""
+    """Comma list of states not to restore on resume, from optimizer, lr_scheduler (the
+    schedule restarts over the remaining steps), dataloader, train_state (the step restarts
+    at 0), rng. The model is always loaded."""
+    last_save_model_only: bool = False
+    """The save at the last step holds the model only (in export_dtype), not optimizer, data
+    position and RNG; such a checkpoint cannot be resumed. torchtitan defaults to true; tidal
+    keeps the last checkpoint resumable unless asked."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the model in a last_save_model_only checkpoint."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled: the step waits for the whole save. async: the state is copied to host memory
+    in the step, then written by a background thread. async_with_pinned_mem: the copy goes to
+    pinned host buffers reused across saves, queued on a side CUDA stream; the step continues
+    and only the next optimizer step waits for the copy."""
+    initial_load_path: str | None = None
+    """A checkpoint folder (a step-N folder, e.g. of another run) to start from when `folder`
+    holds no complete checkpoint: fine-tuning. Ignored when resuming."""
+    initial_load_model_only: bool = True
+    """From initial_load_path load the model only (optimizer and step start fresh); false
+    restores everything in it."""
+    create_seed_checkpoint: bool = False
+    """Initialize the model in one process, save it as step-0 (model only) in `folder`, and exit
+    without training; runs on any layout can then start from the same weights."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval > 0, f"checkpoint.interval must be positive, got {self.interval}")
+        _check(
+            self.keep_latest_k >= 0,
+            f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}",
+        )
+        _check(
+            self.load_step >= -1,
+            f"checkpoint.load_step must be -1 (the newest) or a step >= 0, got {self.load_step}",
+        )
+        _check(bool(self.folder), "checkpoint.folder must be a non-empty path")
+        for name in self.excluded:
+            _check(
+                name in CHECKPOINT_STATES,
+                f"checkpoint.exclude_from_loading: {name!r} is not a state; choose from "
+                f"{', '.join(CHECKPOINT_STATES)} (the model is always loaded)",
+            )
+        _check(
+            self.export_dtype in EXPORT_DTYPES,
+            f"checkpoint.export_dtype must be one of {', '.join(EXPORT_DTYPES)}; "
+            f"got {self.export_dtype!r}",
+        )
+        _check(
+            self.async_mode in ASYNC_MODES,
+            f"checkpoint.async_mode must be one of {', '.join(ASYNC_MODES)}; "
+            f"got {self.async_mode!r}",
+        )
+        _check(
+            self.enable or not self.create_seed_checkpoint,
+            "checkpoint.create_seed_checkpoint needs --checkpoint.enable true",
+        )
+        _check(
+            self.initial_load_path is None or bool(self.initial_load_path),
+            "checkpoint.initial_load_path must be a path or none",
+        )
+
+    @property
+    def excluded(self) -> list[str]:
+        """exclude_from_loading as a list of state names."""
+        return [s.strip() for s in self.exclude_from_loading.split(",") if s.strip()]
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     """A whole training job."""
@@ -227,6 +320,7 @@ class Config:
     )
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         max_len = FLAVORS[self.model.flavor].max_seq_len

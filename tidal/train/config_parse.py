@@ -97,9 +97,12 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
     raise TypeError(f"{where}: fields of type {tp} cannot be set from the command line")
 
 
-def split_overrides(argv: list[str]) -> dict[str, str]:
-    """["--a.b", "1", "--c.d=x"] -> {"a.b": "1", "c.d": "x"}."""
-    out, i = {}, 0
+def split_overrides(argv: list[str]) -> dict[str, str | None]:
+    """["--a.b", "1", "--c.d=x", "--e.f"] -> {"a.b": "1", "c.d": "x", "e.f": None}: a flag
+    followed by another flag (or nothing) has no value, which a boolean field reads as true
+    (`--checkpoint.enable`, as torchtitan spells it)."""
+    out: dict[str, str | None] = {}
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
@@ -107,13 +110,12 @@ def split_overrides(argv: list[str]) -> dict[str, str]:
                 f"unexpected argument {arg!r}; overrides look like --section.field VALUE"
             )
         key = arg[2:]
+        value: str | None = None
         if "=" in key:
             key, value = key.split("=", 1)
-        elif i + 1 < len(argv):
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             i += 1
             value = argv[i]
-        else:
-            raise ValueError(f"override --{key} needs a value")
         out[key] = value
         i += 1
     return out
@@ -130,6 +132,10 @@ def apply_overrides(config, argv: list[str]):
         hints = _hints(sec_cls)
         if name not in hints:
             raise ValueError(f"unknown field --{key}; {section} has {', '.join(sorted(hints))}")
+        if raw is None:
+            if hints[name] is not bool:
+                raise ValueError(f"override --{key} needs a value")
+            raw = "true"
         values[section][name] = parse_value(raw, hints[name], f"--{key}")
     return build(type(config), values)
 

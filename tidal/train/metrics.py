@@ -63,14 +63,34 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLogger:
-    """Writes one JSON object per line to <output_dir>/metrics.jsonl, prints a line per
+    """Appends one JSON object per line to <output_dir>/metrics.jsonl, prints a line per
     record, and optionally mirrors scalars to TensorBoard. Only the process that owns output
-    (rank 0) should create one."""
+    (rank 0) should create one, and only one run at a time (tidal/train/run_folder.py).
 
-    def __init__(self, output_dir: str | Path, *, tensorboard: bool = False, stream=None):
+    `resume_step`: this run resumes an earlier one after that step; a `{"event": "resume",
+    "step": N}` record goes first, and records after it supersede earlier ones of the same
+    steps."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        stream=None,
+        resume_step: int | None = None,
+    ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed in close()
+        path = self.dir / "metrics.jsonl"
+        self.file = open(path, "a")  # noqa: SIM115 - closed in close()
+        if resume_step is not None:
+            if self.file.tell() > 0:
+                with open(path, "rb") as f:  # a killed run may have cut its last line short
+                    f.seek(-1, 2)
+                    if f.read(1) != b"\n":
+                        self.file.write("\n")
+            self.file.write(json.dumps({"event": "resume", "step": resume_step}) + "\n")
+            self.file.flush()
         self.stream = stream or sys.stdout
         self.tb = None
         if tensorboard:

@@ -5,10 +5,14 @@ resolves the device, joins the process group, validates the parallel layout agai
 size and the model, builds the mesh and the data pipeline (tokenizer first, so the model's
 vocabulary is checked before anything is allocated), builds the model (or this rank's pipeline
 stages) on the meta device, parallelizes it (tidal/parallel), materializes and initializes it,
-and builds AdamW. `train()` runs `training.steps` optimizer steps, each over
-`grad_accum_steps` micro-batches, logging every `metrics.log_every` steps (rank 0 only) and
-validating every `metrics.val_every`; Ctrl-C ends the loop after the current step and still
-logs it.
+and builds AdamW. Before any of that it settles the run folder: rank 0 locks
+`job.output_dir`, and every rank decides which checkpoint to start from (tidal/train/
+run_folder.py, tidal/train/checkpoint/), so a busy folder or a bad checkpoint fails at once;
+the checkpoint is loaded once the optimizer exists. `train()` runs the remaining optimizer
+steps up to `training.steps`, each over `grad_accum_steps` micro-batches, logging every
+`metrics.log_every` steps (rank 0 only), validating every `metrics.val_every` and saving
+checkpoints every `checkpoint.interval`; Ctrl-C ends the loop after the current step on every
+rank, saves a checkpoint (when enabled) and still logs the step.
 
 Loss normalization: each step's loss is the sum of token losses over every micro-batch,
 data-parallel rank and context-parallel shard, divided by the global number of valid labels.
@@ -18,12 +22,14 @@ FSDP averages gradients over its ranks, so the backward loss is scaled by that c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +46,7 @@ from tidal.parallel.grad_norm import clip_grad_norm
 from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
 from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
+from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
 from tidal.train.data import Batch, DataBundle, build_data
 from tidal.train.loss import IGNORE_INDEX, cross_entropy_sum
@@ -51,6 +58,7 @@ from tidal.train.metrics import (
     peak_memory_gib,
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
+from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -120,6 +128,15 @@ class Trainer:
             batch_size=t.batch_size,
             model_name=f"model.flavor {cfg.model.flavor!r}",
         )
+        self._open_run_folder()
+        try:
+            self._build(data)
+        except BaseException:
+            self._release_locks()  # a run that never started leaves the folder free
+            raise
+
+    def _build(self, data) -> None:
+        cfg, t = self.cfg, self.cfg.training
         self.device = resolve_device(cfg.job.device, self.dist.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -200,6 +217,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
         self.step = 0
+        self._first_step = 0
         self._pp_norm: float | torch.Tensor = 1.0
         self.train_iter = iter(self.data.train)
         layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
@@ -208,8 +226,63 @@ class Trainer:
             f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
             f"compile {t.compile}, world {self.dist.world_size} ({layout})"
         )
+        self.checkpoint = Checkpointer(
+            cfg.checkpoint,
+            folder=checkpoint_folder(cfg.checkpoint, cfg.job.output_dir),
+            modules=self.modules,
+            optimizer=self.optimizer,
+            loader=self.data.train,
+            device=self.device,
+            args=self.args,
+            info={
+                "model": model_info(self.args, cfg.model.flavor),
+                "parallelism": {"world_size": self.dist.world_size, "degrees": self.dims.degrees},
+            },
+            lr_settings={**dataclasses.asdict(cfg.lr_scheduler), "total_steps": t.steps},
+            log=self.log,
+        )
+        if self.plan is not None:
+            self.step = self.checkpoint.load(self.plan)
+        # Every rank agrees on a Ctrl-C stop through a host-side all-reduce (no device sync).
+        self._stop_group = dist.new_group(backend="gloo") if self.dist.world_size > 1 else None
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _open_run_folder(self) -> None:
+        """Lock the run folder (rank 0), pick the checkpoint to start from (every rank), and
+        refuse a folder holding another run's metrics: all before any expensive work."""
+        cfg, ckpt = self.cfg, self.cfg.checkpoint
+        if ckpt.create_seed_checkpoint and self.dist.world_size > 1:
+            raise ValueError(
+                "checkpoint.create_seed_checkpoint runs in one process (it saves the unsharded "
+                f"seed model); this run has {self.dist.world_size} ranks"
+            )
+        self._locks: list[RunLock] = []
+        if self.dist.is_main:
+            self._locks.append(RunLock(cfg.job.output_dir))
+            folder = checkpoint_folder(ckpt, cfg.job.output_dir).resolve()
+            if ckpt.enable and not folder.is_relative_to(Path(cfg.job.output_dir).resolve()):
+                self._locks.append(RunLock(folder))  # a folder elsewhere is locked too
+        try:
+            self.plan = plan_load(
+                ckpt,
+                cfg.job.output_dir,
+                self.args,
+                cfg.model.flavor,
+                total_steps=cfg.training.steps,
+                log=self.log,
+            )
+            if self.dist.is_main:
+                resuming = self.plan is not None and self.plan.resume
+                check_fresh(cfg.job.output_dir, resuming=resuming, checkpointing=ckpt.enable)
+        except BaseException:
+            self._release_locks()
+            raise
+
+    def _release_locks(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
 
     def _dim(self, name: str) -> DeviceMesh:
         assert self.mesh is not None, f"mesh dimension {name!r} needs a multi-rank run"
@@ -322,6 +395,7 @@ class Trainer:
         grad_norm = clip_grad_norm(
             self.params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
         )
+        self.checkpoint.wait_before_update()  # a staged save must have copied the weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
@@ -386,23 +460,46 @@ class Trainer:
         return s.prompt + (sample.text or "")
 
     def train(self) -> dict:
-        """Run the configured number of steps; returns the last logged record."""
+        """Run the remaining steps up to `training.steps`; returns the last logged record
+        (with "interrupted": True after a Ctrl-C)."""
         cfg = self.cfg
         total_steps, m = cfg.training.steps, cfg.metrics
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpoint.save(0, seed=True)
+            self.log(f"checkpoint: seed checkpoint saved in {self.checkpoint.folder / 'step-0'}")
+            return {}
+        if self.step >= total_steps:
+            self.log(
+                f"nothing to train: the run is at step {self.step} of training.steps="
+                f"{total_steps} (raise --training.steps to continue it)"
+            )
+            return {}
+        resumed = self.plan is not None and self.plan.resume
         logger = (
-            MetricsLogger(cfg.job.output_dir, tensorboard=m.tensorboard)
+            MetricsLogger(
+                cfg.job.output_dir,
+                tensorboard=m.tensorboard,
+                resume_step=self.step if resumed else None,
+            )
             if self.dist.is_main
             else None
         )
         watch, last = Stopwatch(), {}
         window_tokens, window_steps, start = 0, 0, time.perf_counter()
+        self._first_step = self.step  # a resumed run's ETA counts its own steps
         self.model.train()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        interrupted = False
+        lr_start = self.checkpoint.lr_start  # the step the LR schedule (re)started at
+        stop = StopOnInterrupt(self._stop_group, announce=self.dist.is_main)
         try:
+            stop.install()
             while self.step < total_steps:
                 self.step += 1
-                lr = cfg.optimizer.lr * wsd_multiplier(self.step, total_steps, cfg.lr_scheduler)
+                lr = cfg.optimizer.lr * wsd_multiplier(
+                    self.step - lr_start, total_steps - lr_start, cfg.lr_scheduler
+                )
                 set_lr(self.optimizer, lr)
                 batches, n_tokens, wait = self.next_batches()
                 watch.add("data_wait", wait)
@@ -416,13 +513,29 @@ class Trainer:
                     window_tokens, window_steps = 0, 0
                 if m.val_every and (self.step % m.val_every == 0 or self.step == total_steps):
                     self._log_validation(logger)
-        except KeyboardInterrupt:
-            self.log(f"interrupted at step {self.step}/{total_steps}; stopping cleanly")
-            last["interrupted"] = True
+                self.checkpoint.maybe_save(self.step, total_steps)
+                if stop.requested():
+                    interrupted = True
+                    break
+            if interrupted:
+                if window_steps:  # the stopping step is logged even off the log interval
+                    last = self._log_step(
+                        logger, result, lr, window_tokens, window_steps, watch, start
+                    )
+                if self.checkpoint.saves_enabled and self.checkpoint.last_saved_step != self.step:
+                    self.checkpoint.save(self.step)
+            self.checkpoint.finish()
         finally:
+            stop.uninstall()
             if logger is not None:
                 logger.close()
-        if cfg.sample.max_new_tokens and not last.get("interrupted"):
+        if interrupted:
+            saved = ""
+            if self.checkpoint.saves_enabled:
+                saved = f"; checkpoint {self.checkpoint.folder / f'step-{self.step}'}"
+            self.log(f"interrupted: stopped after step {self.step}/{total_steps}{saved}")
+            last["interrupted"] = True
+        if cfg.sample.max_new_tokens and not interrupted:
             if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
                 self.log("sample: skipped (end-of-run sampling runs without TP, PP or CP)")
             else:
@@ -456,8 +569,9 @@ class Trainer:
         }
         if logger is None:
             return record
-        done = self.step / self.cfg.training.steps
-        eta = record["elapsed_s"] * (1 - done) / done
+        first = self._first_step
+        done = (self.step - first) / max(1, self.cfg.training.steps - first)
+        eta = record["elapsed_s"] * (1 - done) / max(done, 1e-9)
         mfu = f" mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
         per_device = f" ({tps_device:,.0f}/device)" if self.dist.world_size > 1 else ""
         line = (
@@ -477,5 +591,10 @@ class Trainer:
         logger.log(record, f"step {self.step:>6} val_loss {val:.4f} ppl {record['val_ppl']:.1f}")
 
     def close(self) -> None:
-        """Leave the process group (multi-rank runs)."""
-        destroy_process_group()
+        """Wait for a background checkpoint save, release the run folder, leave the process
+        group (multi-rank runs)."""
+        try:
+            self.checkpoint.finish()
+        finally:
+            self._release_locks()
+            destroy_process_group()

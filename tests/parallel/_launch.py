@@ -9,6 +9,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from tidal.parallel.launch import destroy_process_group
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,6 +33,10 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
         raise
+    finally:
+        # fn's meshes and models are gone with its frame: free their process groups now,
+        # not during interpreter shutdown (see tidal.parallel.launch.destroy_process_group).
+        destroy_process_group()
 
 
 def run_ranks(world: int, fn, *args, tmp_path) -> list:

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import tidal.store
+from tidal.parallel.launch import destroy_process_group
 
 
 def full(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,7 +78,7 @@ def get_case(store, ckpt: str, key: str, shape, dtype, mesh, placements) -> None
     _check(f"{key} again", dst2, distribute_tensor(ref * 2, mesh, placements))
 
 
-def job_a(rank: int, world: int, address: str, init_file: str, ckpt: str) -> None:
+def _job_a(rank: int, world: int, address: str, init_file: str, ckpt: str) -> None:
     _init(rank, world, init_file)
     store = tidal.store.connect(address)
     mesh = init_device_mesh("cpu", (2,))
@@ -87,10 +88,9 @@ def job_a(rank: int, world: int, address: str, init_file: str, ckpt: str) -> Non
     # Row-wise -> column-wise within the same job.
     get_case(store, ckpt, "row2", (8, 6), torch.float32, mesh, [Shard(1)])
     store.close()
-    dist.destroy_process_group()
 
 
-def job_b(rank: int, world: int, address: str, init_file: str, ckpt: str) -> None:
+def _job_b(rank: int, world: int, address: str, init_file: str, ckpt: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -136,10 +136,9 @@ def job_b(rank: int, world: int, address: str, init_file: str, ckpt: str) -> Non
     for k, v in got.items():
         _check(f"fsdp_model->{k}", v, sd2[k])
     store.close()
-    dist.destroy_process_group()
 
 
-def job_c(rank: int, world: int, address: str, init_file: str, ckpt: str) -> None:
+def _job_c(rank: int, world: int, address: str, init_file: str, ckpt: str) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _init(rank, world, init_file)
@@ -170,4 +169,28 @@ def job_c(rank: int, world: int, address: str, init_file: str, ckpt: str) -> Non
         w1 = m.w1.weight
         assert isinstance(w1, DTensor) and torch.equal(w1.full_tensor(), ref["w1.weight"])
     store.close()
-    dist.destroy_process_group()
+
+
+def _ended(body):
+    """The job ``body`` as a spawn target: once it returned (its meshes and models gone with
+    its frame), the process groups are freed before the interpreter exits."""
+
+    def job(*args) -> None:
+        try:
+            body(*args)
+        finally:
+            destroy_process_group()
+
+    return job
+
+
+def job_a(*args) -> None:
+    _ended(_job_a)(*args)
+
+
+def job_b(*args) -> None:
+    _ended(_job_b)(*args)
+
+
+def job_c(*args) -> None:
+    _ended(_job_c)(*args)

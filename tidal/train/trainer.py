@@ -591,10 +591,16 @@ class Trainer:
         logger.log(record, f"step {self.step:>6} val_loss {val:.4f} ppl {record['val_ppl']:.1f}")
 
     def close(self) -> None:
-        """Wait for a background checkpoint save, release the run folder, leave the process
-        group (multi-rank runs)."""
+        """Wait for a background checkpoint save, release the run folder, drop the model,
+        optimizer and mesh, and leave the process group (multi-rank runs). The trainer is
+        not usable afterwards: its communicators are gone with it, freed here rather than
+        at interpreter exit (see tidal.parallel.launch.destroy_process_group)."""
         try:
             self.checkpoint.finish()
         finally:
             self._release_locks()
+            for name in ("model", "modules", "params", "optimizer", "pipeline", "mesh", "cp",
+                         "checkpoint", "train_iter"):  # fmt: skip
+                if hasattr(self, name):
+                    setattr(self, name, None)
             destroy_process_group()

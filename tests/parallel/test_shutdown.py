@@ -42,3 +42,20 @@ def test_closed_trainer_holds_no_process_group(name, tmp_path, text_corpus, cach
     cfg = make_config(tmp_path, text_corpus, cache_dir, *extra)
     for result in run_ranks(world, _close_and_count, cfg, tmp_path=tmp_path):
         assert result == (0, 0, False)  # no mesh holding groups, no FSDP state, no group
+
+
+def test_teardown_survives_dead_weak_proxies():
+    """gc.get_objects() hands the teardown dead weak proxies, on which isinstance raises."""
+    import weakref
+
+    from tidal.parallel.launch import destroy_process_group
+
+    class Thing:
+        pass
+
+    thing = Thing()
+    proxy = weakref.proxy(thing)
+    del thing
+    held = [proxy]  # a dead proxy the teardown will see
+    destroy_process_group()
+    assert len(held) == 1

@@ -74,7 +74,9 @@ def _empty_mesh_registries() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # type(), not isinstance(): the objects include dead weak proxies, which raise on
+        # isinstance, and deprecated torch names, which warn.
+        if type(obj) is DeviceMesh:
             registry = getattr(obj, "_pg_registry", None)  # fallback: none kept in a mesh
             if isinstance(registry, dict):
                 registry.clear()

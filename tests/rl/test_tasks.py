@@ -120,6 +120,17 @@ def test_train_and_eval_never_share_a_problem(name, params):
     assert train[:50] != train[700:750]
 
 
+def test_streams_are_pinned():
+    # Same seed, same problems in any process and release (string-seeded Random, BLAKE2
+    # split); a change here silently changes everyone's eval sets.
+    task = get_task("addition")
+    train = [p.prompt for p in itertools.islice(task.problems("train", seed=0), 3)]
+    assert train == ["What is 492 + 343?", "What is 964 + 338?", "What is 692 + 941?"]
+    assert [p.prompt for p in task.eval_set(2)] == ["What is 260 + 382?", "What is 938 + 998?"]
+    assert next(get_task("countdown").problems()).reference == {"numbers": [17, 31, 73],
+                                                                 "target": 25}  # fmt: skip
+
+
 def test_split_fraction_and_nesting():
     small, large = get_task("addition", eval_fraction=0.05), get_task("addition", eval_fraction=0.2)
     rng = random.Random(0)

@@ -1,0 +1,322 @@
+"""The rollout batch: what generators send the trainer through the store.
+
+Shapes: N samples (completions), P the longest prompt, C the longest completion; every
+tensor is right-padded. A group is the samples of one prompt (GRPO's group).
+
+Lifecycle: a generator process calls `Generator.generate`, grades each sample with its
+task, builds `RolloutBatch.from_samples(...)` and puts `batch.to_state_dict()` into the
+store (`store.put_state_dict(sd, "rollouts/<generator>", ...)`); the trainer process gets
+state dicts, rebuilds them with `RolloutBatch.from_state_dict` (which checks them), joins
+several with `RolloutBatch.concat`, computes advantages from `rewards` and `group_ids`
+(tidal/rl/loss.py), and scores `token_ids()` with its own forward.
+
+Versions: every completion token carries the policy version that produced it
+(`versions`); today the Generator reports one version per sample (`Sample.weight_version`),
+so all tokens of a sample share it; -1 stands for padding and unversioned weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from tidal.rl.generate import Sample
+from tidal.rl.tasks.base import Grade
+
+SCHEMA = 1
+"""Version of the state-dict layout; `from_state_dict` refuses others."""
+MAX_ANSWER_CHARS = 256
+"""Parsed answers are cut to this many characters in the batch (the store carries plain
+values of at most 1 MB a version)."""
+
+_TENSORS_NC = {"completion_ids": torch.int64, "completion_mask": torch.bool,
+               "logprobs": torch.float32, "sampling_logprobs": torch.float32,
+               "versions": torch.int64}  # fmt: skip
+_TENSORS_N = {"prompt_lens": torch.int64, "rewards": torch.float32, "group_ids": torch.int64,
+              "format_ok": torch.bool, "truncated": torch.bool}  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutBatch:
+    """Graded samples as right-padded tensors, plus plain metadata.
+
+    Example::
+
+        groups = generator.generate([tok.encode(p) for p, _ in problems], params)
+        samples = [s for g in groups for s in g]
+        grades = [task.grade(s.text, problems[s.prompt_index].reference) for s in samples]
+        batch = RolloutBatch.from_samples(samples, grades, task=task.name)
+        store.put_state_dict(batch.to_state_dict(), "rollouts", version=step)
+    """
+
+    prompt_ids: torch.Tensor
+    """[N, P] int64, `pad_id` after each prompt."""
+    prompt_lens: torch.Tensor
+    """[N] int64."""
+    completion_ids: torch.Tensor
+    """[N, C] int64, `pad_id` after each completion."""
+    completion_mask: torch.Tensor
+    """[N, C] bool: true on completion tokens."""
+    logprobs: torch.Tensor
+    """[N, C] float32: the generator's log-prob of each token (temperature 1, no truncation:
+    what the trainer's forward computes); 0 at padding."""
+    sampling_logprobs: torch.Tensor
+    """[N, C] float32: log-probs under the distribution sampled (after temperature and
+    truncation); 0 at padding and for greedy decoding."""
+    versions: torch.Tensor
+    """[N, C] int64: the policy version that produced each token; -1 at padding or when the
+    weights were unversioned."""
+    rewards: torch.Tensor
+    """[N] float32 in [0, 1]."""
+    group_ids: torch.Tensor
+    """[N] int64: samples of one prompt share an id (unique within the batch)."""
+    format_ok: torch.Tensor
+    """[N] bool: the grader found the answer in the task's format."""
+    truncated: torch.Tensor
+    """[N] bool: the completion hit max_new_tokens (finish reason "length")."""
+    answers: list[str | None]
+    """The graders' parsed answers (at most MAX_ANSWER_CHARS characters), None for none."""
+    task: str
+    """The task's registered name."""
+    pad_id: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Plain values (str, int, float, bool, None, lists and string-keyed dicts) the producer
+    adds: a generator id, a seed, timings."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_ids, torch.Tensor) or self.prompt_ids.dim() != 2:
+            got = getattr(self.prompt_ids, "shape", type(self.prompt_ids))
+            raise ValueError(f"RolloutBatch.prompt_ids must be a [N, P] tensor, got {got}")
+        N, P = self.prompt_ids.shape
+        C = self.completion_ids.shape[-1] if self.completion_ids.dim() == 2 else -1
+        for name, dtype in _TENSORS_NC.items():
+            _check_tensor(name, getattr(self, name), (N, C), dtype)
+        for name, dtype in _TENSORS_N.items():
+            _check_tensor(name, getattr(self, name), (N,), dtype)
+        _check_tensor("prompt_ids", self.prompt_ids, (N, P), torch.int64)
+        if len(self.answers) != N:
+            raise ValueError(f"answers must hold {N} entries, got {len(self.answers)}")
+
+    # -- building ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_samples(
+        cls,
+        samples: Sequence[Sample],
+        grades: Sequence[Grade],
+        *,
+        task: str,
+        group_ids: Sequence[int] | None = None,
+        pad_id: int = 0,
+        meta: Mapping[str, Any] | None = None,
+    ) -> RolloutBatch:
+        """Pack graded samples.
+
+        Args:
+            samples: from `Generator.generate` (flattened over prompts).
+            grades: one per sample, in order.
+            task: the task's name.
+            group_ids: one per sample; default each sample's `prompt_index` (the samples of
+                one `generate` call).
+            pad_id: the id padding prompts and completions.
+            meta: plain values to carry along.
+
+        Raises:
+            ValueError: no samples, or `grades` / `group_ids` of another length.
+        """
+        N = len(samples)
+        if N == 0:
+            raise ValueError("a RolloutBatch needs at least one sample")
+        if len(grades) != N:
+            raise ValueError(f"got {N} samples and {len(grades)} grades")
+        if group_ids is None:
+            group_ids = [s.prompt_index for s in samples]
+        if len(group_ids) != N:
+            raise ValueError(f"got {N} samples and {len(group_ids)} group ids")
+        P = max(len(s.prompt_ids) for s in samples)
+        C = max(len(s.completion_ids) for s in samples)
+        prompt_ids = torch.full((N, P), pad_id, dtype=torch.int64)
+        completion_ids = torch.full((N, C), pad_id, dtype=torch.int64)
+        mask = torch.zeros(N, C, dtype=torch.bool)
+        logprobs = torch.zeros(N, C)
+        sampling_logprobs = torch.zeros(N, C)
+        versions = torch.full((N, C), -1, dtype=torch.int64)
+        for i, s in enumerate(samples):
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            if len(s.logprobs) != c or len(s.sampling_logprobs) != c:
+                raise ValueError(
+                    f"sample {i}: {c} completion tokens but {len(s.logprobs)} logprobs and "
+                    f"{len(s.sampling_logprobs)} sampling_logprobs"
+                )
+            prompt_ids[i, :p] = torch.tensor(s.prompt_ids, dtype=torch.int64)
+            completion_ids[i, :c] = torch.tensor(s.completion_ids, dtype=torch.int64)
+            mask[i, :c] = True
+            logprobs[i, :c] = torch.tensor(s.logprobs)
+            sampling_logprobs[i, :c] = torch.tensor(s.sampling_logprobs)
+            if s.weight_version is not None:
+                versions[i, :c] = s.weight_version
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int64),
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            logprobs=logprobs,
+            sampling_logprobs=sampling_logprobs,
+            versions=versions,
+            rewards=torch.tensor([g.reward for g in grades], dtype=torch.float32),
+            group_ids=torch.tensor(list(group_ids), dtype=torch.int64),
+            format_ok=torch.tensor([g.format_ok for g in grades], dtype=torch.bool),
+            truncated=torch.tensor([s.finish_reason == "length" for s in samples]),
+            answers=[None if g.answer is None else g.answer[:MAX_ANSWER_CHARS] for g in grades],
+            task=task,
+            pad_id=pad_id,
+            meta=dict(meta or {}),
+        )
+
+    # -- through the store ------------------------------------------------------------------
+
+    def to_state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values for `store.put_state_dict` (no pickling anywhere)."""
+        sd: dict[str, Any] = {"schema": SCHEMA, "task": self.task, "pad_id": self.pad_id,
+                              "answers": list(self.answers), "meta": dict(self.meta)}  # fmt: skip
+        for name in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC):
+            sd[name] = getattr(self, name)
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, Any]) -> RolloutBatch:
+        """The batch `to_state_dict` described, checked (keys, shapes, dtypes, lengths).
+
+        Raises:
+            ValueError: another schema, a missing key, or inconsistent shapes or dtypes.
+        """
+        if sd.get("schema") != SCHEMA:
+            raise ValueError(f"rollout state dict schema {sd.get('schema')!r}, expected {SCHEMA}")
+        names = ("prompt_ids", *_TENSORS_N, *_TENSORS_NC, "answers", "task", "pad_id", "meta")
+        missing = [k for k in names if k not in sd]
+        if missing:
+            raise ValueError(f"rollout state dict lacks {missing}")
+        if not isinstance(sd["task"], str) or not isinstance(sd["pad_id"], int):
+            raise ValueError("rollout state dict: 'task' must be a str and 'pad_id' an int")
+        if not isinstance(sd["answers"], list) or not isinstance(sd["meta"], dict):
+            raise ValueError("rollout state dict: 'answers' must be a list and 'meta' a dict")
+        return cls(**{k: sd[k] for k in names})
+
+    # -- for the trainer --------------------------------------------------------------------
+
+    @property
+    def num_samples(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def token_ids(self) -> torch.Tensor:
+        """[N, L] each prompt followed by its completion, right-padded (L = the longest
+        prompt + completion): the input of the trainer's forward."""
+        comp_lens = self.completion_mask.sum(1)
+        L = int((self.prompt_lens + comp_lens).max()) if len(comp_lens) else 0
+        N, C = self.completion_ids.shape
+        ids = torch.full((N, L), self.pad_id, dtype=torch.int64)
+        for i in range(N):
+            p, c = int(self.prompt_lens[i]), int(comp_lens[i])
+            ids[i, :p] = self.prompt_ids[i, :p]
+            ids[i, p : p + c] = self.completion_ids[i, :c]
+        return ids
+
+    def completion_values(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[N, C] the completion tokens' entries of a per-position tensor [N, L - 1] computed
+        on `token_ids()`, such as `tidal.rl.logprobs(model, batch.token_ids())` (where column
+        j scores token j + 1); 0 at padding. Differentiable.
+
+        Example::
+
+            new_lp = batch.completion_values(logprobs(model, batch.token_ids()))
+        """
+        N, C = self.completion_ids.shape
+        # Completion token k of row i sits at position prompt_len + k; its score in column
+        # prompt_len + k - 1.
+        idx_NC = (self.prompt_lens[:, None] - 1 + torch.arange(C)).to(per_position.device)
+        idx_NC = idx_NC.clamp(max=per_position.shape[1] - 1)
+        vals = per_position.gather(1, idx_NC)
+        return torch.where(self.completion_mask.to(per_position.device), vals, 0.0)
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> RolloutBatch:
+        """The samples at `rows` (indices, or a [N] bool mask such as
+        `group_advantages(...).keep`), widths unchanged."""
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.tensor(list(rows), dtype=torch.int64)
+        if rows.dtype == torch.bool:
+            rows = rows.nonzero()[:, 0]
+        idx = rows.tolist()
+        tensors = {n: getattr(self, n)[rows] for n in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC)}
+        return replace(self, answers=[self.answers[i] for i in idx], meta=dict(self.meta),
+                       **tensors)  # fmt: skip
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """One batch of several (from several generators): padded to the widest, group ids
+        renumbered 0.. so groups of different batches never merge; `meta` of the first.
+
+        Raises:
+            ValueError: no batches, or batches of different tasks or pad ids.
+        """
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        first = batches[0]
+        for b in batches[1:]:
+            if (b.task, b.pad_id) != (first.task, first.pad_id):
+                raise ValueError(
+                    f"cannot concat batches of task/pad_id {(first.task, first.pad_id)} and "
+                    f"{(b.task, b.pad_id)}"
+                )
+        P = max(b.prompt_ids.shape[1] for b in batches)
+        C = max(b.completion_ids.shape[1] for b in batches)
+        fills = {"prompt_ids": first.pad_id, "completion_ids": first.pad_id, "versions": -1}
+        out: dict[str, Any] = {}
+        for name in ("prompt_ids", *_TENSORS_NC):
+            width = P if name == "prompt_ids" else C
+            parts = []
+            for b in batches:
+                t = getattr(b, name)
+                pad = width - t.shape[1]
+                parts.append(torch.cat([t, t.new_full((t.shape[0], pad), fills.get(name, 0))], 1))
+            out[name] = torch.cat(parts)
+        for name in _TENSORS_N:
+            out[name] = torch.cat([getattr(b, name) for b in batches])
+        offset, groups = 0, []
+        for b in batches:
+            _, inverse = torch.unique(b.group_ids, return_inverse=True)
+            groups.append(inverse + offset)
+            offset += int(inverse.max()) + 1 if inverse.numel() else 0
+        out["group_ids"] = torch.cat(groups)
+        answers = [a for b in batches for a in b.answers]
+        return cls(**out, answers=answers, task=first.task, pad_id=first.pad_id,
+                   meta=dict(first.meta))  # fmt: skip
+
+    def stats(self) -> dict[str, float]:
+        """Means for logging: reward, format-ok, answered and truncated rates, completion
+        length, and the policy versions' range ({} for an empty batch)."""
+        if self.num_samples == 0:
+            return {}
+        lens = self.completion_mask.sum(1).float()
+        v = self.versions[self.completion_mask]
+        return {
+            "reward_mean": float(self.rewards.mean()),
+            "format_ok_rate": float(self.format_ok.float().mean()),
+            "answered_rate": sum(a is not None for a in self.answers) / self.num_samples,
+            "truncated_rate": float(self.truncated.float().mean()),
+            "completion_len_mean": float(lens.mean()),
+            "version_min": float(v.min()) if v.numel() else -1.0,
+            "version_max": float(v.max()) if v.numel() else -1.0,
+        }
+
+
+def _check_tensor(name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"RolloutBatch.{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(
+            f"RolloutBatch.{name} must be {dtype} of shape {shape}, got {t.dtype} of "
+            f"shape {tuple(t.shape)}"
+        )

@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# gsm_symbolic's generators need none of reasoning-gym's dependencies (tidal reads them by path)
+	$(BIN)/python -m pip install -q --no-deps reasoning-gym==0.1.25
 	touch $(STAMP)
 
 demo: setup

@@ -4,10 +4,10 @@ Trains the same config twice from the same seed, with `optimizer.state_dtype=fp3
 baseline, torch's AdamW) and `bf16` (tidal's AdamWBF16States), and prints for each the bytes
 of optimizer state, the bytes of parameters + gradients + optimizer state, the loss every
 `--every` steps and the final validation loss, then the ratios bf16 / fp32 and the largest
-loss difference. Default: the `sft_addition` config (the debug model on generated addition)
-cut to `--steps` steps, on CPU.
+loss difference (and, on arithmetic data, the held-out exact match of both). Default: the
+`sft_addition` config (the debug model on generated addition), on CPU.
 
-    python benchmarks/optimizer_states.py                       # sft_addition, 120 steps
+    python benchmarks/optimizer_states.py                       # sft_addition, its 300 steps
     python benchmarks/optimizer_states.py --config debug --steps 60 --set training.batch_size=8
 
 The memory figures are exact tensor bytes (8 bytes per parameter of fp32 moments, 4 of bf16),
@@ -53,8 +53,16 @@ def run(config: str, state_dtype: str, steps: int, every: int, extra: list[str])
         for k, v in s.items()
         if k != "step" and isinstance(v, torch.Tensor)
     }
+    accuracy = None
+    if cfg.data.dataset == "arithmetic" and trainer.data.chat is not None:
+        from tidal.train.data.arithmetic import generate
+        from tidal.train.evaluate import exact_match
+
+        problems = generate(cfg.data.path, 300, split="val", seed=1234)
+        accuracy = exact_match(trainer.model, trainer.data.chat, problems).accuracy
     return {
         "state_dtype": state_dtype,
+        "accuracy": accuracy,
         "moment_dtypes": sorted(moments),
         "n_params": sum(p.numel() for p in trainer.params),
         "optimizer_state_bytes": state,
@@ -67,12 +75,16 @@ def run(config: str, state_dtype: str, steps: int, every: int, extra: list[str])
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="sft_addition")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--every", type=int, default=20)
+    p.add_argument("--steps", type=int, default=0, help="0: the config's training.steps")
+    p.add_argument("--every", type=int, default=50)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     extra = [x for kv in args.set for x in ("--" + kv.split("=", 1)[0], kv.split("=", 1)[1])]
+    if not args.steps:
+        from tidal.train.configs import get_config
+
+        args.steps = get_config(args.config).training.steps
     base = run(args.config, "fp32", args.steps, args.every, extra)
     mine = run(args.config, "bf16", args.steps, args.every, extra)
     mib = 2**20
@@ -89,6 +101,9 @@ def main() -> None:
     if base["val_loss"] is not None and mine["val_loss"] is not None:
         a, b = base["val_loss"], mine["val_loss"]
         print(f"{'val loss at the end':28s} {a:14.4f} {b:14.4f} {b / a:7.3f}")
+    if base["accuracy"] is not None:
+        a, b = base["accuracy"], mine["accuracy"]
+        print(f"{'held-out exact match':28s} {100 * a:13.1f}% {100 * b:13.1f}%")
     worst = max(
         abs(b - a) / a for a, b in zip(base["losses"], mine["losses"], strict=True) if a > 0
     )

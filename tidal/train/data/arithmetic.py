@@ -11,9 +11,10 @@ column by column, units first, and ends with a line `#### N`:
 
 Each line starts with what is left of the operands (the previous line's, last digit dropped),
 so the digits it adds are the ones just written, and ends with the digits of the result found
-so far, the previous line's with one more in front: every step reads only nearby text, which a
-small model learns from scratch in minutes (a plain column list, "5 + 6 + 1 = 12, write 2",
-makes it count columns back through the prompt, and trains several times slower).
+so far, the previous line's with one more in front: every step reads only nearby text. A plain
+column list ("5 + 6 + 1 = 12, write 2, carry 1") makes the model count columns back through
+the prompt and the answer back through the lines: with the `sft_addition` run (300 steps of
+the debug model) it reached 30% held-out exact match, this format 67%.
 
 Forms (`FORM[:MIN-MAX]`, MIN-MAX the number of digits of each operand, drawn uniformly):
 

@@ -174,3 +174,13 @@ def test_a_short_sft_run_learns_from_answers_only(tmp_path) -> None:
     result = exact_match(trainer.model, trainer.data.chat, problems, max_new_tokens=40)
     assert result.total == 8 and len(result.completions) == 8
     assert all("<|im_start|>" not in c and "user" not in c for c in result.completions)
+
+
+@pytest.mark.slow
+def test_sft_addition_reaches_a_useful_accuracy(tmp_path) -> None:
+    # The whole named config: about 11 minutes on a busy 2-core CPU (docs/sft.md), 65.6%.
+    cfg = apply_overrides(get_config("sft_addition"), ["--job.output_dir", str(tmp_path)])
+    trainer = Trainer(cfg, log=lambda *a: None)
+    trainer.train()
+    problems = arithmetic.generate(cfg.data.path, 200, split="val", seed=1234)
+    assert exact_match(trainer.model, trainer.data.chat, problems).accuracy > 0.5

@@ -4,12 +4,11 @@ Lifecycle (one process per device, launched by torchrun for several): `Trainer(c
 resolves the device and runs `check_job` (the parallel layout against the world size and the
 model, the output directory, flex attention on CPU, the tokenizer's vocabulary against the
 model's), all before any comms, data or model work; then it joins the process group, builds
-the mesh and the data pipeline, builds the model (or this rank's pipeline
-stages) on the meta device, parallelizes it (tidal/parallel), materializes and initializes it,
-and builds AdamW. `train()` runs `training.steps` optimizer steps, each over
-`grad_accum_steps` micro-batches, logging every `metrics.log_every` steps (rank 0 only) and
-validating every `metrics.val_every`; Ctrl-C ends the loop after the current step and still
-logs it.
+the mesh and the data pipeline, builds the model (or this rank's pipeline stages) on the meta
+device, parallelizes it (tidal/parallel), materializes and initializes it, and builds AdamW.
+`train()` runs `training.steps` optimizer steps, each over `grad_accum_steps` micro-batches,
+logging every `metrics.log_every` steps (rank 0 only) and validating every
+`metrics.val_every`; Ctrl-C ends the loop after the current step and still logs it.
 
 Loss normalization: each step's loss is the sum of token losses over every micro-batch,
 data-parallel rank and context-parallel shard, divided by the global number of valid labels.

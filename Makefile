@@ -3,9 +3,13 @@
 # Both create .venv on first use and reuse it (and the downloaded corpus) afterwards.
 PYTHON ?= python3
 VENV ?= .venv
-# CPU build by default (it lies on disk on the dev/CI machines); a GPU user can pass e.g.
-# TORCH_SPEC=torch==2.11.0 or TORCH_SPEC=torch to take a CUDA build.
+# torch: with an NVIDIA GPU (nvidia-smi lists one), the default (CUDA) build from PyPI;
+# without one, the CPU build from PyTorch's CPU wheel index when it answers within 5 s (no
+# CUDA libraries: a few hundred MB instead of several GB), else the plain package (a CPU
+# build lying on disk on the dev/CI machines). TORCH_SPEC picks the version, e.g.
+# TORCH_SPEC=torch==2.11.0; TORCH_CPU_INDEX= (empty) skips the CPU index.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidal-installed
 
@@ -16,7 +20,17 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "installing $(TORCH_SPEC) (CUDA build: a GPU is present)"; \
+		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; \
+	elif [ -n "$(TORCH_CPU_INDEX)" ] && $(BIN)/python -c "import urllib.request; \
+		urllib.request.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1; then \
+		echo "installing $(TORCH_SPEC) (CPU build from $(TORCH_CPU_INDEX): no GPU)"; \
+		$(BIN)/python -m pip install -q --index-url "$(TORCH_CPU_INDEX)" "$(TORCH_SPEC)"; \
+	else \
+		echo "installing $(TORCH_SPEC) (no GPU; $(TORCH_CPU_INDEX) unreachable: plain package)"; \
+		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; \
+	fi
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# gsm_symbolic's generators need none of reasoning-gym's dependencies (tidal reads them by path)
 	$(BIN)/python -m pip install -q --no-deps reasoning-gym==0.1.25

@@ -1,6 +1,7 @@
 """The `tidal` command (also `python -m tidal`).
 
-    tidal train --config NAME [--help] [--print-config] [--section.field VALUE ...]
+    tidal train --config NAME|MODULE:FUNCTION [--help] [--print-config] [--nproc N]
+                [--section.field VALUE ...]
     tidal generate --config NAME --prompt TEXT [--n N] [--temperature T] [--json] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models
@@ -16,8 +17,14 @@ when no address or transport is passed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
+import warnings
+from pathlib import Path
+
+_LAUNCHED = "TIDAL_LAUNCHED"  # set by `tidal train --nproc` for the ranks it starts
 
 
 def _train(argv: list[str]) -> int:
@@ -32,8 +39,27 @@ def _train(argv: list[str]) -> int:
 
 
 def _train_command(argv: list[str]) -> int:
+    from tidal.parallel.launch import DistInfo
     from tidal.train.config_parse import apply_overrides, help_text, to_json
     from tidal.train.configs import CONFIGS, get_config
+
+    dist_info = DistInfo.from_env()
+    if not dist_info.is_main:
+        warnings.simplefilter("ignore")  # every rank would repeat them; rank 0 prints them
+    launched = os.environ.get(_LAUNCHED) == "1"
+
+    def fail(error: object) -> int:
+        """Errors a user can cause: one line, exit status 2, no traceback. A rank started by
+        torchrun also records it in torchrun's error file (TORCHELASTIC_ERROR_FILE), where
+        `tidal train --nproc` reads it to print it once; under plain torchrun rank 0 prints."""
+        message = f"tidal train: error: {error}"
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if dist_info.world_size > 1 and error_file:
+            with open(error_file, "w") as f:
+                json.dump({"message": message, "timestamp": int(time.time())}, f)
+        if dist_info.is_main and not launched:
+            print(message, file=sys.stderr)
+        return 2
 
     parser = argparse.ArgumentParser(
         prog="tidal train",
@@ -41,7 +67,12 @@ def _train_command(argv: list[str]) -> int:
         description="Train a model. Any field can be overridden with --section.field VALUE; "
         "`tidal train --config NAME --help` lists them all.",
     )
-    parser.add_argument("--config", default="debug", help=f"one of {sorted(CONFIGS)}")
+    parser.add_argument(
+        "--config",
+        default="debug",
+        help=f"one of {sorted(CONFIGS)}, or MODULE:FUNCTION for a config function elsewhere "
+        "(a dotted module or a .py file)",
+    )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as JSON and exit"
     )
@@ -58,24 +89,30 @@ def _train_command(argv: list[str]) -> int:
         "process (fake process group, meta-device model) and exit",
     )
     args, overrides = parser.parse_known_args(argv)
+    if args.nproc < 1:
+        return fail(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc > 1 and dist_info.world_size > 1:
+        return fail("--nproc starts torchrun itself; do not pass it to a process torchrun runs")
+    if ":" in args.config and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `--config my_configs:fn` finds ./my_configs.py
     try:
-        cfg = get_config(args.config)
-        if os.environ.get("TIDAL_CACHE_DIR"):
-            overrides = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *overrides]
-        if args.help:
-            parser.print_help()
-            print()
-            print(help_text(apply_overrides(cfg, overrides), args.config))
-            return 0
-        cfg = apply_overrides(cfg, overrides)
+        with warnings.catch_warnings():
+            if args.nproc > 1:
+                warnings.simplefilter("ignore")  # rank 0 prints them, once
+            cfg = get_config(args.config)
+            if os.environ.get("TIDAL_CACHE_DIR"):
+                overrides = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *overrides]
+            if args.help:
+                parser.print_help()
+                print()
+                print(help_text(apply_overrides(cfg, overrides), args.config))
+                return 0
+            cfg = apply_overrides(cfg, overrides)
     except ValueError as e:
-        print(f"tidal train: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     if args.print_config:
         print(to_json(cfg))
         return 0
-    if args.nproc > 1:
-        return _run_local_ranks(args.nproc, argv)
     if args.dry_run:
         from tidal.parallel.dry_run import dry_run
         from tidal.train.trainer import model_args_for
@@ -92,30 +129,83 @@ def _train_command(argv: list[str]) -> int:
                 model_name=f"model.flavor {cfg.model.flavor!r}",
             )
         except ValueError as e:
-            print(f"tidal train: error: {e}", file=sys.stderr)
-            return 2
+            return fail(e)
         return 0
+    if args.nproc > 1:
+        from tidal.train.trainer import check_job, model_args_for, resolve_device
 
-    from tidal.parallel.launch import DistInfo
+        try:  # the checks every rank would fail, made once before any rank starts
+            check_job(
+                cfg,
+                model_args_for(cfg),
+                world_size=args.nproc,
+                device=resolve_device(cfg.job.device),
+            )
+        except (ValueError, FileNotFoundError) as e:
+            return fail(e)
+        return _launch(args.nproc, argv)
+
     from tidal.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, dist_info=DistInfo.from_env())
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tidal train: error: {e}", file=sys.stderr)
-        return 2
+        trainer = Trainer(cfg, dist_info=dist_info)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        return fail(e)
+    out = Path(cfg.job.output_dir)
+    if dist_info.is_main:
+        t, m = cfg.training, cfg.metrics
+        tokens = t.batch_size * t.seq_len * t.grad_accum_steps * trainer.dims.dp
+        print(
+            f"training: {t.steps} steps of {tokens:,} tokens, a line every {m.log_every} steps, "
+            f"metrics to {out / 'metrics.jsonl'}",
+            flush=True,
+        )
+        if m.log_every > 1:
+            _report_first_step(trainer)
     try:
         last = trainer.train()
     except Exception:
         trainer.close()
         raise
     trainer.close()  # not after a KeyboardInterrupt: it would wait for a save to finish
+    if dist_info.is_main:
+        wrote = [
+            str(out / name) for name in ("metrics.jsonl", "sample.txt") if (out / name).exists()
+        ]
+        print(f"wrote {' and '.join(wrote)}" if wrote else f"nothing written to {out}")
     return 130 if last.get("interrupted") else 0
 
 
-def _run_local_ranks(nproc: int, argv: list[str]) -> int:
-    """Run `tidal train` on `nproc` local ranks through torchrun, inside this process, so
-    that Ctrl-C ends with the ranks' one-line messages rather than torchrun's traceback."""
+def _report_first_step(trainer) -> None:
+    """Print how long the first optimizer step took: the first log line comes only after
+    `metrics.log_every` steps, which can be a minute or more on a CPU."""
+    step = trainer.train_step
+
+    def first_step(batches, n_tokens):
+        start = time.perf_counter()
+        result = step(batches, n_tokens)
+        float(result.loss)  # wait for the device, once
+        seconds = time.perf_counter() - start
+        trainer.train_step = step  # back to the plain method for every later step
+        eta = seconds * (trainer.cfg.training.steps - trainer.step)
+        print(
+            f"step {trainer.step} took {seconds:.2f}s (the rest: about {eta:.0f}s at that pace)",
+            flush=True,
+        )
+        return result
+
+    trainer.train_step = first_step
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run `tidal train` on `nproc` local ranks with torchrun's launcher, in this process
+    (what `python -m torch.distributed.run --standalone` does), so that Ctrl-C ends with the
+    ranks' one-line messages rather than torchrun's traceback.
+
+    The ranks record a user error in torchrun's error files instead of printing it; this
+    prints the first one, once, and returns 2. torchrun's own report (a traceback naming every
+    failed rank) is left out; a rank that crashed has printed its traceback itself.
+    """
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -132,24 +222,31 @@ def _run_local_ranks(nproc: int, argv: list[str]) -> int:
         elif not a.startswith("--nproc="):
             rest.append(a)
     launch = ["--standalone", f"--nproc_per_node={nproc}", "-m", "tidal", "train", *rest]
+    # torchrun sets OMP_NUM_THREADS=1 for several local ranks and warns that it did; set it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[_LAUNCHED] = "1"  # the ranks leave printing errors to this process
     # After Ctrl-C torchrun gives the ranks this long to finish the step and save before it
     # kills them (30 s by default; recent torch reads this variable).
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
     for name in list(logging.Logger.manager.loggerDict):  # each sets its own level
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(get_args_parser().parse_args(launch))
     except SignalException:  # Ctrl-C reached torchrun too; the ranks have said what they did
         return 130
     except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
+        failures = sorted(e.failures.values(), key=lambda f: f.timestamp)
+        for failure in failures:
+            if isinstance(failure.message, str) and failure.message.startswith("tidal train:"):
+                print(failure.message, file=sys.stderr)
+                return 2
+        codes = sorted({f.exitcode for f in failures})
         if len(codes) == 1 and codes[0] in (2, 130):  # bad input or Ctrl-C, already printed
             return codes[0]
-        codes_text = ", ".join(map(str, codes))
         print(
-            f"tidal train: {len(e.failures)} rank(s) failed with exit code(s) {codes_text}; "
-            "their errors are above",
+            f"tidal train: {len(failures)} rank(s) failed with exit code(s) "
+            f"{', '.join(map(str, codes))}; their errors are above",
             file=sys.stderr,
         )
         return 1

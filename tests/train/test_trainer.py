@@ -176,7 +176,8 @@ def test_ctrl_c_stops_after_the_current_step(tmp_path):
 def test_tokenizer_larger_than_embedding_fails_before_training(tmp_path, text_corpus, cache_dir):
     cfg = small_config(tmp_path, text_corpus, cache_dir, "--model.vocab_size", "300")
     with pytest.raises(
-        ValueError, match="tokenizer has 512 tokens but model.flavor 'debug' embeds only 300"
+        ValueError,
+        match="data.vocab_size=512 .* does not fit the 300-token embedding of model.flavor 'debug'",
     ):
         Trainer(cfg)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -201,4 +201,4 @@ def _encode(tokenizer: Any, prompt: Any, template: str | None) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     bos = tokenizer.decode([tokenizer.bos_id], skip_special_tokens=False)
     eos = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
-    return tokenizer.encode_with_specials(render_chat(template, messages, bos=bos, eos=eos))
+    return tokenizer.encode(render_chat(template, messages, bos=bos, eos=eos), special_tokens=True)

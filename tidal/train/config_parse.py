@@ -58,6 +58,8 @@ def type_name(tp: Any) -> str:
         return "|".join(type_name(a) for a in get_args(tp))
     if tp is type(None):
         return "NONE"
+    if _record_type(tp) is not None:
+        return "JSON"
     return getattr(tp, "__name__", str(tp)).upper()
 
 
@@ -94,7 +96,42 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected {tp.__name__}, got {raw!r}") from None
     if tp is str:
         return raw
+    item = _record_type(tp)
+    if item is not None:
+        return _parse_records(raw, item, where)
     raise TypeError(f"{where}: fields of type {tp} cannot be set from the command line")
+
+
+def _record_type(tp: Any) -> type | None:
+    """`X` for `tuple[X, ...]` with X a dataclass (a list of records, given as JSON)."""
+    args = get_args(tp)
+    if get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if dataclasses.is_dataclass(args[0]) and isinstance(args[0], type):
+            return args[0]
+    return None
+
+
+def _parse_records(raw: str, item: type, where: str) -> tuple:
+    """A JSON list of objects (or one object) -> a tuple of `item` dataclasses."""
+    fields = sorted(f.name for f in dataclasses.fields(item))
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{where}: expected a JSON list of objects with keys from {fields}, got {raw!r} "
+            f"({e.msg})"
+        ) from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+        raise ValueError(f"{where}: expected a JSON list of objects, got {raw!r}")
+    out = []
+    for i, d in enumerate(data):
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise ValueError(f"{where}: entry {i} has unknown key(s) {unknown}; keys are {fields}")
+        out.append(item(**d))
+    return tuple(out)
 
 
 def split_overrides(argv: list[str]) -> dict[str, str | None]:

@@ -1,12 +1,17 @@
 """Named training configs: functions returning a `Config`, registered by name.
 
 `tidal train --config NAME` starts from one of these; command-line overrides adjust fields.
-Add a config by writing a function here and decorating it with `@register`.
+Add a config by writing a function here and decorating it with `@register`, or anywhere else
+and naming it `--config MODULE:FUNCTION` (a dotted module on the import path, or a `.py` file).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from tidal.train.config import (
     Config,
@@ -29,10 +34,54 @@ def register(fn: Callable[[], Config]) -> Callable[[], Config]:
 
 
 def get_config(name: str) -> Config:
-    """The named config, freshly built."""
+    """The named config, freshly built: a registered name, or `MODULE:FUNCTION` (the module is
+    imported, which registers any `@register` configs in it, then FUNCTION is called).
+
+    Raises:
+        ValueError: an unknown name, a module that cannot be imported, a missing function, or
+            one that does not return a Config.
+    """
+    if ":" in name:
+        return _from_module(name)
     if name not in CONFIGS:
-        raise ValueError(f"unknown config {name!r}; choose one of {sorted(CONFIGS)}")
+        raise ValueError(
+            f"unknown config {name!r}; choose one of {sorted(CONFIGS)}, or name a function "
+            "as MODULE:FUNCTION"
+        )
     return CONFIGS[name]()
+
+
+def _from_module(spec: str) -> Config:
+    module_name, _, fn_name = spec.rpartition(":")
+    if not module_name or not fn_name:
+        raise ValueError(f"--config {spec!r}: expected MODULE:FUNCTION (e.g. my_configs:long_run)")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            if not path.is_file():
+                raise ValueError(f"--config {spec!r}: no file {path}")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert mod_spec is not None and mod_spec.loader is not None, f"cannot load {path}"
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules.setdefault(path.stem, module)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--config {spec!r}: cannot import {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(
+            f"--config {spec!r}: module {module_name!r} has no function {fn_name!r}; it has "
+            f"{public}"
+        )
+    cfg = fn()
+    if not isinstance(cfg, Config):
+        raise ValueError(
+            f"--config {spec!r}: {fn_name}() returned {type(cfg).__name__}, expected a Config"
+        )
+    return cfg
 
 
 @register
@@ -80,19 +129,46 @@ def llama3_1b() -> Config:
 
 @register
 def llama3_8b() -> Config:
+    """The Llama 3.1 8B shape, batch 4 x 4096 on Shakespeare; needs several GPUs (FSDP, TP)."""
     return _gpu_config("llama3_8b", "llama3_8b")
 
 
 @register
 def qwen3_0_6b() -> Config:
+    """The Qwen 3 0.6B shape (QK-norm, tied embeddings), batch 4 x 4096, for one GPU."""
     return _gpu_config("qwen3_0_6b", "qwen3_0_6b")
 
 
 @register
 def qwen3_1_7b() -> Config:
+    """The Qwen 3 1.7B shape (QK-norm, tied embeddings), batch 4 x 4096, for one GPU."""
     return _gpu_config("qwen3_1_7b", "qwen3_1_7b")
 
 
 @register
 def qwen3_8b() -> Config:
+    """The Qwen 3 8B shape (QK-norm, untied), batch 4 x 4096; needs several GPUs (FSDP, TP)."""
     return _gpu_config("qwen3_8b", "qwen3_8b")
+
+
+@register
+def sft_addition() -> Config:
+    """SFT from scratch on generated addition with worked carries (#### N answers), on CPU."""
+    return Config(
+        job=JobConfig(name="sft_addition", output_dir="outputs/sft_addition"),
+        model=ModelConfig(flavor="debug", vocab_size=512),
+        data=DataConfig(
+            dataset="arithmetic",
+            path="add:1-4",
+            format="chat",
+            tokenizer="bpe",
+            vocab_size=512,
+            num_problems=50_000,
+            val_fraction=0.02,
+        ),
+        training=TrainingConfig(steps=300, batch_size=16, seq_len=256, seed=0),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1),
+        lr_scheduler=SchedulerConfig(warmup_steps=30, decay_fraction=0.3, decay_type="cosine"),
+        metrics=MetricsConfig(log_every=25, val_every=100, val_batches=4),
+        sample=SampleConfig(max_new_tokens=0),
+    )

@@ -1,9 +1,23 @@
-"""AdamW with weight-decay groups, and the warmup-stable-decay learning-rate schedule."""
+"""AdamW with weight-decay groups, optionally with bf16 moment estimates, and the
+warmup-stable-decay learning-rate schedule.
+
+bf16 optimizer states (`optimizer.state_dtype=bf16`, as in DeepSeek-V3 and torchtitan's
+`fused_opt_states_bf16`): `exp_avg` and `exp_avg_sq` are stored in bfloat16 while parameters
+and gradients stay fp32, halving optimizer-state memory. torchtitan relies on the fused CUDA
+kernel's mixed-precision path; torch's CPU kernels (fused, foreach and for-loop) reject moments
+whose dtype differs from the parameters', so `AdamWBF16States` runs its own per-tensor step,
+the same on every device: read the moments as fp32, update them, store them rounded to nearest
+bf16, and apply the update from the fp32 values. Rounding to nearest drops a second-moment
+increment smaller than 2^-9 of its value, so with beta2 close to 1 (0.999) `exp_avg_sq` can
+stall where it should grow; tidal's default beta2 of 0.95 keeps increments of 5%.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,9 +25,71 @@ from torch import nn
 from tidal.train.config import OptimizerConfig, SchedulerConfig
 
 
+class AdamWBF16States(torch.optim.AdamW):
+    """AdamW whose `exp_avg` and `exp_avg_sq` are bfloat16 (parameters stay in their dtype).
+
+    Same hyperparameters and update as `torch.optim.AdamW` (no amsgrad, no maximize); the
+    moment arithmetic is fp32. `state_dict()` holds the bf16 moments and `load_state_dict`
+    keeps them bf16 (torch's loader casts optimizer state to the parameters' dtype).
+
+    Example::
+
+        opt = AdamWBF16States(model.parameters(), lr=1e-3, weight_decay=0.1)
+        loss.backward(); opt.step()
+        opt.state[p]["exp_avg"].dtype  # torch.bfloat16
+    """
+
+    state_dtype = torch.bfloat16
+
+    def __init__(self, params: Any, **kw: Any) -> None:
+        for name in ("amsgrad", "maximize", "foreach", "fused", "capturable"):
+            if kw.get(name):
+                raise ValueError(f"AdamWBF16States does not support {name}=True")
+        super().__init__(params, foreach=False, fused=False, **kw)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+                state = self.state[p]
+                if not state:
+                    # step on the host (as torch's non-capturable AdamW): reading it never syncs.
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["step"] += 1
+                t = float(state["step"])
+                exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2)
+                exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+                state["exp_avg"].copy_(exp_avg)
+                state["exp_avg_sq"].copy_(exp_avg_sq)
+                p.mul_(1 - lr * wd)
+                bias1, bias2 = 1 - beta1**t, 1 - beta2**t
+                denom = exp_avg_sq.sqrt_().div_(math.sqrt(bias2)).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-lr / bias1)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != self.state_dtype:
+                    state[key] = state[key].to(self.state_dtype)
+
+
 def build_optimizer(
     modules: nn.Module | Sequence[nn.Module], cfg: OptimizerConfig, device: torch.device
-):
+) -> torch.optim.Optimizer:
     """AdamW over the modules' parameters (one model, or this rank's pipeline stages);
     matrices decay, embeddings and 1-D tensors do not."""
     decay: list[nn.Parameter] = []
@@ -26,11 +102,31 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.state_dtype == "bf16":
+        if cfg.implementation != "auto":
+            warnings.warn(
+                f"optimizer.implementation={cfg.implementation!r} is ignored with "
+                "optimizer.state_dtype=bf16 (tidal's per-tensor AdamW step runs)",
+                stacklevel=2,
+            )
+        return AdamWBF16States(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type in ("cuda", "cpu") else "foreach"
     kw = {"fused": impl == "fused", "foreach": impl == "foreach"}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kw)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, **kw)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (moments and step counters)."""
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                total += local.numel() * local.element_size()
+    return total
 
 
 def wsd_multiplier(step: int, total_steps: int, cfg: SchedulerConfig) -> float:

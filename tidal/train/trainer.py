@@ -1,18 +1,19 @@
 """The training loop: build data, model and optimizer from a Config, then step.
 
 Lifecycle (one process per device, launched by torchrun for several): `Trainer(cfg, dist)`
-resolves the device, joins the process group, validates the parallel layout against the world
-size and the model, builds the mesh and the data pipeline (tokenizer first, so the model's
-vocabulary is checked before anything is allocated), builds the model (or this rank's pipeline
-stages) on the meta device, parallelizes it (tidal/parallel), materializes and initializes it,
-and builds AdamW. Before any of that it settles the run folder: rank 0 locks
-`job.output_dir`, and every rank decides which checkpoint to start from (tidal/train/
-run_folder.py, tidal/train/checkpoint/), so a busy folder or a bad checkpoint fails at once;
-the checkpoint is loaded once the optimizer exists. `train()` runs the remaining optimizer
-steps up to `training.steps`, each over `grad_accum_steps` micro-batches, logging every
-`metrics.log_every` steps (rank 0 only), validating every `metrics.val_every` and saving
-checkpoints every `checkpoint.interval`; Ctrl-C ends the loop after the current step on every
-rank, saves a checkpoint (when enabled) and still logs the step.
+resolves the device and runs `check_job` (the parallel layout against the world size and the
+model, the output directory, flex attention on CPU, the tokenizer's vocabulary against the
+model's), all before any comms, data or model work. It then settles the run folder: rank 0
+locks `job.output_dir`, and every rank decides which checkpoint to start from (tidal/train/
+run_folder.py, tidal/train/checkpoint/), so a busy folder or a bad checkpoint fails at once.
+Then it joins the process group, builds the mesh and the data pipeline, builds the model (or
+this rank's pipeline stages) on the meta device, parallelizes it (tidal/parallel),
+materializes and initializes it, and builds AdamW; the checkpoint is loaded once the
+optimizer exists. `train()` runs the remaining optimizer steps up to `training.steps`, each
+over `grad_accum_steps` micro-batches, logging every `metrics.log_every` steps (rank 0 only),
+validating every `metrics.val_every` and saving checkpoints every `checkpoint.interval`;
+Ctrl-C ends the loop after the current step on every rank, saves a checkpoint (when enabled)
+and still logs the step.
 
 Loss normalization: each step's loss is the sum of token losses over every micro-batch,
 data-parallel rank and context-parallel shard, divided by the global number of valid labels.
@@ -41,14 +42,14 @@ from torch.distributed.tensor import DTensor
 from tidal.models.flavors import get_flavor
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.parallel.context import ContextParallel
-from tidal.parallel.dims import check_layout
+from tidal.parallel.dims import ParallelDims, check_layout
 from tidal.parallel.grad_norm import clip_grad_norm
 from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
 from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
-from tidal.train.data import Batch, DataBundle, build_data
+from tidal.train.data import Batch, DataBundle, Tokenizer, build_data
 from tidal.train.loss import IGNORE_INDEX, cross_entropy_sum
 from tidal.train.metrics import (
     MetricsLogger,
@@ -81,6 +82,63 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         # instead of stopping the run.
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
+
+
+def check_job(
+    cfg: Config, args: ModelArgs, *, world_size: int, device: torch.device, data: bool = True
+) -> ParallelDims:
+    """The checks of a job a user can fail that need no data, model or process group: the
+    parallel layout on `world_size` ranks, `job.output_dir` (created here), flex attention on
+    a CPU, and (with `data`, the configured pipeline) the tokenizer's vocabulary against the
+    model's. Run by `Trainer.__init__` on every rank and by `tidal train --nproc` before it
+    launches them. Returns the layout's `ParallelDims`.
+
+    Raises:
+        ValueError: naming the field to change.
+        FileNotFoundError: the tokenizer file does not exist.
+    """
+    dims = check_layout(
+        cfg.parallelism,
+        args,
+        world_size=world_size,
+        seq_len=cfg.training.seq_len,
+        batch_size=cfg.training.batch_size,
+        model_name=f"model.flavor {cfg.model.flavor!r}",
+    )
+    out = Path(cfg.job.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"job.output_dir {str(out)!r} is a file; it must be a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"job.output_dir {str(out)!r} cannot be created: {e.strerror or e}"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"job.output_dir {str(out)!r} is not writable")
+    if args.attention == "flex" and device.type == "cpu":
+        raise ValueError(
+            "model.attention=flex needs a CUDA device: flex attention has no backward on CPU; "
+            "use --model.attention sdpa (or --job.device cuda on a GPU machine)"
+        )
+    if data:
+        d = cfg.data
+        if d.tokenizer == "bpe":
+            vocab, fix = (
+                d.vocab_size,
+                f"--model.vocab_size {d.vocab_size} or a smaller --data.vocab_size",
+            )
+            what = f"data.vocab_size={vocab} (the BPE to train)"
+        else:
+            vocab = Tokenizer.from_file(d.tokenizer).vocab_size
+            fix = f"--model.vocab_size {vocab} (the tokenizer file fixes the vocabulary)"
+            what = f"the tokenizer {d.tokenizer} has {vocab} tokens and"
+        if vocab > args.vocab_size:
+            raise ValueError(
+                f"{what} does not fit the {args.vocab_size}-token embedding of model.flavor "
+                f"{cfg.model.flavor!r}; set {fix}"
+            )
+    return dims
 
 
 def model_args_for(cfg: Config) -> ModelArgs:
@@ -118,15 +176,11 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist_info or DistInfo()
         self.log = log if self.dist.is_main else (lambda *a, **k: None)
-        t = cfg.training
         self.args = model_args_for(cfg)
-        self.dims = check_layout(  # fails before any comms
-            cfg.parallelism,
-            self.args,
-            world_size=self.dist.world_size,
-            seq_len=t.seq_len,
-            batch_size=t.batch_size,
-            model_name=f"model.flavor {cfg.model.flavor!r}",
+        self.device = resolve_device(cfg.job.device, self.dist.local_rank)
+        # Every check a user can fail, before any comms, data encoding or model building.
+        self.dims = check_job(
+            cfg, self.args, world_size=self.dist.world_size, device=self.device, data=data is None
         )
         self._open_run_folder()
         try:
@@ -137,7 +191,6 @@ class Trainer:
 
     def _build(self, data) -> None:
         cfg, t = self.cfg, self.cfg.training
-        self.device = resolve_device(cfg.job.device, self.dist.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -158,11 +211,10 @@ class Trainer:
             log=self.log,
         )
         vocab = self.data.tokenizer.vocab_size
-        if vocab > self.args.vocab_size:
+        if vocab > self.args.vocab_size:  # only a DataBundle passed in gets here
             raise ValueError(
                 f"the tokenizer has {vocab} tokens but model.flavor {cfg.model.flavor!r} embeds "
-                f"only {self.args.vocab_size}; set --model.vocab_size {vocab} or a smaller "
-                f"--data.vocab_size"
+                f"only {self.args.vocab_size}; set --model.vocab_size {vocab}"
             )
 
         precision = t.mixed_precision
@@ -373,7 +425,10 @@ class Trainer:
     def train_step(self, batches: list[Batch], n_tokens: int) -> StepResult:
         """One optimizer step: loss = sum of token losses / number of valid tokens, both
         summed over micro-batches and ranks."""
-        scale = self.grad_scale / self._global_count(n_tokens)
+        # A step whose batches hold no target (chat rows of prompts only) contributes 0.
+        count = self._global_count(n_tokens)
+        count = max(count, 1.0) if isinstance(count, float) else count.clamp(min=1.0)
+        scale = self.grad_scale / count
         total = torch.zeros((), device=self.device)
         for batch in batches:
             if self.pipeline is not None:

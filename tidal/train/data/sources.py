@@ -1,9 +1,11 @@
-"""Documents from each kind of source, cut to a bounded length, and the train/val split.
+"""Documents and chat samples from each kind of source, cut to a bounded length, and the
+train/val split.
 
 A document is one string; `load_documents` returns them in a deterministic order (files
-sorted by path, records in file order). `split_documents` holds out a fraction of the text for
-validation, chosen by content hash among paragraph-aligned pieces, so the split does not move
-when files are reordered or the training seed changes.
+sorted by path, records in file order). A chat sample is a list of messages; `load_chats` reads
+them the same way and checks each (tidal/train/data/chat.py). `split_documents` holds out a
+fraction of the text for validation, chosen by content hash among paragraph-aligned pieces, so
+the split does not move when files are reordered or the training seed changes.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import gzip
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from tidal.train.data.config import DataConfig
+from tidal.train.data.chat import Messages, check_messages
+from tidal.train.data.config import DataConfig, SourceConfig
 from tidal.train.data.fetch import shakespeare_dir
 
 _SUFFIXES: dict[str, tuple[str, ...]] = {
@@ -27,31 +30,66 @@ _SUFFIXES: dict[str, tuple[str, ...]] = {
 _INSTALL_HINT = "dataset={kind!r} needs `{module}`: pip install tidal[data]"
 
 
-def load_documents(cfg: DataConfig) -> list[str]:
-    """Read every document of `cfg.dataset` (before any cutting or splitting).
+def load_documents(cfg: DataConfig, source: SourceConfig | None = None) -> list[str]:
+    """Read every document of `source` (default: the top-level source of `cfg`), before any
+    cutting or splitting.
 
     Raises:
-        FileNotFoundError: `cfg.path` (or the Shakespeare corpus) does not exist or holds no
+        FileNotFoundError: the path (or the Shakespeare corpus) does not exist or holds no
             file of the expected kind.
-        ValueError: a record lacks `cfg.text_field` or its value is not a string; a text file
+        ValueError: a record lacks the text field or its value is not a string; a text file
             is not UTF-8.
         ImportError: `pyarrow`/`datasets` are missing for parquet/hf.
     """
-    if cfg.dataset == "shakespeare":
+    source = source or cfg.source_list()[0]
+    if source.dataset == "shakespeare":
         root = shakespeare_dir(cfg.cache_dir)
         return [_read_text(p) for p in sorted(root.glob("*.txt"))]
-    if cfg.dataset == "hf":
-        return _load_hf(cfg)
-    files = resolve_files(cfg.path, _SUFFIXES[cfg.dataset], kind=cfg.dataset)
+    if source.dataset == "text":
+        files = resolve_files(source.path, _SUFFIXES["text"], kind="text")
+        return [_read_text(f) for f in files]
     docs: list[str] = []
-    for f in files:
-        if cfg.dataset == "text":
-            docs.append(_read_text(f))
-        elif cfg.dataset == "jsonl":
-            docs.extend(_read_jsonl(f, cfg.text_field))
-        else:
-            docs.extend(_read_parquet(f, cfg.text_field))
+    for value, where in _records(source, cfg.cache_dir, "DataConfig.text_field"):
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{where}: field {source.field!r} is {type(value).__name__}, expected a string"
+            )
+        docs.append(value)
     return docs
+
+
+def load_chats(cfg: DataConfig, source: SourceConfig) -> tuple[list[Messages], list[str]]:
+    """The chat samples of a jsonl/parquet/hf `source` and where each comes from
+    (`file:line`), every one checked by `chat.check_messages`.
+
+    Raises:
+        FileNotFoundError, ImportError: as `load_documents`.
+        ValueError: a record without the messages field, or a malformed sample (not a list of
+            role/content messages, or no assistant turn), naming the file and line or row.
+    """
+    if source.dataset in ("shakespeare", "text", "arithmetic"):
+        raise ValueError(f"dataset={source.dataset!r} has no chat records to read")
+    samples: list[Messages] = []
+    wheres: list[str] = []
+    for value, where in _records(source, cfg.cache_dir, "DataConfig.messages_field"):
+        samples.append(check_messages(value, where))
+        wheres.append(where)
+    return samples, wheres
+
+
+def _records(
+    source: SourceConfig, cache_dir: str, field_setting: str
+) -> Iterator[tuple[object, str]]:
+    """(value of `source.field`, "file:line") of every record of a jsonl/parquet/hf source."""
+    if source.dataset == "hf":
+        yield from _hf_records(source, cache_dir, field_setting)
+        return
+    files = resolve_files(source.path, _SUFFIXES[source.dataset], kind=source.dataset)
+    for f in files:
+        if source.dataset == "jsonl":
+            yield from _jsonl_records(f, source.field, field_setting)
+        else:
+            yield from _parquet_records(f, source.field, field_setting)
 
 
 def resolve_files(path: str, suffixes: Sequence[str], *, kind: str) -> list[Path]:
@@ -88,9 +126,8 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text: {e}") from e
 
 
-def _read_jsonl(path: Path, field: str) -> list[str]:
+def _jsonl_records(path: Path, field: str, setting: str) -> Iterator[tuple[object, str]]:
     opener = gzip.open if path.name.endswith(".gz") else open
-    docs: list[str] = []
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -102,39 +139,22 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
             if not isinstance(record, dict) or field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise ValueError(
-                    f"{path}:{lineno}: record has no field {field!r} (DataConfig.text_field); "
-                    f"it has {keys}"
+                    f"{path}:{lineno}: record has no field {field!r} ({setting}); it has {keys}"
                 )
-            text = record[field]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{path}:{lineno}: field {field!r} is {type(text).__name__}, expected a string"
-                )
-            docs.append(text)
-    return docs
+            yield record[field], f"{path}:{lineno}"
 
 
-def _read_parquet(path: Path, field: str) -> list[str]:
+def _parquet_records(path: Path, field: str, setting: str) -> Iterator[tuple[object, str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError(_INSTALL_HINT.format(kind="parquet", module="pyarrow")) from e
     schema = pq.read_schema(path)
     if field not in schema.names:
-        raise ValueError(
-            f"{path}: no column {field!r} (DataConfig.text_field); it has {schema.names}"
-        )
+        raise ValueError(f"{path}: no column {field!r} ({setting}); it has {schema.names}")
     column = pq.read_table(path, columns=[field]).column(field).to_pylist()
-    return _check_strings(column, field, str(path))
-
-
-def _check_strings(values: list[object], field: str, where: str) -> list[str]:
-    for row, v in enumerate(values):
-        if not isinstance(v, str):
-            raise ValueError(
-                f"{where}: row {row}: column {field!r} is {type(v).__name__}, expected a string"
-            )
-    return values  # type: ignore[return-value]
+    for row, value in enumerate(column):
+        yield value, f"{path}: row {row}"
 
 
 _HF_BUILDERS = {
@@ -148,7 +168,7 @@ _HF_BUILDERS = {
 }
 
 
-def _load_hf(cfg: DataConfig) -> list[str]:
+def _hf_records(source: SourceConfig, cache_dir: str, setting: str) -> Iterator[tuple[object, str]]:
     """`datasets` on local data only: a `save_to_disk` folder, a data folder, a file or a glob.
 
     Uses the `train` split when there is one, else the only split; tidal makes its own
@@ -158,18 +178,18 @@ def _load_hf(cfg: DataConfig) -> list[str]:
         import datasets
     except ImportError as e:
         raise ImportError(_INSTALL_HINT.format(kind="hf", module="datasets")) from e
-    p = Path(cfg.path).expanduser()
-    hf_cache = str(Path(cfg.cache_dir).expanduser() / "hf_datasets")
+    p = Path(source.path).expanduser()
+    hf_cache = str(Path(cache_dir).expanduser() / "hf_datasets")
     if p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()):
         ds = datasets.load_from_disk(str(p))
     elif p.is_dir():
         ds = datasets.load_dataset(str(p), cache_dir=hf_cache)
     else:
-        files = resolve_files(cfg.path, tuple(_HF_BUILDERS), kind="hf")
+        files = resolve_files(source.path, tuple(_HF_BUILDERS), kind="hf")
         suffix = files[0].suffix
         if suffix not in _HF_BUILDERS:
             raise ValueError(
-                f"DataConfig.path={cfg.path!r}: cannot tell the format of {files[0]}; "
+                f"DataConfig.path={source.path!r}: cannot tell the format of {files[0]}; "
                 f"expected one of {sorted(_HF_BUILDERS)}"
             )
         ds = datasets.load_dataset(
@@ -182,14 +202,14 @@ def _load_hf(cfg: DataConfig) -> list[str]:
             ds = next(iter(ds.values()))
         else:
             raise ValueError(
-                f"DataConfig.path={cfg.path!r} has splits {sorted(ds)} and none is 'train'"
+                f"DataConfig.path={source.path!r} has splits {sorted(ds)} and none is 'train'"
             )
-    if cfg.text_field not in ds.column_names:
+    if source.field not in ds.column_names:
         raise ValueError(
-            f"{cfg.path}: no column {cfg.text_field!r} (DataConfig.text_field); "
-            f"it has {ds.column_names}"
+            f"{source.path}: no column {source.field!r} ({setting}); it has {ds.column_names}"
         )
-    return _check_strings(list(ds[cfg.text_field]), cfg.text_field, cfg.path)
+    for row, value in enumerate(ds[source.field]):
+        yield value, f"{source.path}: row {row}"
 
 
 def cut_document(text: str, max_chars: int) -> list[str]:
@@ -239,14 +259,7 @@ def split_documents(
     pieces = [(d, piece) for d, doc in enumerate(docs) for piece in cut_document(doc, piece_chars)]
     if val_fraction == 0:
         return _join_runs(pieces, [True] * len(pieces)), []
-    n_val = math.ceil(len(pieces) * val_fraction)
-    digests = [hashlib.sha256(p.encode("utf-8")).digest() for _, p in pieces]
-    ranked = sorted(range(len(pieces)), key=digests.__getitem__)
-    is_val = [False] * len(pieces)
-    for rank, i in enumerate(ranked):
-        if rank >= n_val and digests[i] != digests[ranked[rank - 1]]:
-            break
-        is_val[i] = True
+    is_val = held_out([p for _, p in pieces], val_fraction)
     if len(pieces) < 2 or all(is_val):
         raise ValueError(
             f"cannot hold out val_fraction={val_fraction} of {len(pieces)} pieces "
@@ -257,6 +270,20 @@ def split_documents(
     train = _join_runs(pieces, [not v for v in is_val])
     val = _join_runs(pieces, is_val)
     return train, val
+
+
+def held_out(keys: Sequence[str], val_fraction: float) -> list[bool]:
+    """Which of `keys` go to validation: the `ceil(len * val_fraction)` lowest sha256 digests
+    (and every copy of the last one taken), so the choice depends on contents only."""
+    n_val = math.ceil(len(keys) * val_fraction)
+    digests = [hashlib.sha256(k.encode("utf-8")).digest() for k in keys]
+    ranked = sorted(range(len(keys)), key=digests.__getitem__)
+    is_val = [False] * len(keys)
+    for rank, i in enumerate(ranked):
+        if rank >= n_val and digests[i] != digests[ranked[rank - 1]]:
+            break
+        is_val[i] = True
+    return is_val
 
 
 def _join_runs(pieces: Sequence[tuple[int, str]], keep: Sequence[bool]) -> list[str]:

@@ -2,7 +2,12 @@
 
 Text is encoded without the tokenizer's own template (no automatic BOS/EOS) and with special
 tokens written in the text treated as plain text, so a document containing "<|eos|>" cannot
-inject a real EOS. The packer adds `bos_id` and `eos_id` itself.
+inject a real EOS. The packer adds `bos_id` and `eos_id` itself. Rendered chat templates are
+the exception: they write their turn markers as text, so `encode(..., special_tokens=True)`
+reads special tokens as control tokens (tidal/train/data/chat.py).
+
+tidal's own BPE splits digits one by one before the byte-level pre-tokenizer (as Qwen's and
+DeepSeek's tokenizers do), so numbers are spelled digit by digit, which arithmetic needs.
 """
 
 from __future__ import annotations
@@ -54,18 +59,18 @@ class Tokenizer:
         assert tok.decode(ids) == "To be, or not to be"
     """
 
-    __slots__ = ("_encode_batch", "_tok", "bos_id", "eos_id", "vocab_size")
+    __slots__ = ("_special", "_specials_tok", "_tok", "bos_id", "eos_id", "vocab_size")
 
     def __init__(self, tok: tokenizers.Tokenizer, *, bos_id: int, eos_id: int) -> None:
         self._tok = tok
         # Special tokens written in documents are encoded as text, never as control tokens.
         self._tok.encode_special_tokens = True
+        self._specials_tok: tokenizers.Tokenizer | None = None  # a copy that parses them
         self.bos_id = bos_id
         self.eos_id = eos_id
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
-        # encode_batch_fast (tokenizers >= 0.21) skips offsets; same ids.
-        self._encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        self._special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -97,27 +102,45 @@ class Tokenizer:
         bos = next((t for t in BOS_CANDIDATES if t in vocab), eos)
         return cls(tok, bos_id=vocab[bos], eos_id=vocab[eos])
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without BOS/EOS."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def _backend(self, special_tokens: bool) -> tokenizers.Tokenizer:
+        if not special_tokens:
+            return self._tok
+        if self._specials_tok is None:
+            self._specials_tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            self._specials_tok.encode_special_tokens = False
+        return self._specials_tok
 
-    def encode_with_specials(self, text: str) -> list[int]:
-        """Token ids of `text` in which special tokens written as text map to their ids (a
-        chat template's rendered markers); `encode` treats them as plain text."""
-        self._tok.encode_special_tokens = False
-        try:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        finally:
-            self._tok.encode_special_tokens = True
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`, without BOS/EOS. `special_tokens=True` reads special tokens
+        written in the text (`<|im_end|>`) as control tokens, for rendered chat templates."""
+        return self._backend(special_tokens).encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], *, special_tokens: bool = False
+    ) -> list[list[int]]:
         """`encode` on many texts, in parallel threads inside `tokenizers`."""
+        tok = self._backend(special_tokens)
+        # encode_batch_fast (tokenizers >= 0.21) skips offsets; same ids.
+        encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
         out: list[list[int]] = []
         for i in range(0, len(texts), _ENCODE_CHUNK):
             chunk = list(texts[i : i + _ENCODE_CHUNK])
-            encs = self._encode_batch(chunk, add_special_tokens=False)
-            out.extend(e.ids for e in encs)
+            out.extend(e.ids for e in encode_batch(chunk, add_special_tokens=False))
         return out
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special (control) token such as BOS, EOS or `<|im_end|>`."""
+        return token_id in self._special
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled `text` (`<|im_end|>`), or None if there is none."""
+        return self._tok.token_to_id(text)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as the vocabulary spells it (`<|bos|>`)."""
+        text = self._tok.id_to_token(token_id)
+        assert text is not None, f"token id {token_id} is not in the vocabulary"
+        return text
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; BOS/EOS and other special tokens are dropped unless asked for."""
@@ -140,9 +163,15 @@ class Tokenizer:
 
 
 def new_bpe_tokenizer() -> tokenizers.Tokenizer:
-    """An untrained byte-level BPE (GPT-2 pre-tokenization regex, no prefix space)."""
+    """An untrained byte-level BPE: digits split one by one, then GPT-2's pre-tokenization
+    regex, no prefix space."""
     tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -152,23 +181,29 @@ def train_bpe(
     vocab_size: int,
     cache_dir: str | os.PathLike[str],
     *,
+    extra_specials: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
 ) -> Tokenizer:
-    """Train a byte-level BPE with specials `<|bos|>` (id 0) and `<|eos|>` (id 1), or load it.
+    """Train a byte-level BPE with specials `<|bos|>` (id 0) and `<|eos|>` (id 1), then
+    `extra_specials` (ids 2, 3, ...), or load it.
 
     The result is cached as `<cache_dir>/bpe-<vocab_size>-<hash>.json`, keyed by the corpus,
-    `vocab_size` and the `tokenizers` version; a second call with the same inputs loads it. Every
-    byte sequence has an encoding and decoding round-trips any text.
+    `vocab_size`, the specials and the `tokenizers` version; a second call with the same inputs
+    loads it. Every byte sequence has an encoding and decoding round-trips any text.
 
     Raises:
-        ValueError: `vocab_size` below 258 or no documents.
+        ValueError: `vocab_size` below 256 + the specials, or no documents.
     """
-    if vocab_size < MIN_BPE_VOCAB:
-        raise ValueError(f"vocab_size must be >= {MIN_BPE_VOCAB}, got {vocab_size}")
+    specials = [*SPECIAL_TOKENS, *extra_specials]
+    if vocab_size < MIN_BPE_VOCAB + len(extra_specials):
+        raise ValueError(
+            f"vocab_size must be >= {MIN_BPE_VOCAB + len(extra_specials)}, got {vocab_size}"
+        )
     if not documents:
         raise ValueError("cannot train a BPE tokenizer on zero documents")
     key = hashlib.sha256(
-        f"{corpus_hash(documents)}|{vocab_size}|tokenizers={tokenizers.__version__}".encode()
+        f"{corpus_hash(documents)}|{vocab_size}|tokenizers={tokenizers.__version__}|digits=1|"
+        f"specials={','.join(specials)}".encode()
     ).hexdigest()[:16]
     path = Path(cache_dir).expanduser() / f"bpe-{vocab_size}-{key}.json"
     t0 = time.perf_counter()
@@ -176,7 +211,7 @@ def train_bpe(
         tok = new_bpe_tokenizer()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
-            special_tokens=list(SPECIAL_TOKENS),
+            special_tokens=specials,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )

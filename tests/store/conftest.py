@@ -47,3 +47,17 @@ def until_waited_for(store, key: str, version: int) -> None:
     version (writers report their progress only then)."""
     until(lambda: testing.readers_waiting(store, key, version),
           "the waiting reader never reached the controller")  # fmt: skip
+
+
+@pytest.fixture
+def victim(capfd):
+    """An embedded store holding committed data; at the end, no server thread printed a
+    traceback (every error path was an expected one). For tests/store/test_security_*.py."""
+    from . import hostile  # it imports this module
+
+    store = tidal.store.connect(keep=2)
+    saved = hostile._saved(store)
+    yield store, saved, hostile._baseline(store)
+    store.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "failed:" not in err, err

@@ -142,6 +142,10 @@ def check_job(
 
 
 def model_args_for(cfg: Config) -> ModelArgs:
+    if cfg.checkpoint.initial_load_hf:  # the architecture of a Hugging Face folder
+        from tidal.train.checkpoint.hf import hf_args_for
+
+        return hf_args_for(cfg)
     overrides: dict[str, Any] = {"attention": cfg.model.attention}
     if cfg.model.vocab_size is not None:
         overrides["vocab_size"] = cfg.model.vocab_size
@@ -291,6 +295,7 @@ class Trainer:
                 "parallelism": {"world_size": self.dist.world_size, "degrees": self.dims.degrees},
             },
             lr_settings={**dataclasses.asdict(cfg.lr_scheduler), "total_steps": t.steps},
+            tokenizer=cfg.data.tokenizer if cfg.data.tokenizer != "bpe" else self.data.tokenizer,
             log=self.log,
         )
         if self.plan is not None:

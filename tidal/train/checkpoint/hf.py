@@ -254,24 +254,39 @@ def read_model(
         md = metadata.state_dict_metadata[key]
         assert isinstance(md, TensorStorageMetadata), key
         state_dict[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+
+    def read(chunk: dict[str, torch.Tensor]) -> None:
+        load_flat(chunk, path, no_dist=True)  # this process alone, whatever the process group
+
+    _fill_in_chunks(state_dict, read, path, log if progress else None)
+    return args, state_dict, info
+
+
+def _fill_in_chunks(
+    state_dict: dict[str, torch.Tensor],
+    read: Callable[[dict[str, torch.Tensor]], None],
+    where: Path,
+    log: Log | None,
+) -> None:
+    """`read` the tensors of `state_dict` in place, about _CHUNK_BYTES at a time, logging the
+    progress of large models."""
     total = sum(t.numel() * t.element_size() for t in state_dict.values())
-    start, done, chunk, size = time.perf_counter(), 0, {}, 0
+    start, done, size = time.perf_counter(), 0, 0
+    chunk: dict[str, torch.Tensor] = {}
     keys = list(state_dict)
     for i, key in enumerate(keys):
         chunk[key] = state_dict[key]
         size += state_dict[key].numel() * state_dict[key].element_size()
         if size >= _CHUNK_BYTES or i == len(keys) - 1:
-            load_flat(chunk, path, no_dist=True)
+            read(chunk)
             done += size
-            if progress and total >= _CHUNK_BYTES:
-                log(f"  read {done / 1e9:.2f} / {total / 1e9:.2f} GB from {path}")
+            if log is not None and total >= _CHUNK_BYTES:
+                log(f"  read {100 * done / total:3.0f}% ({done / 1e9:.2f} / {total / 1e9:.2f} "
+                    f"GB) of {where}")  # fmt: skip
             chunk, size = {}, 0
-    if progress:
-        log(
-            f"read {len(keys)} tensors ({total / 1e6:,.1f} MB) from {path} in "
-            f"{time.perf_counter() - start:.1f}s"
-        )
-    return args, state_dict, info
+    if log is not None:
+        log(f"read {len(keys)} tensors ({total / 1e6:,.1f} MB) from {where} in "
+            f"{time.perf_counter() - start:.1f}s")  # fmt: skip
 
 
 def dcp_to_hf(
@@ -363,7 +378,7 @@ def hf_to_dcp(
             or corrupt file (all before any tensor data is read), or `flavor` differs.
         FileExistsError: `dst` exists.
     """
-    from tidal.models.hf import check_hf, load_hf
+    from tidal.models.hf import check_hf
 
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -375,17 +390,13 @@ def hf_to_dcp(
         flavor = matching_flavor(args)
         if flavor is not None:
             log(f"{src}: the architecture of model.flavor {flavor!r}")
-    start = time.perf_counter()
-    model = load_hf(src, dtype=dtype)
-    state_dict = {k: v.detach() for k, v in model.state_dict().items()}
-    size = sum(t.numel() * t.element_size() for t in state_dict.values())
-    log(f"read {len(state_dict)} tensors ({size / 1e6:,.1f} MB) from {src} in "
-        f"{time.perf_counter() - start:.1f}s; writing {dst}")  # fmt: skip
+    state_dict = _read_hf(src, args, dtype, log)
     note = "" if flavor is None else f" (--model.flavor {flavor}"
     if flavor is not None and FLAVORS[flavor].vocab_size != args.vocab_size:
         note += f" --model.vocab_size {args.vocab_size}"
     note += ")" if note else ""
     start = time.perf_counter()
+    log(f"writing {dst}")
     with staged(dst) as tmp:
         saved = save_model(
             state_dict,
@@ -399,6 +410,27 @@ def hf_to_dcp(
     log(f"wrote {dst} in {time.perf_counter() - start:.1f}s; start a run from it with "
         f"--checkpoint.initial_load_path {dst}{note}")  # fmt: skip
     return dst
+
+
+def _read_hf(
+    src: Path, args: ModelArgs, dtype: torch.dtype | None, log: Log
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a checked Hugging Face folder under its tidal name, in its stored dtype
+    (or `dtype`), read in chunks with progress."""
+    from tidal.models.hf import load_hf_state_dict
+    from tidal.models.hf.checkpoint import _adapter_for_args
+    from tidal.models.hf.common import FLOAT_DTYPES, read_folder
+
+    entries = read_folder(src)
+    names = _adapter_for_args(args).hf_names(args)
+    state_dict = {
+        key: torch.empty(entries[hf].shape, dtype=dtype or FLOAT_DTYPES[entries[hf].dtype])
+        for key, hf in names.items()
+    }
+    # strict=False: each chunk is a subset; check_hf has matched the whole folder already.
+    _fill_in_chunks(state_dict, lambda chunk: load_hf_state_dict(src, chunk, strict=False), src,
+                    log)  # fmt: skip
+    return state_dict
 
 
 def export_last_save(

@@ -273,6 +273,15 @@ def losses(out: Path) -> list[tuple[float, float, float]]:
     return [rec[s] for s in sorted(rec)]
 
 
+def test_a_differing_vocab_size_is_ignored_with_a_warning(tmp_path, hf_tiny):
+    cfg = run_config(tmp_path, "--checkpoint.initial_load_hf", str(hf_tiny),
+                     "--model.vocab_size", "128")  # fmt: skip
+    from tidal.train.trainer import model_args_for
+
+    with pytest.warns(UserWarning, match=r"model.vocab_size=128 is ignored"):
+        assert model_args_for(cfg).vocab_size == VOCAB
+
+
 def test_config_resolves_the_tokenizer_and_checks_fields(hf_tiny):
     from tidal.train.config_parse import apply_overrides
     from tidal.train.configs import get_config
@@ -378,7 +387,6 @@ def test_last_save_in_hf(tmp_path, hf_tiny):
     [
         ("missing", "does not exist"),
         ("truncated", "truncated"),
-        ("vocab", "model.vocab_size=128 but"),
         ("seq_len", "exceeds the max_position_embeddings=512"),
         ("extra_tensor", "the llama model of its config.json does not"),
     ],
@@ -392,8 +400,6 @@ def test_initial_load_hf_errors_before_anything_is_built(edit, message, tmp_path
         src = tmp_path / "nothere"
     elif edit == "truncated":
         _truncate(src / "model.safetensors")
-    elif edit == "vocab":
-        extra = ["--model.vocab_size", "128"]
     elif edit == "seq_len":
         extra = ["--training.seq_len", "1024"]
     elif edit == "extra_tensor":

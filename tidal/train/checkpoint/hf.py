@@ -25,6 +25,7 @@ import dataclasses
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,9 +74,12 @@ def hf_args_for(cfg: Config) -> ModelArgs:
     """The ModelArgs of a run started from `checkpoint.initial_load_hf`: the folder's
     config.json with the run's `model.attention`.
 
+    `model.flavor` and `model.vocab_size` are ignored (a warning names a vocabulary size that
+    differs): the weights fix the shapes.
+
     Raises:
-        ValueError: the folder or its config.json is missing or unsupported, `model.vocab_size`
-            differs from the checkpoint's, or `training.seq_len` exceeds its context.
+        ValueError: the folder or its config.json is missing or unsupported, or
+            `training.seq_len` exceeds its context.
     """
     from tidal.models.hf import hf_model_args
 
@@ -85,10 +89,10 @@ def hf_args_for(cfg: Config) -> ModelArgs:
     except FileNotFoundError as e:
         raise ValueError(f"checkpoint.initial_load_hf: {e}") from None
     if cfg.model.vocab_size is not None and cfg.model.vocab_size != args.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={cfg.model.vocab_size} but the checkpoint.initial_load_hf model "
-            f"has vocab_size {args.vocab_size} ({path / 'config.json'}); leave model.vocab_size "
-            "unset"
+        warnings.warn(
+            f"model.vocab_size={cfg.model.vocab_size} is ignored: the vocabulary of the "
+            f"checkpoint.initial_load_hf model is {args.vocab_size} ({path / 'config.json'})",
+            stacklevel=2,
         )
     if cfg.training.seq_len > args.max_seq_len:
         raise ValueError(

@@ -413,3 +413,14 @@ def test_initial_load_hf_errors_before_anything_is_built(edit, message, tmp_path
         cfg = run_config(tmp_path / "run", "--checkpoint.initial_load_hf", str(src), *extra)
         Trainer(cfg, data=random_data(), log=lambda *a: None)
     assert built == []
+
+
+def test_the_doc_example_runs():
+    """docs/checkpoint.md's Python blocks, as written."""
+    import re
+
+    doc = Path(__file__).parents[2] / "docs" / "checkpoint.md"
+    blocks = re.findall(r"^```python\n(.*?)^```$", doc.read_text(), re.DOTALL | re.MULTILINE)
+    assert blocks
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"{doc}:block{i}", "exec"), {"__name__": "docs_checkpoint"})

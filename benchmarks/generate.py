@@ -4,8 +4,10 @@ Runs `--flavor` (default llama3_1b: dim 2048, 16 layers, vocab 128256, 1.5B para
 init, bf16 weights) on one GPU with random `--prompt-len`-token prompts (128) and
 `--new-tokens` (256) new tokens per row, no stop tokens, at each `--batches` size (1 64 256),
 greedy and sampled (temperature 1, `--top-p`), in the normal mode and in batch-invariant
-mode. Each configuration runs once to warm up (compile, CUDA-graph capture) and is then
-timed. Printed per configuration: new tokens/s over the whole `generate` call (prefill
+mode. Each configuration is warmed up until a whole `generate` call compiles and captures
+nothing (on CUDA that takes three calls, see `warm_up`), and is then timed; a compile or
+capture inside the timed call is reported (`compiles_in_timed_call`, and a warning).
+Printed per configuration: new tokens/s over the whole `generate` call (prefill
 included), the decode step time, and for CUDA the HBM bound of a decode step (the weights
 read once per step, the embedding table excepted, plus the KV cache read at the mean
 length) with the ratio to it. If `transformers` is importable, its `generate` runs on a
@@ -64,6 +66,31 @@ def hbm_bound_ms(model, batch: int, length: float, bandwidth: float) -> tuple[fl
     return 1e3 * weights * elem / bandwidth, 1e3 * (weights + kv) * elem / bandwidth
 
 
+def compiles() -> int:
+    """Graphs torch.compile (dynamo) has made so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def warm_up(generate: Callable[[], object], stats, max_calls: int = 4) -> int:
+    """Call `generate` until one whole call compiles and captures nothing; returns the number
+    of calls made.
+
+    One call is not enough: a Generator's first call runs its prefill eagerly (that allocates
+    the KV cache outside compiled code), so the compiled prefill is traced by the second call.
+    With a single warm-up call, that compile (tens of seconds for llama3_1b with dynamic
+    shapes) fell inside the timed call: batch 1 greedy read 5 new tokens/s on an H200 while
+    its decode steps took 1.46 ms each (256 tokens in ~50 s, nearly all of it the prefill's
+    compile)."""
+    for n in range(1, max_calls + 1):
+        before = (compiles(), stats.graphs_captured)
+        generate()
+        if (compiles(), stats.graphs_captured) == before:
+            return n
+    return max_calls
+
+
 def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict:
     from tidal.rl import Generator, GeneratorConfig, SamplingParams
 
@@ -82,8 +109,9 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
         stop_token_ids=(),
         seed=1,
     )
-    gen.generate(prompts.tolist(), params)  # warm-up: compile, capture
+    warmup_calls = warm_up(lambda: gen.generate(prompts.tolist(), params), gen.stats)
     steps0, decode0 = gen.stats.decode_steps, gen.stats.decode_seconds
+    compiled0 = compiles() + gen.stats.graphs_captured
     sync(device)
     start = time.perf_counter()
     groups = gen.generate(prompts.tolist(), params)
@@ -92,8 +120,19 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
     new = sum(len(s.completion_ids) for grp in groups for s in grp)
     assert new == batch * args.new_tokens, new
     steps = gen.stats.decode_steps - steps0
-    step_ms = 1e3 * (gen.stats.decode_seconds - decode0) / max(steps, 1)
-    return {"seconds": seconds, "new_tokens_per_s": new / seconds, "decode_ms_per_step": step_ms}
+    decode_s = gen.stats.decode_seconds - decode0
+    step_ms = 1e3 * decode_s / max(steps, 1)
+    return {
+        "seconds": seconds,
+        "new_tokens_per_s": new / seconds,
+        "decode_ms_per_step": step_ms,
+        "decode_steps": steps,
+        # Everything of the timed call but its decode steps and host checks: the prefill, its
+        # row copies and the Python around them.
+        "prefill_and_setup_s": seconds - decode_s,
+        "warmup_calls": warmup_calls,
+        "compiles_in_timed_call": compiles() + gen.stats.graphs_captured - compiled0,
+    }
 
 
 def run_hf(args, batch: int, mode: str, device: torch.device) -> dict | None:
@@ -246,7 +285,10 @@ def print_row(row: dict) -> None:
         line += "FAILED"
     else:
         line += (f"{t['new_tokens_per_s']:>10,.0f} new tok/s, decode "
-                 f"{t['decode_ms_per_step']:7.2f} ms/step")  # fmt: skip
+                 f"{t['decode_ms_per_step']:7.2f} ms/step, prefill+setup "
+                 f"{1e3 * t['prefill_and_setup_s']:.1f} ms")  # fmt: skip
+        if t["compiles_in_timed_call"]:
+            line += f" (WARNING: {t['compiles_in_timed_call']} compile(s) in the timed call)"
         if "hbm_bound_ms" in row:
             bound = row["hbm_bound_ms"]
             line += (f" (HBM bound {bound['weights']:.2f} ms weights, "

@@ -2,7 +2,8 @@
 
     tidal train --config NAME|MODULE:FUNCTION [--help] [--print-config] [--nproc N]
                 [--section.field VALUE ...]
-    tidal generate --config NAME --prompt TEXT [--n N] [--temperature T] [--json] ...
+    tidal generate --config NAME|--hf DIR|--checkpoint DIR --prompt TEXT [--n N] [--json] ...
+    tidal convert hf-to-dcp|dcp-to-hf SRC DST [--flavor NAME] [--dtype D] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models
     tidal store serve|volume|ls ...
@@ -267,6 +268,80 @@ def _fetch(argv: list[str]) -> int:
     return run_fetch(parser.parse_args(argv))
 
 
+def _convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tidal convert",
+        description="Convert a model between a Hugging Face folder and a tidal (DCP) "
+        "checkpoint. Nothing is read before the source is checked, and DST appears only once "
+        "complete.",
+    )
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    dtypes = ["float32", "bfloat16", "float16"]
+    to_dcp = sub.add_parser(
+        "hf-to-dcp", help="a Hugging Face folder -> a model-only DCP checkpoint folder"
+    )
+    to_hf = sub.add_parser(
+        "dcp-to-hf",
+        help="the model of a DCP checkpoint (a step-N folder, or a folder of them: the newest) "
+        "-> a Hugging Face folder",
+    )
+    for p in (to_dcp, to_hf):
+        p.add_argument("src", help="source folder")
+        p.add_argument("dst", help="destination folder (must not exist)")
+        p.add_argument("--dtype", choices=dtypes, help="cast every tensor (default: keep)")
+    to_dcp.add_argument(
+        "--flavor", help="check that the model is this tidal flavor (default: the first match)"
+    )
+    to_hf.add_argument(
+        "--flavor", help="the model, for a checkpoint without tidal.json (else checked)"
+    )
+    to_hf.add_argument(
+        "--config",
+        help="a named config (or MODULE:FUNCTION) whose model it is, with any "
+        "--section.field overrides (e.g. --model.vocab_size); as --flavor",
+    )
+    to_hf.add_argument(
+        "--tokenizer",
+        help="a tokenizer.json (or its folder) to copy beside the weights, with the "
+        "tokenizer_config.json and chat template next to it",
+    )
+    to_hf.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
+                       help="bytes per safetensors file (default 5e9)")  # fmt: skip
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and not getattr(args, "config", None):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    try:
+        import torch
+
+        from tidal.models import get_flavor
+        from tidal.train.checkpoint.hf import dcp_to_hf, hf_to_dcp
+
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        if args.direction == "hf-to-dcp":
+            hf_to_dcp(args.src, args.dst, flavor=args.flavor, dtype=dtype)
+            return 0
+        if args.flavor and args.config:
+            raise ValueError("give --flavor or --config, not both")
+        margs = None
+        if args.flavor:
+            margs = get_flavor(args.flavor)
+        elif args.config:
+            from tidal.train.config_parse import apply_overrides
+            from tidal.train.configs import get_config
+            from tidal.train.trainer import model_args_for
+
+            margs = model_args_for(apply_overrides(get_config(args.config), overrides))
+        dcp_to_hf(args.src, args.dst, args=margs, dtype=dtype, tokenizer=args.tokenizer,
+                  max_shard_size=args.max_shard_size)  # fmt: skip
+        return 0
+    except KeyboardInterrupt:
+        print("tidal convert: interrupted (nothing written)", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError, TypeError) as e:
+        print(f"tidal convert: error: {e}", file=sys.stderr)
+        return 2
+
+
 def _configs(argv: list[str]) -> int:
     from tidal.train.configs import CONFIGS
 
@@ -311,7 +386,8 @@ def _store(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": (_train, "train a model from a named config"),
-    "generate": (_generate, "sample completions from a named config's model"),
+    "generate": (_generate, "sample completions (seed init, a Hugging Face folder, a checkpoint)"),
+    "convert": (_convert, "convert a model: hf-to-dcp or dcp-to-hf"),
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
     "configs": (_configs, "list the named training configs"),
     "models": (_models, "list the model flavors and their parameter counts"),

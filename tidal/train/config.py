@@ -8,6 +8,7 @@ Every field carries its documentation as the string under it; `tidal train --hel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from tidal.models.flavors import FLAVORS
@@ -270,6 +271,18 @@ class CheckpointConfig:
     create_seed_checkpoint: bool = False
     """Initialize the model in one process, save it as step-0 (model only) in `folder`, and exit
     without training; runs on any layout can then start from the same weights."""
+    initial_load_hf: str | None = None
+    """A Hugging Face folder (config.json and safetensors, one file or sharded) to start from:
+    the architecture comes from its config.json (model.flavor is then ignored) and the
+    weights replace the seed init, each rank reading only the slices its FSDP/TP/pipeline
+    shards hold. data.tokenizer 'bpe' (the default) becomes the folder's tokenizer.json. Works
+    without checkpoint.enable; with it, a run whose folder holds a checkpoint resumes from
+    that instead (the architecture still comes from here)."""
+    last_save_in_hf: bool = False
+    """Also write the last save of the run as a Hugging Face folder, `<folder>/step-N-hf`
+    (config.json, model.safetensors in export_dtype, and the tokenizer files), which
+    transformers and tidal's load_hf read. Made by rank 0 from the checkpoint just saved, so
+    any layout works; an earlier export of the same step is replaced."""
 
     def __post_init__(self) -> None:
         _check(self.interval > 0, f"checkpoint.interval must be positive, got {self.interval}")
@@ -306,6 +319,28 @@ class CheckpointConfig:
             self.initial_load_path is None or bool(self.initial_load_path),
             "checkpoint.initial_load_path must be a path or none",
         )
+        _check(
+            self.initial_load_hf is None or bool(self.initial_load_hf),
+            "checkpoint.initial_load_hf must be a path or none",
+        )
+        _check(
+            not (self.initial_load_hf and self.initial_load_path),
+            "checkpoint.initial_load_hf and checkpoint.initial_load_path are both set; start "
+            "from one of them",
+        )
+        _check(
+            self.enable or not self.last_save_in_hf,
+            "checkpoint.last_save_in_hf needs --checkpoint.enable true (it exports the last save)",
+        )
+        _check(
+            not (self.load_only and self.last_save_in_hf),
+            "checkpoint.last_save_in_hf with checkpoint.load_only: a load-only run saves nothing",
+        )
+        _check(
+            not (self.create_seed_checkpoint and self.initial_load_hf),
+            "checkpoint.create_seed_checkpoint saves the seed initialization; it cannot start "
+            "from checkpoint.initial_load_hf (convert the folder with `tidal convert hf-to-dcp`)",
+        )
 
     @property
     def excluded(self) -> list[str]:
@@ -332,6 +367,13 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        hf = self.checkpoint.initial_load_hf
+        if hf:
+            # The architecture and the tokenizer come from the Hugging Face folder: seq_len is
+            # checked against its config.json when the model is built (checkpoint/hf.py).
+            if self.data.tokenizer == "bpe":
+                self.data.tokenizer = str(Path(hf).expanduser() / "tokenizer.json")
+            return
         max_len = FLAVORS[self.model.flavor].max_seq_len
         _check(
             self.training.seq_len <= max_len,

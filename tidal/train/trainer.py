@@ -142,6 +142,10 @@ def check_job(
 
 
 def model_args_for(cfg: Config) -> ModelArgs:
+    if cfg.checkpoint.initial_load_hf:  # the architecture of a Hugging Face folder
+        from tidal.train.checkpoint.hf import hf_args_for
+
+        return hf_args_for(cfg)
     overrides: dict[str, Any] = {"attention": cfg.model.attention}
     if cfg.model.vocab_size is not None:
         overrides["vocab_size"] = cfg.model.vocab_size
@@ -273,8 +277,10 @@ class Trainer:
         self._pp_norm: float | torch.Tensor = 1.0
         self.train_iter = iter(self.data.train)
         layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
+        hf = cfg.checkpoint.initial_load_hf
+        name = f"hf:{hf}" if hf else cfg.model.flavor  # the flavor is ignored for an HF model
         self.log(
-            f"model {cfg.model.flavor}: {self.n_params / 1e6:.1f}M parameters, "
+            f"model {name}: {self.n_params / 1e6:.1f}M parameters, "
             f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
             f"compile {t.compile}, world {self.dist.world_size} ({layout})"
         )
@@ -287,10 +293,11 @@ class Trainer:
             device=self.device,
             args=self.args,
             info={
-                "model": model_info(self.args, cfg.model.flavor),
+                "model": model_info(self.args, name),
                 "parallelism": {"world_size": self.dist.world_size, "degrees": self.dims.degrees},
             },
             lr_settings={**dataclasses.asdict(cfg.lr_scheduler), "total_steps": t.steps},
+            tokenizer=cfg.data.tokenizer if cfg.data.tokenizer != "bpe" else self.data.tokenizer,
             log=self.log,
         )
         if self.plan is not None:

@@ -2,6 +2,7 @@
 
 - `load_hf(path)` / `save_hf(model, path)`: a whole model from / to a folder of config.json
   and safetensors (one file, or shards with model.safetensors.index.json).
+- `check_hf(path)`: config, headers, names and shapes checked, no tensor data read.
 - `hf_model_args(path)` and `load_hf_state_dict(path, state_dict)`: build a (sharded) model
   from the config, then let every rank read only the slices its DTensor shards hold.
 - `save_hf_state_dict(sd, args, path)`: save a full state dict gathered elsewhere.
@@ -15,6 +16,7 @@ qwen3.py (Qwen 3 dense). `safetensors` (and `gguf` for GGUF files) come with
 
 from tidal.models.hf.checkpoint import (
     ADAPTERS,
+    check_hf,
     hf_model_args,
     load_hf,
     load_hf_state_dict,
@@ -24,6 +26,7 @@ from tidal.models.hf.checkpoint import (
 
 __all__ = [
     "ADAPTERS",
+    "check_hf",
     "hf_model_args",
     "load_hf",
     "load_hf_state_dict",

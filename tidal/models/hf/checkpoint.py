@@ -87,6 +87,28 @@ def hf_model_args(path: StrPath) -> ModelArgs:
     return _adapter(c).model_args(c)
 
 
+def check_hf(path: StrPath) -> ModelArgs:
+    """Check a Hugging Face checkpoint folder without reading any tensor data: config.json,
+    every safetensors header, and the names, shapes and dtypes of the tensors against the
+    model its config describes. Returns that model's ModelArgs (as `hf_model_args`).
+
+    A trainer calls it before it builds anything, so a bad folder fails at once.
+
+    Raises:
+        As `load_hf`.
+    """
+    folder = Path(path).expanduser()
+    c = read_config(folder)
+    adapter = _adapter(c)
+    args = adapter.model_args(c)
+    with torch.device("meta"):
+        shapes = Transformer(args).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied lm_head warning comes again at the load
+        _plan(shapes, adapter, args, read_folder(folder), folder, strict=True)
+    return args
+
+
 def load_hf(
     path: StrPath, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> Transformer:

@@ -106,9 +106,12 @@ def _quiet_single_process() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-def load_flat(flat: dict[str, Any], path: Path, process_group=None) -> None:
+def load_flat(
+    flat: dict[str, Any], path: Path, process_group=None, *, no_dist: bool = False
+) -> None:
     """Fill `flat` (DCP keys -> tensors or placeholders) in place from the checkpoint `path`,
-    resharding to whatever layout `flat`'s DTensors have.
+    resharding to whatever layout `flat`'s DTensors have. `no_dist`: this process reads alone
+    (plain tensors), even when a process group exists.
 
     Raises:
         CheckpointError: a file is unreadable (named).
@@ -119,7 +122,7 @@ def load_flat(flat: dict[str, Any], path: Path, process_group=None) -> None:
             flat,
             storage_reader=_NamingReader(str(path)),
             process_group=process_group,
-            no_dist=not dist.is_initialized(),
+            no_dist=no_dist or not dist.is_initialized(),
         )
     except CheckpointException as e:
         err = _unwrap(e)

@@ -113,6 +113,8 @@ class Checkpointer:
         args: the model's architecture (named in mismatch errors).
         info: tidal.json content: {"model": model_info(...), "parallelism": {...}}.
         lr_settings: the schedule's settings, saved for information.
+        tokenizer: what a `last_save_in_hf` export copies beside the weights: the path of the
+            run's tokenizer.json, or a tokenizer object with `save(path)` (a trained BPE).
         log: rank 0's logger.
     """
 
@@ -128,6 +130,7 @@ class Checkpointer:
         args: ModelArgs,
         info: dict[str, Any],
         lr_settings: dict[str, Any],
+        tokenizer: Any = None,
         log: Log = print,
     ):
         self.cfg = cfg
@@ -139,6 +142,7 @@ class Checkpointer:
         self.args = args
         self.info = info
         self.lr_settings = lr_settings
+        self.tokenizer = tokenizer
         self.log = log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -242,6 +246,8 @@ class Checkpointer:
         if mode == "disabled":
             self._write(flat, step, info, start, staged=False)
             self.stats.blocked_s = time.perf_counter() - start
+            if last and self.cfg.last_save_in_hf:
+                self._export_hf(step)
         else:
             if mode == "async":
                 flat = copy_to_host(flat)
@@ -251,6 +257,34 @@ class Checkpointer:
             self.stats.blocked_s = time.perf_counter() - start
             self.pending = _in_background(self._write, flat, step, info, start, True)
         self.last_saved_step = step
+
+    def _export_hf(self, step: int) -> None:
+        """`last_save_in_hf`: rank 0 writes the checkpoint just saved as a Hugging Face folder
+        (read back from disk, so any layout works, pipeline stages included); every rank then
+        learns whether it succeeded."""
+        from tidal.train.checkpoint.hf import export_last_save
+
+        error = None
+        if self.rank == 0:
+            try:
+                export_last_save(
+                    layout.step_dir(self.folder, step),
+                    self.args,
+                    dtype=_DTYPES[self.cfg.export_dtype],
+                    tokenizer=self.tokenizer,
+                    log=self.log,
+                )
+            except Exception as e:  # reported on every rank below, not left to hang them
+                error = f"{type(e).__name__}: {e}"
+        if self.pg is not None:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.pg)
+            error = box[0]
+        if error is not None:
+            raise CheckpointError(
+                f"checkpoint.last_save_in_hf: exporting step-{step} of {self.folder} failed: "
+                f"{error} (the DCP checkpoint itself is complete)"
+            )
 
     def _contents(self, flat: dict[str, Any]) -> list[str]:
         groups = {k.split(".", 1)[0] for k in flat}
@@ -317,6 +351,14 @@ class Checkpointer:
         """Restore what `plan` says; returns the step to continue from (0 for a model-only or
         initial load that keeps no step)."""
         start = time.perf_counter()
+        if plan.hf:
+            from tidal.models.hf import load_hf_state_dict
+
+            # Every rank reads the slices of its own shards; plan_load has checked the folder's
+            # names and shapes against the whole model, so a pipeline stage's subset is fine.
+            load_hf_state_dict(plan.path, self.model.state_dict(), strict=False)
+            self.log(f"checkpoint: loaded {plan.path} in {time.perf_counter() - start:.2f}s")
+            return 0
         only = set() if plan.model_only else set(CHECKPOINT_STATES) - set(self.cfg.excluded)
         flat = self._flat(plan.step, model_only=plan.model_only, only=only)
         metadata = read_metadata(plan.path)

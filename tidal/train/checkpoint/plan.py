@@ -2,8 +2,9 @@
 
 `plan_load` runs on every rank before the data, the model or any process group exists: it
 picks the newest complete checkpoint of the run's folder (or `load_step`, or
-`initial_load_path`), checks its marker and file sizes, and compares the saved model (tidal.json
-and DCP's `.metadata`, no tensor) with this run's, so a missing, incomplete, corrupt or
+`initial_load_path`, or the Hugging Face folder of `initial_load_hf`), checks its marker and
+file sizes, and compares the saved model (tidal.json and DCP's `.metadata`, or config.json and
+the safetensors headers; no tensor) with this run's, so a missing, incomplete, corrupt or
 mismatched checkpoint fails at once with the file, key, shapes or setting named.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tidal.models.transformer import ModelArgs, Transformer
+from tidal.models.transformer import ModelArgs, RopeScaling, Transformer
 from tidal.train.checkpoint import layout
 from tidal.train.checkpoint.dcp_io import mismatch_message, read_metadata, shape_diff
 from tidal.train.checkpoint.layout import CheckpointError
@@ -40,10 +41,44 @@ def checkpoint_folder(cfg: CheckpointConfig, output_dir: str | Path) -> Path:
 
 
 def model_info(args: ModelArgs, flavor: str) -> dict[str, Any]:
-    """The model part of tidal.json: the flavor name and the architecture it resolved to."""
+    """The model part of tidal.json: the flavor name and the architecture it resolved to, and
+    the token ids of a Hugging Face config.json the model came from (`args.extra["hf"]`, which
+    an export writes back)."""
     fields = dataclasses.asdict(args)
     fields.pop("extra", None)
-    return {"flavor": flavor, "args": fields}
+    info: dict[str, Any] = {"flavor": flavor, "args": fields}
+    if args.extra.get("hf"):
+        info["hf"] = dict(args.extra["hf"])
+    return info
+
+
+def args_from_info(info: dict[str, Any], path: Path) -> ModelArgs | None:
+    """The ModelArgs a tidal.json records (the inverse of `model_info`), or None when it
+    records none (a DCP folder written by another tool).
+
+    Raises:
+        CheckpointError: the recorded architecture is not one this tidal can build.
+    """
+    model = info.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
+        return None
+    saved = model["args"]
+    fields = dict(saved)
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(fields) - known)
+    try:
+        if unknown:
+            raise ValueError(f"unknown model fields {unknown}")
+        if isinstance(fields.get("rope_scaling"), dict):
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        if isinstance(model.get("hf"), dict):
+            fields["extra"] = {"hf": dict(model["hf"])}
+        return ModelArgs(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{path / layout.INFO}: its model cannot be built ({e}); the checkpoint is corrupt or "
+            "from another version of tidal"
+        ) from None
 
 
 # -- which checkpoint to load -------------------------------------------------------------
@@ -59,7 +94,10 @@ class LoadPlan:
     model_only: bool
     resume: bool
     """True: the run's own checkpoint (everything not excluded is restored, the metrics file
-    is appended to). False: `initial_load_path` (a fresh run starting from those weights)."""
+    is appended to). False: `initial_load_path` or `initial_load_hf` (a fresh run starting
+    from those weights)."""
+    hf: bool = False
+    """`path` is a Hugging Face folder (`initial_load_hf`), not a DCP checkpoint."""
 
 
 def plan_load(
@@ -82,11 +120,12 @@ def plan_load(
         CheckpointError: a missing folder or path, a `load_step` without a checkpoint (naming
             the steps there are), an incomplete, corrupt or mismatched checkpoint.
     """
+    hf = cfg.initial_load_hf
     if not cfg.enable:
         for name in ("initial_load_path", "load_step"):
             if getattr(cfg, name) not in (None, -1):
                 log(f"warning: checkpoint.{name} is ignored without --checkpoint.enable true")
-        return None
+        return _hf_plan(Path(hf).expanduser(), args, log) if hf else None
     folder = checkpoint_folder(cfg, output_dir)
     found = layout.scan(folder)
     skipped = f"; skipped incomplete: {found.describe_incomplete()}" if found.incomplete else ""
@@ -104,8 +143,10 @@ def plan_load(
                 f"checkpoint.load_step={cfg.load_step}: {folder} has no complete step-{step}; "
                 f"complete checkpoints: {_steps(found)}{skipped}"
             )
-        if cfg.initial_load_path:
-            log(f"warning: checkpoint.initial_load_path is ignored: resuming from {folder}")
+        for name in ("initial_load_path", "initial_load_hf"):
+            if getattr(cfg, name):
+                log(f"warning: the weights of checkpoint.{name} are not loaded: resuming from "
+                    f"{folder}")  # fmt: skip
         later = [s for s in found.steps if s > step]
         if later:
             log(
@@ -123,6 +164,10 @@ def plan_load(
         raise CheckpointError(f"checkpoint.load_step={cfg.load_step} but {folder} {where}")
     elif cfg.initial_load_path:
         path, resume = _initial_path(Path(cfg.initial_load_path).expanduser()), False
+    elif hf:
+        if found.incomplete:
+            log(f"checkpoint: no complete checkpoint in {folder}{skipped}")
+        return _hf_plan(Path(hf).expanduser(), args, log)
     else:
         if found.incomplete:
             log(f"checkpoint: no complete checkpoint in {folder}{skipped}; starting fresh")
@@ -151,6 +196,26 @@ def plan_load(
     part = " (model only)" if model_only else ""
     log(f"checkpoint: {what} {path}{part}, step {step}{skipped if resume else ''}")
     return LoadPlan(path=path, step=step, info=info, model_only=model_only, resume=resume)
+
+
+def _hf_plan(path: Path, args: ModelArgs, log: Log) -> LoadPlan:
+    """Start from the Hugging Face folder `path`, checked (config.json, every safetensors
+    header, names and shapes) without reading tensor data."""
+    from tidal.models.hf import check_hf
+
+    try:
+        saved = check_hf(path)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint.initial_load_hf: {e}") from None
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint.initial_load_hf: {e}") from None
+    diff = arch_diff(model_info(saved, "")["args"], args)
+    if diff:
+        raise CheckpointError(
+            f"checkpoint.initial_load_hf {path} does not fit this run: " + "; ".join(diff)
+        )
+    log(f"checkpoint: starting from the Hugging Face weights in {path} (model only)")
+    return LoadPlan(path=path, step=0, info={}, model_only=True, resume=False, hf=True)
 
 
 def _steps(found: layout.Scan) -> str:

@@ -164,6 +164,12 @@ class PipelineRunner:
         self.schedule = cls(
             stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
         )
+        # torch (2.13) runs a V-shaped schedule's backward actions in `eval` too, and fails on
+        # the first one between the two stages of a rank: eval runs the forward part of its
+        # action list instead (tests/rl/test_trainer_parallel.py, pp2_zbv).
+        self._forward_order = (
+            _forward_actions(self.schedule) if schedule == "ZBVZeroBubble" else None
+        )
 
     @property
     def can_eval(self) -> bool:
@@ -178,7 +184,18 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
-        self.schedule.eval(*args, **kwargs, **model_kwargs)
+        sched: Any = self.schedule
+        if self._forward_order is None:
+            sched.eval(*args, **kwargs, **model_kwargs)
+        else:
+            full, sched.pipeline_order_with_comms = (
+                sched.pipeline_order_with_comms,
+                self._forward_order,
+            )
+            try:
+                sched.eval(*args, **kwargs, **model_kwargs)
+            finally:
+                sched.pipeline_order_with_comms = full
         return torch.stack(losses).sum() if self.has_last else None
 
     def step(
@@ -191,3 +208,21 @@ class PipelineRunner:
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs, **model_kwargs)
         return torch.stack(losses).sum() if self.has_last else None
+
+
+def _forward_actions(schedule: Any) -> dict[int, list[Any]] | None:
+    """The forward part of a runtime schedule's per-rank action lists (forward compute, its
+    sends and receives, FSDP unshard/reshard): the same forward order, whose sends and
+    receives still pair up across ranks. None where torch keeps no such lists."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not isinstance(order, dict):
+        return None
+    keep = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+    out: dict[int, list[Any]] = {}
+    for rank, actions in order.items():
+        out[rank] = []
+        for a in actions:
+            for sub in getattr(a, "sub_actions", None) or [a]:  # OVERLAP_F_B: its forward
+                if sub.computation_type.value in keep:
+                    out[rank].append(sub)
+    return out

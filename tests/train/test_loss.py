@@ -266,3 +266,27 @@ def test_vocabulary_sharded_logprobs_match_one_process(tmp_path):
             assert grad.dtype == ref_grad.dtype
     for a, b in zip(results[0], results[1], strict=True):
         assert torch.equal(a[0], b[0])  # the same plain tensor on every rank
+
+
+@pytest.mark.slow
+def test_compiled_logprob_chunk_matches_eager():
+    """The fused chunk as CUDA compiles it, compiled by inductor on CPU here (a cold compile
+    per variant takes seconds: slow-marked)."""
+    from tidal.train.loss import _chunk_logprobs, _chunk_logprobs_eager
+
+    compiled = torch.compile(_chunk_logprobs, dynamic=False)
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for entropy in (False, True):
+            x = (4 * torch.randn(64, 1000)).to(dtype)
+            y = torch.randint(0, 1000, (64,))
+            y[3] = IGNORE_INDEX
+            g1, g2 = torch.empty_like(x), torch.empty_like(x)
+            (lp1, e1), (lp2, e2) = (
+                compiled(x, y, g1, entropy),
+                _chunk_logprobs_eager(x, y, g2, entropy),
+            )
+            torch.testing.assert_close(lp1, lp2)
+            torch.testing.assert_close(g1, g2)
+            if entropy:
+                torch.testing.assert_close(e1, e2, atol=2e-5, rtol=1e-5)

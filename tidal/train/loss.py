@@ -175,7 +175,8 @@ def _chunk_logprobs(x_CV, labels_C, grad_CV, entropy: bool):
     p_CV = torch.exp(xf_CV - lse_C[:, None])
     ent_C = None
     if entropy:
-        ent_C = torch.where(valid_C, lse_C - (p_CV * xf_CV).sum(-1), 0.0)
+        # H = sum p (lse - x): non-negative terms (lse - sum p x would cancel digits).
+        ent_C = torch.where(valid_C, (p_CV * (lse_C[:, None] - xf_CV)).sum(-1), 0.0)
     if grad_CV is not None:
         vocab_V = torch.arange(x_CV.shape[1], device=x_CV.device)
         onehot_CV = (vocab_V[None, :] == safe_C[:, None]).float()
@@ -196,7 +197,8 @@ def _chunk_logprobs_eager(x_CV, labels_C, grad_CV, entropy: bool):
         p_CV = grad_CV if fp32_out else torch.empty_like(xf_CV)
         torch.sub(xf_CV, lse_C[:, None], out=p_CV).exp_()
         if entropy:
-            ent_C = (lse_C - torch.einsum("cv,cv->c", p_CV, xf_CV)).masked_fill_(invalid_C, 0.0)
+            ent_C = torch.einsum("cv,cv->c", p_CV, lse_C[:, None] - xf_CV)  # sum p (lse - x)
+            ent_C.masked_fill_(invalid_C, 0.0)
         if grad_CV is not None:
             p_CV.neg_().scatter_add_(1, safe_C1, torch.ones_like(safe_C1, dtype=p_CV.dtype))
             p_CV.masked_fill_(invalid_C[:, None], 0.0)
@@ -235,13 +237,15 @@ def _chunk_logprobs_sharded(x_CV, labels_C, grad_CV, entropy: bool, group, offse
     dist.all_reduce(m_C, op=dist.ReduceOp.MAX, group=group)
     e_CV = torch.exp(xf_CV - m_C[:, None])
     parts = [e_CV.sum(-1), torch.where(own_C, xf_CV.gather(1, safe_C1).squeeze(1), 0.0)]
-    if entropy:
-        parts.append(torch.einsum("cv,cv->c", e_CV, xf_CV))
+    if entropy:  # H = log S + sum e (m - x) / S: non-negative terms, no cancellation
+        parts.append(torch.einsum("cv,cv->c", e_CV, m_C[:, None] - xf_CV))
     sums_KC = torch.stack(parts)
-    dist.all_reduce(sums_KC, group=group)  # sum of exp, the label's logit, sum of exp * x
+    dist.all_reduce(sums_KC, group=group)  # S = sum of exp, the label's logit, the H term
     lse_C = m_C + sums_KC[0].log()
     logp_C = torch.where(valid_C, sums_KC[1] - lse_C, 0.0)
-    ent_C = torch.where(valid_C, lse_C - sums_KC[2] / sums_KC[0], 0.0) if entropy else None
+    ent_C = None
+    if entropy:
+        ent_C = torch.where(valid_C, sums_KC[0].log() + sums_KC[2] / sums_KC[0], 0.0)
     if grad_CV is not None:
         p_CV = e_CV.div_(sums_KC[0][:, None])
         p_CV.neg_().scatter_add_(1, safe_C1, own_C[:, None].to(p_CV.dtype))

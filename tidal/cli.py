@@ -146,10 +146,11 @@ def _train_command(argv: list[str]) -> int:
             return fail(e)
         return _launch(args.nproc, argv)
 
+    from tidal.rl.sampling import sample_text  # the end-of-run sample: the RL generator
     from tidal.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, dist_info=dist_info)
+        trainer = Trainer(cfg, dist_info=dist_info, sampler=sample_text)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return fail(e)
     out = Path(cfg.job.output_dir)
@@ -182,9 +183,9 @@ def _report_first_step(trainer) -> None:
     `metrics.log_every` steps, which can be a minute or more on a CPU."""
     step = trainer.train_step
 
-    def first_step(batches, n_tokens):
+    def first_step(batches, n_tokens, loss=None):
         start = time.perf_counter()
-        result = step(batches, n_tokens)
+        result = step(batches, n_tokens, loss)
         float(result.loss)  # wait for the device, once
         seconds = time.perf_counter() - start
         trainer.train_step = step  # back to the plain method for every later step

@@ -74,3 +74,32 @@ def test_trainer_pins_batches_and_copies_them_to_the_device(tmp_path, monkeypatc
     expected = next(iter(fixed_batch_data().train))
     assert pinned == [True] and batch.input_ids.is_cuda
     assert torch.equal(batch.input_ids.cpu(), expected.input_ids)  # .cpu() waits for the copy
+
+
+def test_token_logprobs_at_a_128k_vocabulary_stay_lean_on_cuda():
+    """The compiled per-token log-probs: values and gradient as F.log_softmax's, and the peak
+    memory of forward + backward within the bf16 gradient buffer (and the gradient, if
+    autograd copies it) and two fp32 chunks: 12.6 GB at 4 x 4096 rows, where the plain form
+    holds an fp32 copy of the logits and the fp32 log-softmax (16.8 GB) before any gradient."""
+    from tidal.train.loss import CHUNK_ROWS, token_logprobs
+
+    N, V = 4 * 4096, 128_256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(2, N // 2, V, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits.requires_grad_()
+    labels = torch.randint(0, V, (2, N // 2), device="cuda", generator=g)
+    weights = torch.randn(2, N // 2, device="cuda", generator=g)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lp, ent = token_logprobs(logits, labels, entropy=True)
+    (lp * weights).sum().backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = 2 * N * V * 2 + 2 * CHUNK_ROWS * V * 4
+    assert peak <= bound, (peak / 2**30, bound / 2**30)
+    ref_x = logits.detach()[:, :512].float().requires_grad_()  # the reference on a slice
+    ref = torch.log_softmax(ref_x, -1).gather(2, labels[:, :512, None])[..., 0]
+    torch.testing.assert_close(lp[:, :512], ref, atol=1e-3, rtol=1e-3)
+    (ref * weights[:, :512]).sum().backward()
+    torch.testing.assert_close(logits.grad[:, :512].float(), ref_x.grad, atol=1e-2, rtol=1e-2)

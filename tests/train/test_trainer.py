@@ -32,8 +32,10 @@ def small_config(tmp_path, text_corpus, cache_dir, *extra):
 
 
 def test_training_lowers_loss_and_writes_metrics(tmp_path, text_corpus, cache_dir, capsys):
+    from tidal.rl.sampling import sample_text  # what `tidal train` passes
+
     cfg = small_config(tmp_path, text_corpus, cache_dir)
-    last = Trainer(cfg).train()
+    last = Trainer(cfg, sampler=sample_text).train()
     records = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_loss" in r]

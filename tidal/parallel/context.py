@@ -53,6 +53,16 @@ class ContextParallel:
         idx = self.local_index(T, tensors_BT[0].device)
         return (*(t.index_select(1, idx) for t in tensors_BT), idx)
 
+    def unshard(self, x_BT: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """The whole sequences [B, cp x T, ...] from every rank's slice `x_BT` [B, T, ...] at
+        global `positions_T` (what `shard` returned): the inverse of `shard`, by an all-gather
+        over the cp group. No autograd (for scoring, e.g. per-token log-probs)."""
+        group = self.mesh.get_group()
+        pos_S, x_BS = _gather(positions_T, 0, group), _gather(x_BT, 1, group)
+        out_BS = torch.empty_like(x_BS)
+        out_BS[:, pos_S] = x_BS
+        return out_BS
+
     def attention_for(
         self, positions_T: torch.Tensor, document_ids_BT: torch.Tensor | None, kind: str
     ) -> CPAttention:

@@ -13,13 +13,23 @@ InterleavedZeroBubble; a V (rank r holds stages r and 2 pp - 1 - r) for ZBVZeroB
 Lifecycle: every pipeline rank calls `build_stages`, parallelizes each stage module like a
 whole model (TP, AC, compile, FSDP), materializes and initializes it, then `build_schedule`.
 Each training step calls `PipelineRunner.step`, which feeds the batch on the rank holding the
-first stage and the labels on the rank holding the last.
+first stage and the loss target on the rank holding the last.
+
+Loss targets: the schedule splits the inputs and one target tensor into micro-batches by rows
+(`torch.tensor_split` on dim 0) and calls `loss_fn(output, target_mb)` on the last stage; the
+target is the labels, or anything else with the batch's rows in dim 0 (the trainer passes row
+indices, so that a loss can slice per-token inputs of its own with the same rows). On its
+first step, and after each switch between `step` and `eval`, a schedule may call `loss_fn`
+once more on micro-batch 0 while inferring shapes; a loss that records anything per
+micro-batch keys it by rows. Every batch must have the shape of the first, with rows
+divisible by the number of micro-batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -148,10 +158,17 @@ class PipelineRunner:
         ]
         self.has_first = 0 in stages.ids
         self.has_last = stages.n_stages - 1 in stages.ids
+        self.n_microbatches = n_microbatches
         cls = SCHEDULE_CLASSES[schedule]
         stage_arg = self.stage_objs[0] if schedule in SINGLE_STAGE else self.stage_objs
         self.schedule = cls(
             stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+        # torch (2.13) runs a V-shaped schedule's backward actions in `eval` too, and fails on
+        # the first one between the two stages of a rank: eval runs the forward part of its
+        # action list instead (tests/rl/test_trainer_parallel.py, pp2_zbv).
+        self._forward_order = (
+            _forward_actions(self.schedule) if schedule == "ZBVZeroBubble" else None
         )
 
     @property
@@ -159,19 +176,53 @@ class PipelineRunner:
         """Forward-only runs (validation) need `schedule.eval`, present in recent torch."""
         return hasattr(self.schedule, "eval")
 
-    def eval(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Forward only; the summed micro-batch losses on the last stage's rank, else None."""
+    def eval(
+        self, input_ids: torch.Tensor, target: torch.Tensor, **model_kwargs: Any
+    ) -> torch.Tensor | None:
+        """Forward only; the summed micro-batch losses on the last stage's rank, else None.
+        `model_kwargs` (non-tensor options such as batch_invariant) reach every stage."""
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.eval(*args, **kwargs)
+        kwargs = {"target": target, "losses": losses} if self.has_last else {}
+        sched: Any = self.schedule
+        if self._forward_order is None:
+            sched.eval(*args, **kwargs, **model_kwargs)
+        else:
+            full, sched.pipeline_order_with_comms = (
+                sched.pipeline_order_with_comms,
+                self._forward_order,
+            )
+            try:
+                sched.eval(*args, **kwargs, **model_kwargs)
+            finally:
+                sched.pipeline_order_with_comms = full
         return torch.stack(losses).sum() if self.has_last else None
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def step(
+        self, input_ids: torch.Tensor, target: torch.Tensor, **model_kwargs: Any
+    ) -> torch.Tensor | None:
         """Forward and backward of one batch; the summed micro-batch losses on the rank that
         holds the last stage, None elsewhere."""
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs)
+        kwargs = {"target": target, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs, **model_kwargs)
         return torch.stack(losses).sum() if self.has_last else None
+
+
+def _forward_actions(schedule: Any) -> dict[int, list[Any]] | None:
+    """The forward part of a runtime schedule's per-rank action lists (forward compute, its
+    sends and receives, FSDP unshard/reshard): the same forward order, whose sends and
+    receives still pair up across ranks. None where torch keeps no such lists."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not isinstance(order, dict):
+        return None
+    keep = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+    out: dict[int, list[Any]] = {}
+    for rank, actions in order.items():
+        out[rank] = []
+        for a in actions:
+            for sub in getattr(a, "sub_actions", None) or [a]:  # OVERLAP_F_B: its forward
+                if sub.computation_type.value in keep:
+                    out[rank].append(sub)
+    return out

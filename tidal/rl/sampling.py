@@ -258,3 +258,35 @@ def completion_logprobs(
         ids[i, : len(q)] = torch.tensor(q)
     lp = logprobs(model, ids.to(device), batch_invariant=batch_invariant)
     return [lp[i, len(s.prompt_ids) - 1 : len(seqs[i]) - 1] for i, s in enumerate(samples)]
+
+
+def sample_text(
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+) -> str:
+    """One continuation of `prompt_ids` by the Generator (eager, batch of one, stopping at the
+    tokenizer's EOS), as text: the end-of-run sample of `tidal train`, which passes this
+    function to the Trainer (`Trainer(cfg, sampler=sample_text)`; tidal.train does not import
+    tidal.rl). Run it under the model's autocast, in eval mode.
+
+    Example::
+
+        text = sample_text(model, tok, [tok.bos_id] + tok.encode("ROMEO:"), max_new_tokens=40,
+                           temperature=0.8, top_k=50, seed=0)
+    """
+    from tidal.rl.generate import Generator, GeneratorConfig
+
+    config = GeneratorConfig(
+        max_batch=1, max_seq_len=len(prompt_ids) + max_new_tokens, compile=False, cuda_graphs=False
+    )
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed
+    )
+    gen = Generator(model, tokenizer=tokenizer, config=config)
+    return gen.generate([prompt_ids], params)[0][0].text or ""

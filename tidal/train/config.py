@@ -88,6 +88,13 @@ class TrainingConfig:
     """Seed for weight init, data order and sampling."""
     deterministic: bool = False
     """Use deterministic algorithms (slower); with a fixed seed, two runs match bitwise."""
+    batch_invariant: bool = False
+    """Run the model's forward passes (training step, `Trainer.logprobs`) with the fixed
+    reduction orders of tidal/models/batch_invariant.py: the trainer's log-probs then equal
+    the RL generator's (GeneratorConfig(batch_invariant=True)) bit for bit at the same
+    weights and dtype, so on-policy importance ratios are exactly 1. Slower; needs sdpa
+    attention, no tensor or context parallelism and no compile (FSDP and pipeline parallel
+    keep the bits)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):

@@ -18,6 +18,13 @@ and still logs the step.
 Loss normalization: each step's loss is the sum of token losses over every micro-batch,
 data-parallel rank and context-parallel shard, divided by the global number of valid labels.
 FSDP averages gradients over its ranks, so the backward loss is scaled by that count.
+
+As a library (RL): `Trainer(cfg, data=DataBundle(tokenizer=tok, train=None, val=None))`
+builds no data pipeline; the caller steps it with its own batches, `train_step(batches,
+n_tokens, loss=...)` with an injected `TokenLoss` (tidal/train/loss.py) and extra per-row or
+per-token inputs in `Batch.extras`, and scores sequences with `logprobs(batch)`. Every rank
+calls both with its own data-parallel share (the same number of batches of the same shape).
+The step path, on every layout, is in tidal/train/step.py.
 """
 
 from __future__ import annotations
@@ -25,24 +32,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from tidal.models.flavors import get_flavor
-from tidal.models.transformer import ModelArgs, Transformer
+from tidal.models.transformer import Transformer
 from tidal.parallel.context import ContextParallel
-from tidal.parallel.dims import ParallelDims, check_layout
 from tidal.parallel.grad_norm import clip_grad_norm
 from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
 from tidal.parallel.parallelize import parallelize
@@ -50,7 +50,8 @@ from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
 from tidal.train.data import Batch, DataBundle, Tokenizer, build_data
-from tidal.train.loss import IGNORE_INDEX, cross_entropy_sum
+from tidal.train.job import check_job, model_args_for, resolve_device, seed_everything
+from tidal.train.loss import IGNORE_INDEX, TokenLoss
 from tidal.train.metrics import (
     MetricsLogger,
     Stopwatch,
@@ -60,108 +61,29 @@ from tidal.train.metrics import (
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
 from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
+from tidal.train.step import StepPath, StepResult
+
+__all__ = ["Sampler", "StepResult", "Trainer", "check_job", "model_args_for", "resolve_device",
+           "seed_everything"]  # fmt: skip
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("job.device=cuda but no CUDA device is available")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(name)
+class Sampler(Protocol):
+    """Generates the end-of-run sample: `sampler(model, tokenizer, prompt_ids,
+    max_new_tokens=, temperature=, top_k=, seed=)` -> the continuation's text. `tidal train`
+    passes `tidal.rl.sampling.sample_text` (the RL generator); tidal.train never imports
+    tidal.rl (DESIGN.md: train does not depend on rl)."""
 
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; it is read at CUDA init.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # warn_only: ops without a deterministic kernel (some attention backwards) warn
-        # instead of stopping the run.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
-
-
-def check_job(
-    cfg: Config, args: ModelArgs, *, world_size: int, device: torch.device, data: bool = True
-) -> ParallelDims:
-    """The checks of a job a user can fail that need no data, model or process group: the
-    parallel layout on `world_size` ranks, `job.output_dir` (created here), flex attention on
-    a CPU, and (with `data`, the configured pipeline) the tokenizer's vocabulary against the
-    model's. Run by `Trainer.__init__` on every rank and by `tidal train --nproc` before it
-    launches them. Returns the layout's `ParallelDims`.
-
-    Raises:
-        ValueError: naming the field to change.
-        FileNotFoundError: the tokenizer file does not exist.
-    """
-    dims = check_layout(
-        cfg.parallelism,
-        args,
-        world_size=world_size,
-        seq_len=cfg.training.seq_len,
-        batch_size=cfg.training.batch_size,
-        model_name=f"model.flavor {cfg.model.flavor!r}",
-    )
-    out = Path(cfg.job.output_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"job.output_dir {str(out)!r} is a file; it must be a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"job.output_dir {str(out)!r} cannot be created: {e.strerror or e}"
-        ) from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"job.output_dir {str(out)!r} is not writable")
-    if args.attention == "flex" and device.type == "cpu":
-        raise ValueError(
-            "model.attention=flex needs a CUDA device: flex attention has no backward on CPU; "
-            "use --model.attention sdpa (or --job.device cuda on a GPU machine)"
-        )
-    if data:
-        d = cfg.data
-        if d.tokenizer == "bpe":
-            vocab, fix = (
-                d.vocab_size,
-                f"--model.vocab_size {d.vocab_size} or a smaller --data.vocab_size",
-            )
-            what = f"data.vocab_size={vocab} (the BPE to train)"
-        else:
-            vocab = Tokenizer.from_file(d.tokenizer).vocab_size
-            fix = f"--model.vocab_size {vocab} (the tokenizer file fixes the vocabulary)"
-            what = f"the tokenizer {d.tokenizer} has {vocab} tokens and"
-        if vocab > args.vocab_size:
-            raise ValueError(
-                f"{what} does not fit the {args.vocab_size}-token embedding of model.flavor "
-                f"{cfg.model.flavor!r}; set {fix}"
-            )
-    return dims
-
-
-def model_args_for(cfg: Config) -> ModelArgs:
-    if cfg.checkpoint.initial_load_hf:  # the architecture of a Hugging Face folder
-        from tidal.train.checkpoint.hf import hf_args_for
-
-        return hf_args_for(cfg)
-    overrides: dict[str, Any] = {"attention": cfg.model.attention}
-    if cfg.model.vocab_size is not None:
-        overrides["vocab_size"] = cfg.model.vocab_size
-    return get_flavor(cfg.model.flavor, **overrides)
-
-
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    """A loss-parallel loss is a replicated DTensor; every rank holds the whole value."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-@dataclass
-class StepResult:
-    loss: torch.Tensor  # mean token loss of the step over all ranks (0-dim, not synced)
-    grad_norm: torch.Tensor
-    tokens: int  # token positions processed by all data-parallel ranks
+    def __call__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int,
+    ) -> str: ...
 
 
 class Trainer:
@@ -172,12 +94,31 @@ class Trainer:
         data: DataBundle | Callable[[int, int], DataBundle] | None = None,
         dist_info: DistInfo | None = None,
         log=print,
+        sampler: Sampler | None = None,
     ):
-        """Build everything for `cfg`. `data` replaces the configured data pipeline (tests,
-        benchmarks on synthetic tokens): a DataBundle, or a function of (dp_rank, dp_world)
-        returning one for this rank's share of the data; `dist_info` describes this rank (torchrun's
-        environment, read by the CLI); without it the trainer runs as one process."""
+        """Build everything for `cfg`.
+
+        Args:
+            cfg: the job.
+            data: replaces the configured data pipeline (`cfg.data`): a DataBundle, or a
+                function of (dp_rank, dp_world) returning one for this rank's share of the
+                data. A DataBundle whose `train` is None makes a trainer without training data
+                (RL, or any caller with batches of its own): `train_step` takes batches
+                passed in; `next_batches` and `train` refuse. Its tokenizer sizes the
+                vocabulary check and encodes the end-of-run sample prompt.
+            dist_info: this rank (torchrun's environment, read by the CLI); without it the
+                trainer runs as one process.
+            log: receives rank 0's progress lines.
+            sampler: generates the end-of-run sample (`sample.max_new_tokens` > 0); without
+                one the sample is skipped with a note.
+
+        Example (a trainer for RL: no data pipeline)::
+
+            trainer = Trainer(cfg, data=DataBundle(tokenizer=tok, train=None, val=None))
+            result = trainer.train_step(batches, n_tokens, loss=my_loss)
+        """
         self.cfg = cfg
+        self.sampler = sampler
         self.dist = dist_info or DistInfo()
         self.log = log if self.dist.is_main else (lambda *a, **k: None)
         self.args = model_args_for(cfg)
@@ -231,8 +172,8 @@ class Trainer:
         self.grad_scale = self.dims.dp * self.dims.cp if fsdp else 1  # undo FSDP's averaging
         self.loss_parallel = self.dims.tp > 1 and cfg.parallelism.loss_parallel
         self.cp = (
-            ContextParallel(self._dim("cp"), load_balance=cfg.parallelism.cp_load_balance)
-            if self.dims.cp > 1
+            ContextParallel(self.mesh["cp"], load_balance=cfg.parallelism.cp_load_balance)
+            if self.dims.cp > 1 and self.mesh is not None
             else None
         )
 
@@ -260,22 +201,32 @@ class Trainer:
             module.init_weights(seed=t.seed)
             module.train()
         self.model = self.modules[0]
+        self.path = StepPath(
+            model=self.model,
+            args=self.args,
+            mesh=self.mesh,
+            cp=self.cp,
+            device=self.device,
+            autocast_dtype=self.autocast_dtype,
+            loss_parallel=self.loss_parallel,
+            grad_scale=self.grad_scale,
+            batch_invariant=t.batch_invariant,
+        )
         if self.dims.pp > 1:
-            self.pipeline = PipelineRunner(
+            self.pipeline = self.path.pipeline = PipelineRunner(
                 stages,
                 self._dim("pp").get_group(),
                 self.device,
                 cfg.parallelism.pp_schedule,
                 cfg.parallelism.microbatches,  # validated by check_layout
-                self._pp_loss,
+                self.path.pp_loss,
             )
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
         self.step = 0
         self._first_step = 0
-        self._pp_norm: float | torch.Tensor = 1.0
-        self.train_iter = iter(self.data.train)
+        self.train_iter = iter(self.data.train) if self.data.train is not None else None
         layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
         hf = cfg.checkpoint.initial_load_hf
         name = f"hf:{hf}" if hf else cfg.model.flavor  # the flavor is ignored for an HF model
@@ -283,6 +234,7 @@ class Trainer:
             f"model {name}: {self.n_params / 1e6:.1f}M parameters, "
             f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
             f"compile {t.compile}, world {self.dist.world_size} ({layout})"
+            + (", batch-invariant" if t.batch_invariant else "")
         )
         self.checkpoint = Checkpointer(
             cfg.checkpoint,
@@ -348,54 +300,21 @@ class Trainer:
         return self.mesh[name]
 
     def _reduce(self, x: torch.Tensor, dim: str = "dp_cp") -> torch.Tensor:
-        """Sum over a mesh dimension (identity on one process)."""
-        if self.mesh is not None and self.mesh[dim].size() > 1:
-            dist.all_reduce(x, group=self.mesh[dim].get_group())
-        return x
-
-    def _global_count(self, n: int) -> float | torch.Tensor:
-        """`n` summed over data-parallel ranks (every CP rank counted whole sequences). One
-        process: a Python number. Several: a device tensor, copied from pinned memory without
-        blocking the host, so a step still never waits for the device."""
-        if self.mesh is None or self.mesh["dp"].size() == 1:
-            return float(n)
-        pinned = self.device.type == "cuda"
-        host = torch.tensor(float(n), pin_memory=pinned)
-        return self._reduce(host.to(self.device, non_blocking=pinned), "dp")
+        return self.path.reduce(x, dim)
 
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def loss_context(self):
-        """Loss-parallel cross entropy on vocabulary-sharded logits (TP), else nothing."""
-        if not self.loss_parallel:
-            return contextlib.nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-
-    def token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.loss_parallel:  # a DTensor sharded over the vocabulary
-            return F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                labels.flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
-        return cross_entropy_sum(logits, labels)
-
-    def _pp_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # Called by the pipeline schedule per micro-batch on the last stage.
-        with self.loss_context():
-            return self.token_loss_sum(logits, labels) * self._pp_norm
+        return self.path.autocast()
 
     # -- one step ------------------------------------------------------------------------
 
     def next_batches(self) -> tuple[list[Batch], int, float]:
         """The micro-batches of one optimizer step on device, their count of valid labels
         (counted on the host, so the step needs no device sync), and the seconds spent."""
+        if self.train_iter is None:
+            raise ValueError(
+                "this Trainer has no training data (its DataBundle.train is None): pass "
+                "batches to train_step"
+            )
         start = time.perf_counter()
         host = [next(self.train_iter) for _ in range(self.cfg.training.grad_accum_steps)]
         n_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in host)
@@ -413,45 +332,34 @@ class Trainer:
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed token loss of one micro-batch (of this rank's slice under CP; no pipeline)."""
-        flex = self.args.attention == "flex"
-        doc_ids = batch.document_ids if flex else None
-        input_ids, labels = batch.input_ids, batch.labels
-        kw: dict[str, Any] = {"document_ids": doc_ids}
-        if self.cp is not None:
-            if doc_ids is not None:
-                input_ids, labels, doc_ids, positions = self.cp.shard(input_ids, labels, doc_ids)
-            else:
-                input_ids, labels, positions = self.cp.shard(input_ids, labels)
-            attention = self.cp.attention_for(positions, doc_ids, "flex" if flex else "sdpa")
-            kw = {"positions": positions, "attention": attention}
-        with self.autocast():
-            logits = self.model(input_ids, **kw)
-        with self.loss_context():
-            return self.token_loss_sum(logits, labels)
+        return self.path.forward_loss(batch)
 
-    def train_step(self, batches: list[Batch], n_tokens: int) -> StepResult:
-        """One optimizer step: loss = sum of token losses / number of valid tokens, both
-        summed over micro-batches and ranks."""
-        # A step whose batches hold no target (chat rows of prompts only) contributes 0.
-        count = self._global_count(n_tokens)
-        count = max(count, 1.0) if isinstance(count, float) else count.clamp(min=1.0)
-        scale = self.grad_scale / count
-        total = torch.zeros((), device=self.device)
-        for batch in batches:
-            if self.pipeline is not None:
-                self._pp_norm = scale
-                with self.autocast():  # the schedule runs forward and backward inside
-                    loss = self.pipeline.step(batch.input_ids, batch.labels)
-                if loss is not None:
-                    total += _plain(loss.detach()) / self.grad_scale
-                continue
-            loss = self.forward_loss(batch) * scale
-            with self.loss_context():
-                loss.backward()
-            total += _plain(loss.detach()) / self.grad_scale
-        if self.pipeline is not None:
-            total = self._reduce(total, "pp")  # only the last stage holds the loss
-        total = self._reduce(total)
+    def train_step(
+        self, batches: list[Batch], n_tokens: int, loss: TokenLoss | None = None
+    ) -> StepResult:
+        """One optimizer step over `batches` (this rank's micro-batches, on the device).
+
+        Args:
+            batches: the micro-batches; every data-parallel rank passes as many, and under
+                pipeline parallel all have one shape with rows divisible by
+                `parallelism.pp_microbatches`.
+            n_tokens: their valid labels (label != IGNORE_INDEX), counted on the host.
+            loss: None for the cross entropy, the sum of token losses over all micro-batches
+                and ranks / their number of valid tokens; or a `TokenLoss` called per
+                micro-batch with its per-token log-probs (chunked, never fp32 logits of the
+                whole vocabulary), its Batch (with `extras`) and the step's `StepNorms`. An
+                injected loss is refused under context parallelism.
+
+        Returns:
+            StepResult: the loss (0-dim, not synced), the gradient norm before clipping, the
+            tokens processed, and an injected loss's metrics reduced over micro-batches and
+            data-parallel ranks (see StepResult.metrics).
+
+        Raises:
+            ValueError: an injected loss under context parallelism, or batches the pipeline
+                cannot split.
+        """
+        total, metrics = self.path.backward(batches, n_tokens, loss)
         max_norm = self.cfg.training.max_norm
         pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
         grad_norm = clip_grad_norm(
@@ -461,7 +369,38 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
-        return StepResult(total, grad_norm, tokens)
+        return StepResult(total, grad_norm, tokens, metrics)
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        modes = [m.training for m in self.modules]
+        for m in self.modules:
+            m.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for m, mode in zip(self.modules, modes, strict=True):
+                m.train(mode)
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Per-token log-probs of the labels under the current weights: fp32 [B, T],
+        log p(labels[b, t] | input_ids[b, :t+1]), 0 where the label is IGNORE_INDEX. No grad,
+        eval mode, the training step's precision and batch-invariant setting (so
+        `training.batch_invariant` gives the RL generator's values bit for bit).
+
+        Every rank calls it with its own batch (its data-parallel share) and gets that
+        batch's values: under TP and PP on every rank of the group (PP: from the last stage,
+        over the pipeline group), under CP for the whole sequences. Under PP the batch rows
+        must divide into `parallelism.pp_microbatches`.
+
+        Example (the old log-probs of an RL step, in the batches' own layout)::
+
+            for b in batches:
+                b.extras["old_logprobs"] = trainer.logprobs(b)
+        """
+        with self._eval_mode():
+            return self.path.logprobs(batch)
 
     @torch.no_grad()
     def validate(self) -> float | None:
@@ -470,62 +409,52 @@ class Trainer:
         torch without forward-only schedules)."""
         if self.data.val is None or (self.pipeline is not None and not self.pipeline.can_eval):
             return None
-        for m in self.modules:
-            m.eval()
         loss_sum = torch.zeros((), device=self.device)
         n = 0
-        for batch in self.data.val.iter_epoch(0, max_batches=self.cfg.metrics.val_batches):
-            n += int((batch.labels != IGNORE_INDEX).sum())
-            batch = batch.to(self.device)
-            if self.pipeline is not None:
-                self._pp_norm = 1.0
-                with self.autocast():
-                    loss = self.pipeline.eval(batch.input_ids, batch.labels)
-                if loss is not None:
-                    loss_sum += _plain(loss).float()
-            else:
-                loss_sum += _plain(self.forward_loss(batch)).float()
-        for m in self.modules:
-            m.train()
+        with self._eval_mode():
+            for batch in self.data.val.iter_epoch(0, max_batches=self.cfg.metrics.val_batches):
+                n += int((batch.labels != IGNORE_INDEX).sum())
+                loss_sum += self.path.validation_loss_sum(batch.to(self.device))
         if self.pipeline is not None:
             loss_sum = self._reduce(loss_sum, "pp")  # only the last stage holds the loss
         loss_sum = self._reduce(loss_sum)
-        return float(loss_sum) / max(float(self._global_count(n)), 1.0)
+        return float(loss_sum) / max(float(self.path.global_count(n)), 1.0)
 
     def sample(self) -> str:
-        """The end-of-run sample: `sample.prompt` continued by the RL generator (eager, the
-        same module code; every rank runs it, as FSDP's forward is collective)."""
-        from tidal.rl.generate import Generator, GeneratorConfig
-        from tidal.rl.sampling import SamplingParams
-
+        """The end-of-run sample: `sample.prompt` continued by the `sampler` (every rank
+        runs it, as FSDP's forward is collective)."""
+        if self.sampler is None:
+            raise ValueError("Trainer.sample needs a sampler: pass Trainer(..., sampler=...)")
         s = self.cfg.sample
         tok = self.data.tokenizer
         prompt = [tok.bos_id] + tok.encode(s.prompt)
         args = self.model.args
         new = min(s.max_new_tokens, args.max_seq_len - 1)
         prompt = prompt[-(args.max_seq_len - new) :]  # keep room for the new tokens
-        config = GeneratorConfig(
-            max_batch=1, max_seq_len=len(prompt) + new, compile=False, cuda_graphs=False
-        )
-        params = SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            max_new_tokens=new,
-            seed=self.cfg.training.seed,
-        )
         self.model.eval()
         with self.autocast():
-            sample = Generator(self.model, tokenizer=tok, config=config).generate([prompt], params)[
-                0
-            ][0]
+            text = self.sampler(
+                self.model,
+                tok,
+                prompt,
+                max_new_tokens=new,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                seed=self.cfg.training.seed,
+            )
         self.model.train()
-        return s.prompt + (sample.text or "")
+        return s.prompt + text
 
     def train(self) -> dict:
         """Run the remaining steps up to `training.steps`; returns the last logged record
         (with "interrupted": True after a Ctrl-C)."""
         cfg = self.cfg
         total_steps, m = cfg.training.steps, cfg.metrics
+        if self.train_iter is None and not cfg.checkpoint.create_seed_checkpoint:
+            raise ValueError(
+                "Trainer.train needs training data; this Trainer has none (DataBundle.train is "
+                "None): call train_step with batches instead"
+            )
         if cfg.checkpoint.create_seed_checkpoint:
             self.checkpoint.save(0, seed=True)
             self.log(f"checkpoint: seed checkpoint saved in {self.checkpoint.folder / 'step-0'}")
@@ -598,7 +527,9 @@ class Trainer:
             self.log(f"interrupted: stopped after step {self.step}/{total_steps}{saved}")
             last["interrupted"] = True
         if cfg.sample.max_new_tokens and not interrupted:
-            if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
+            if self.sampler is None:
+                self.log("sample: skipped (no sampler: Trainer(..., sampler=...))")
+            elif self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
                 self.log("sample: skipped (end-of-run sampling runs without TP, PP or CP)")
             else:
                 # Every rank samples the same tokens (same seed, same gathered weights): FSDP's

@@ -108,7 +108,7 @@ class Checkpointer:
         modules: this rank's model (one module, or its pipeline stages).
         optimizer: the optimizer over all of `modules`.
         loader: the training data loader (its `state_dict()`/`load_state_dict()` are saved
-            and restored when it has them).
+            and restored when it has them); None for a trainer fed batches by its caller.
         device: the training device (pinned staging on CUDA).
         args: the model's architecture (named in mismatch errors).
         info: tidal.json content: {"model": model_info(...), "parallelism": {...}}.
@@ -155,7 +155,7 @@ class Checkpointer:
         self.stats = SaveStats()
         self.lr_start = 0
         self.saves_enabled = cfg.enable and not cfg.load_only
-        if cfg.enable and not hasattr(loader, "state_dict"):
+        if cfg.enable and loader is not None and not hasattr(loader, "state_dict"):
             log("warning: the data loader has no state_dict(); a resumed run restarts its data")
 
     # -- what is saved ----------------------------------------------------------------------

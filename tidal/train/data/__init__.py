@@ -71,8 +71,9 @@ class DataBundle:
     tokenizer: Tokenizer
     """Encodes/decodes text; `tokenizer.vocab_size` sizes the model's embedding."""
 
-    train: PackedLoader | InterleavedLoader
-    """Infinite, shuffled, resumable batches of the training split for this rank."""
+    train: PackedLoader | InterleavedLoader | None
+    """Infinite, shuffled, resumable batches of the training split for this rank; None for a
+    trainer whose caller passes its own batches to `Trainer.train_step` (RL)."""
 
     val: PackedLoader | InterleavedLoader | None
     """Unshuffled batches of the validation split for this rank; use

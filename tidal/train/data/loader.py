@@ -23,7 +23,7 @@ checkpoint may store rank 0's copy and every rank may load it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,17 @@ from tidal.train.loss import IGNORE_INDEX
 
 @dataclass(kw_only=True, slots=True)
 class Batch:
-    """One batch for next-token prediction."""
+    """One batch for next-token prediction.
+
+    Example (a batch built by hand, with a per-row and a per-token extra for an injected
+    loss, see tidal/train/loss.py)::
+
+        ids = torch.randint(0, 512, (2, 9))
+        batch = Batch(input_ids=ids[:, :-1], labels=ids[:, 1:],
+                      document_ids=torch.zeros(2, 8, dtype=torch.int32),
+                      extras={"advantages": torch.tensor([1.0, -1.0]),
+                              "old_logprobs": torch.zeros(2, 8)})
+    """
 
     input_ids: torch.Tensor
     """[B, T] int64 token ids."""
@@ -49,12 +59,28 @@ class Batch:
     row; it increases by one at every BOS after the first position. Tokens attend only within
     their document under document-causal masking."""
 
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-row [B, ...] or per-token [B, T, ...] tensors for an injected loss (advantages, old
+    log-probs, masks), by name; empty for language-model batches. They move with `to` and
+    `pin_memory` and are sliced with the rows (`row_slice`: pipeline micro-batches)."""
+
+    def __post_init__(self) -> None:
+        B = self.input_ids.shape[0]
+        for name, t in self.extras.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != B:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"Batch.extras[{name!r}] must be a tensor with the batch's {B} rows in its "
+                    f"first dimension, got {got}"
+                )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """A copy on `device`."""
         return Batch(
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             document_ids=self.document_ids.to(device, non_blocking=non_blocking),
+            extras={k: v.to(device, non_blocking=non_blocking) for k, v in self.extras.items()},
         )
 
     def pin_memory(self) -> Batch:
@@ -63,6 +89,21 @@ class Batch:
             input_ids=self.input_ids.pin_memory(),
             labels=self.labels.pin_memory(),
             document_ids=self.document_ids.pin_memory(),
+            extras={k: v.pin_memory() for k, v in self.extras.items()},
+        )
+
+    def target_count(self) -> int:
+        """Labels that are not IGNORE_INDEX: the `n_tokens` of `Trainer.train_step` (count
+        it before moving the batch to a GPU, so the step needs no device sync)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def row_slice(self, start: int, stop: int) -> Batch:
+        """Rows start..stop-1 of every tensor, extras included (views, no copy)."""
+        return Batch(
+            input_ids=self.input_ids[start:stop],
+            labels=self.labels[start:stop],
+            document_ids=self.document_ids[start:stop],
+            extras={k: v[start:stop] for k, v in self.extras.items()},
         )
 
 

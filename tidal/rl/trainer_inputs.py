@@ -1,0 +1,208 @@
+"""What the RL loop hands the trainer's step: rollouts as trainer `Batch`es, and the GRPO-family
+loss as a `TokenLoss`.
+
+Shapes: N samples, P the longest prompt, C the longest completion, L = P + C; B rows and T
+positions of a trainer batch (T = L - 1, or a fixed `seq_len`).
+
+A rollout row is laid out as the trainer's next-token batches are: `input_ids` are the prompt
+followed by the completion, minus the last token; `labels[t]` is the token after position t,
+kept (not IGNORE_INDEX) only where that token is a completion token. Completion token k of a
+row with prompt length p is therefore label position p - 1 + k, and every per-token input
+(old, generator and reference log-probs, the mask) is placed there; its log-prob under the
+trainer is `Trainer.logprobs(batch)[row, p - 1 + k]`.
+
+Lifecycle (in the trainer process, every rank): the loop gets a `RolloutBatch` from the store,
+computes `group_advantages`, builds this rank's batches with `rollout_batches(...,
+dp_rank=, dp_world=)` (every rank the same rollout: each takes its share of the rows, and all
+get the same number of batches of one shape), optionally fills `extras["old_logprobs"]` with
+`Trainer.logprobs` (the trainer's recomputation, for TIS) or `extras["ref_logprobs"]` with a
+reference model's, and calls `trainer.train_step(batches, n_tokens, loss=PolicyLoss(cfg))`.
+
+Example (one process; `trainer` built with `DataBundle(train=None)`, `rollout` and its
+advantages from the generator and tidal.rl.loss)::
+
+    adv = group_advantages(rollout.rewards, rollout.group_ids, cfg)
+    batches = rollout_batches(rollout, adv, micro_batch_size=8)
+    n_tokens = sum(b.target_count() for b in batches)
+    result = trainer.train_step([b.to(trainer.device) for b in batches], n_tokens,
+                                loss=PolicyLoss(cfg))
+    print({k: float(v) for k, v in result.metrics.items()})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.rl.loss import Advantages, LossConfig, policy_loss
+from tidal.rl.rollout import RolloutBatch
+from tidal.train.data import Batch
+from tidal.train.loss import IGNORE_INDEX, StepNorms
+
+_TOKEN_MEANS = ("kl", "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy",
+                "tis_weight_mean", "tis_capped_frac")  # fmt: skip
+"""policy_loss metrics that are means over the micro-batch's tokens."""
+
+
+def rollout_batches(
+    rollout: RolloutBatch,
+    advantages: Advantages | torch.Tensor,
+    *,
+    micro_batch_size: int,
+    seq_len: int | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+) -> list[Batch]:
+    """This data-parallel rank's trainer batches of a rollout, on the host.
+
+    Args:
+        rollout: the graded samples.
+        advantages: `group_advantages(...)` (rows of dropped groups are left out, so they
+            neither count in the normalizers nor cost compute), or a [N] tensor for every row.
+        micro_batch_size: rows per batch; the last batch is padded with empty rows (all
+            labels IGNORE_INDEX, advantage 0), so every batch has one shape.
+        seq_len: T of every batch (pipeline parallel needs one shape for all steps); None:
+            the longest prompt + completion of the rollout, minus one.
+        old_logprobs: [N, C] in the rollout's completion layout, the log-probs of the policy
+            that sampled (the PPO ratio's denominator); None: the generator's
+            (`rollout.logprobs`).
+        ref_logprobs: [N, C] under a frozen reference model, for a KL term; None: no extra.
+        dp_rank, dp_world: this rank's share: rows dp_rank, dp_rank + dp_world, ...; every
+            rank gets ceil(ceil(N / dp_world) / micro_batch_size) batches.
+
+    Returns:
+        Batches with `extras`: "advantages" [B] fp32, "old_logprobs", "gen_logprobs" (the
+        generator's) and, if given, "ref_logprobs" [B, T] fp32, and "mask" [B, T] bool (true
+        on completion tokens: labels != IGNORE_INDEX). Empty when no row is kept.
+
+    Raises:
+        ValueError: a shape that does not match the rollout, a prompt of length 0, a
+            sequence longer than `seq_len`, or bad sizes or ranks.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if dp_world < 1 or not 0 <= dp_rank < dp_world:
+        raise ValueError(f"need 0 <= dp_rank < dp_world, got dp_rank={dp_rank}, {dp_world=}")
+    N, C = rollout.completion_ids.shape
+    per_token = {"old_logprobs": rollout.logprobs if old_logprobs is None else old_logprobs,
+                 "gen_logprobs": rollout.logprobs}  # fmt: skip
+    if ref_logprobs is not None:
+        per_token["ref_logprobs"] = ref_logprobs
+    for name, x in per_token.items():
+        if tuple(x.shape) != (N, C):
+            raise ValueError(f"{name} must have the rollout's shape {(N, C)}, got {tuple(x.shape)}")
+    if isinstance(advantages, Advantages):
+        keep, adv_N = advantages.keep, advantages.advantages
+    else:
+        keep, adv_N = torch.ones(N, dtype=torch.bool), advantages
+    if tuple(adv_N.shape) != (N,):
+        raise ValueError(f"advantages must have shape {(N,)}, got {tuple(adv_N.shape)}")
+    if N and int(rollout.prompt_lens.min()) < 1:
+        raise ValueError("every prompt needs at least one token (the first completion token's "
+                         "context)")  # fmt: skip
+
+    ids_NL = rollout.token_ids()
+    L = ids_NL.shape[1]
+    T = L - 1 if seq_len is None else seq_len
+    if T < L - 1:
+        raise ValueError(f"seq_len={seq_len} is shorter than the rollout's longest sequence, "
+                         f"{L - 1} positions")  # fmt: skip
+    ids_NL = torch.cat([ids_NL, ids_NL.new_full((N, T + 1 - L), rollout.pad_id)], 1)
+    # Completion token k of row i is label position prompt_len - 1 + k: (row, position) of
+    # every completion token, in the completion layout's order.
+    mask_NC = rollout.completion_mask
+    row_M = torch.arange(N)[:, None].expand(N, C)[mask_NC]
+    pos_M = (rollout.prompt_lens[:, None] - 1 + torch.arange(C))[mask_NC]
+    mask_NT = torch.zeros(N, T, dtype=torch.bool)
+    mask_NT[row_M, pos_M] = True
+
+    def to_positions(x_NC: torch.Tensor) -> torch.Tensor:
+        out_NT = torch.zeros(N, T)
+        out_NT[row_M, pos_M] = x_NC[mask_NC].float()
+        return out_NT
+
+    extras_N = {name: to_positions(x) for name, x in per_token.items()}
+    extras_N["advantages"] = adv_N.float()
+    extras_N["mask"] = mask_NT
+    labels_NT = torch.where(mask_NT, ids_NL[:, 1:], IGNORE_INDEX)
+
+    kept = keep.nonzero()[:, 0]
+    mine = kept[dp_rank::dp_world]
+    share = -(-len(kept) // dp_world)  # every rank's row count, padded
+    n_batches = -(-share // micro_batch_size)
+    rows = n_batches * micro_batch_size
+
+    def take(x: torch.Tensor, fill) -> torch.Tensor:
+        out = x.new_full((rows, *x.shape[1:]), fill)
+        out[: len(mine)] = x[mine]
+        return out
+
+    input_ids = take(ids_NL[:, :-1], rollout.pad_id)
+    labels = take(labels_NT, IGNORE_INDEX)
+    extras = {k: take(v, False if v.dtype == torch.bool else 0.0) for k, v in extras_N.items()}
+    batch = Batch(input_ids=input_ids, labels=labels,
+                  document_ids=torch.zeros(rows, T, dtype=torch.int32), extras=extras)  # fmt: skip
+    return [batch.row_slice(s, s + micro_batch_size) for s in range(0, rows, micro_batch_size)]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyLoss:
+    """`policy_loss` (tidal/rl/loss.py) as the trainer's injected `TokenLoss`, normalized over
+    the whole step: "token-mean" by the step's tokens, "seq-mean-token-mean" by its sequences
+    (`StepNorms`), over every micro-batch and data-parallel rank.
+
+    Reads the batch's extras "advantages", "old_logprobs", "mask" (default: labels !=
+    IGNORE_INDEX), "ref_logprobs" (when `cfg.kl_coef` > 0) and "gen_logprobs" (when
+    `cfg.tis_cap` is set), as `rollout_batches` builds them.
+
+    Metrics (`StepResult.metrics`, reduced over the step): policy_loss's, as step values:
+    "loss", "pg_loss", "num_tokens" (sums), "ratio_max" (max) and the token means ("kl",
+    "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", and with TIS
+    "tis_weight_mean", "tis_capped_frac") over all the step's tokens.
+
+    Example::
+
+        result = trainer.train_step(batches, n_tokens, loss=PolicyLoss(dapo()))
+        print(float(result.metrics["clip_frac"]), float(result.metrics["entropy"]))
+    """
+
+    cfg: LossConfig
+    wants_entropy: bool = True
+    """Compute the policy's per-token entropy for the "entropy" metric (one more pass over
+    each chunk's logits); False reports the sampled tokens' mean -logp instead."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        batch: Batch,
+        norms: StepNorms,
+        entropy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x = batch.extras
+        need = ["advantages", "old_logprobs"]
+        need += ["ref_logprobs"] if self.cfg.kl_coef > 0 else []
+        need += ["gen_logprobs"] if self.cfg.tis_cap is not None else []
+        missing = [k for k in need if k not in x]
+        if missing:
+            raise KeyError(
+                f"PolicyLoss needs batch extras {missing} (the batch has {sorted(x)}); "
+                "rollout_batches builds them"
+            )
+        mask = x["mask"] if "mask" in x else batch.labels != IGNORE_INDEX
+        loss, m = policy_loss(
+            logprobs,
+            x["old_logprobs"],
+            x["advantages"],
+            mask,
+            self.cfg,
+            ref_logprobs=x["ref_logprobs"] if self.cfg.kl_coef > 0 else None,
+            gen_logprobs=x["gen_logprobs"] if self.cfg.tis_cap is not None else None,
+            entropy=entropy,
+            num_tokens=norms.tokens,
+            num_sequences=norms.sequences,
+        )
+        share = m["num_tokens"] / norms.tokens  # this micro-batch's part of the step's tokens
+        return loss, {k: v * share if k in _TOKEN_MEANS else v for k, v in m.items()}

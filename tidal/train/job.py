@@ -1,0 +1,123 @@
+"""The checks and settings of a training job that come before any process group, data or
+model: the device, seeding, and every check a user can fail (`check_job`). Run by
+`Trainer.__init__` on every rank and by `tidal train --nproc` before it launches them."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.models.flavors import get_flavor
+from tidal.models.transformer import ModelArgs
+from tidal.parallel.dims import ParallelDims, check_layout
+from tidal.train.config import Config
+from tidal.train.data import Tokenizer
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("job.device=cuda but no CUDA device is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; it is read at CUDA init.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # warn_only: ops without a deterministic kernel (some attention backwards) warn
+        # instead of stopping the run.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def check_job(
+    cfg: Config, args: ModelArgs, *, world_size: int, device: torch.device, data: bool = True
+) -> ParallelDims:
+    """The checks of a job a user can fail that need no data, model or process group: the
+    parallel layout on `world_size` ranks, `job.output_dir` (created here), flex attention on
+    a CPU, and (with `data`, the configured pipeline) the tokenizer's vocabulary against the
+    model's. Run by `Trainer.__init__` on every rank and by `tidal train --nproc` before it
+    launches them. Returns the layout's `ParallelDims`.
+
+    Raises:
+        ValueError: naming the field to change.
+        FileNotFoundError: the tokenizer file does not exist.
+    """
+    dims = check_layout(
+        cfg.parallelism,
+        args,
+        world_size=world_size,
+        seq_len=cfg.training.seq_len,
+        batch_size=cfg.training.batch_size,
+        model_name=f"model.flavor {cfg.model.flavor!r}",
+    )
+    out = Path(cfg.job.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"job.output_dir {str(out)!r} is a file; it must be a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"job.output_dir {str(out)!r} cannot be created: {e.strerror or e}"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"job.output_dir {str(out)!r} is not writable")
+    t = cfg.training
+    if t.batch_invariant:
+        blockers = {
+            "model.attention=flex": args.attention == "flex",
+            f"parallelism.tp={dims.tp}": dims.tp > 1,
+            f"parallelism.cp={dims.cp}": dims.cp > 1,
+            "training.compile=true": t.compile,
+        }
+        if any(blockers.values()):
+            bad = ", ".join(k for k, v in blockers.items() if v)
+            raise ValueError(
+                f"training.batch_invariant=true does not work with {bad}: the mode's fixed "
+                "orders cover causal sdpa attention on plain (not tensor-sharded) weights in "
+                "eager mode"
+            )
+    if args.attention == "flex" and device.type == "cpu":
+        raise ValueError(
+            "model.attention=flex needs a CUDA device: flex attention has no backward on CPU; "
+            "use --model.attention sdpa (or --job.device cuda on a GPU machine)"
+        )
+    if data:
+        d = cfg.data
+        if d.tokenizer == "bpe":
+            vocab, fix = (
+                d.vocab_size,
+                f"--model.vocab_size {d.vocab_size} or a smaller --data.vocab_size",
+            )
+            what = f"data.vocab_size={vocab} (the BPE to train)"
+        else:
+            vocab = Tokenizer.from_file(d.tokenizer).vocab_size
+            fix = f"--model.vocab_size {vocab} (the tokenizer file fixes the vocabulary)"
+            what = f"the tokenizer {d.tokenizer} has {vocab} tokens and"
+        if vocab > args.vocab_size:
+            raise ValueError(
+                f"{what} does not fit the {args.vocab_size}-token embedding of model.flavor "
+                f"{cfg.model.flavor!r}; set {fix}"
+            )
+    return dims
+
+
+def model_args_for(cfg: Config) -> ModelArgs:
+    if cfg.checkpoint.initial_load_hf:  # the architecture of a Hugging Face folder
+        from tidal.train.checkpoint.hf import hf_args_for
+
+        return hf_args_for(cfg)
+    overrides: dict[str, Any] = {"attention": cfg.model.attention}
+    if cfg.model.vocab_size is not None:
+        overrides["vocab_size"] = cfg.model.vocab_size
+    return get_flavor(cfg.model.flavor, **overrides)

@@ -592,8 +592,8 @@ class Trainer:
             self.checkpoint.finish()
         finally:
             self._release_locks()
-            for name in ("model", "modules", "params", "optimizer", "pipeline", "mesh", "cp",
-                         "checkpoint", "train_iter"):  # fmt: skip
+            for name in ("model", "modules", "params", "optimizer", "pipeline", "path", "mesh",
+                         "cp", "checkpoint", "train_iter"):  # fmt: skip
                 if hasattr(self, name):
                     setattr(self, name, None)
             destroy_process_group()

@@ -589,7 +589,7 @@ class Trainer:
         not usable afterwards: its communicators are gone with it, freed here rather than
         at interpreter exit (see tidal.parallel.launch.destroy_process_group)."""
         try:
-            self.checkpoint.finish()
+            self.checkpoint.close()
         finally:
             self._release_locks()
             for name in ("model", "modules", "params", "optimizer", "pipeline", "path", "mesh",

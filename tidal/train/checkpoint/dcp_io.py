@@ -176,11 +176,19 @@ def load_model(state_dict: dict[str, torch.Tensor], path: str | Path, process_gr
     load_flat(state_dict, path, process_group)
 
 
-def save_flat(flat: dict[str, Any], partial: Path, process_group) -> None:
+def save_flat(
+    flat: dict[str, Any],
+    partial: Path,
+    process_group,
+    storage_writer: FileSystemWriter | None = None,
+) -> None:
+    """DCP's save of `flat` into `partial`: by DCP's FileSystemWriter in this thread, or by
+    `storage_writer` (a ProcessFileSystemWriter: the same files, written by the writer
+    process). Every data file is fsynced before this returns."""
     _quiet_single_process()
     dcp.save(
         flat,
-        storage_writer=FileSystemWriter(str(partial)),  # fsyncs every file it writes
+        storage_writer=storage_writer or FileSystemWriter(str(partial)),
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )

@@ -63,6 +63,7 @@ from tidal.train.checkpoint.dcp_io import (
 from tidal.train.checkpoint.layout import CheckpointError
 from tidal.train.checkpoint.plan import LoadPlan, arch_diff
 from tidal.train.checkpoint.staging import PinnedStaging, copy_to_host
+from tidal.train.checkpoint.writer_process import ProcessFileSystemWriter, WriterProcess, available
 from tidal.train.config import CHECKPOINT_STATES, CheckpointConfig
 
 Log = Callable[[str], None]
@@ -149,7 +150,11 @@ class Checkpointer:
         # A gloo group of its own: DCP's collectives of a background save never interleave
         # with training's, and they run on the host whatever the training backend.
         self.pg = dist.new_group(backend="gloo") if cfg.enable and self.world > 1 else None
-        self.staging = PinnedStaging(device) if cfg.async_mode == "async_with_pinned_mem" else None
+        pinned = cfg.async_mode == "async_with_pinned_mem"
+        # The pinned mode's bytes are written by a child process (writer_process.py), off
+        # this process's GIL; where that cannot run (no memfd), by a thread as "async" is.
+        self.writer = WriterProcess() if pinned and available() else None
+        self.staging = PinnedStaging(device, shared=self.writer is not None) if pinned else None
         self.pending: Future | None = None
         self.last_saved_step: int | None = None
         self.stats = SaveStats()
@@ -254,6 +259,13 @@ class Checkpointer:
             else:
                 assert self.staging is not None
                 flat = self.staging.stage(flat)
+                if self.writer is not None:
+                    assert self.staging.segment is not None
+                    try:
+                        self.writer.start(self.staging.segment)  # at once if already running
+                    except BaseException:
+                        self.staging.abandon()
+                        raise
             self.stats.blocked_s = time.perf_counter() - start
             self.pending = _in_background(self._write, flat, step, info, start, True)
         self.last_saved_step = step
@@ -297,7 +309,11 @@ class Checkpointer:
             else:
                 self.staging.run_host_copy()
         partial = begin_partial(self.folder, step, self.rank, self.pg)
-        save_flat(flat, partial, self.pg)
+        writer = None
+        if staged and self.writer is not None:
+            assert self.staging is not None and self.staging.segment is not None
+            writer = ProcessFileSystemWriter(partial, self.writer, self.staging.segment)
+        save_flat(flat, partial, self.pg, writer)
         final = layout.step_dir(self.folder, step)
         if self.rank == 0:
             layout.commit(partial, final, info)
@@ -344,6 +360,17 @@ class Checkpointer:
     def finish(self) -> None:
         """End of training: wait for the last background save."""
         self.wait()
+
+    def close(self) -> None:
+        """Wait for the last background save, then stop the writer process and free the
+        staging memory (the Checkpointer can still save: both come back on demand)."""
+        try:
+            self.wait()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+            if self.staging is not None and self.pending is None:
+                self.staging.close()
 
     # -- loading ----------------------------------------------------------------------------
 

@@ -5,7 +5,9 @@ Two ways, one per `checkpoint.async_mode`:
 - `copy_to_host` ("async"): a fresh pageable copy of every tensor, made in the calling
   thread; the step waits for the whole device-to-host copy (and the allocation).
 - `PinnedStaging` ("async_with_pinned_mem"): host buffers allocated once (pinned on CUDA) and
-  reused by every later save. `stage()` only queues the copies: on CUDA on a side stream that
+  reused by every later save; with `shared=True` they all lie in one shared-memory segment
+  (tidal/train/checkpoint/writer_process.py, page-locked on CUDA) that the writer process
+  reads. `stage()` only queues the copies: on CUDA on a side stream that
   first waits for the work already queued on the compute stream (so it copies the weights the
   last optimizer step wrote), on CPU for the writer thread to run. The training step continues;
   `wait_before_update()` must run before the next in-place update of the weights (the optimizer
@@ -28,6 +30,8 @@ import torch
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
+from tidal.train.checkpoint.writer_process import SharedSegment
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -44,6 +48,26 @@ def _host_buffer(t: torch.Tensor, pinned: bool) -> torch.Tensor:
             host = t.detach().to("cpu", copy=True)
         return host
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+
+
+def _shared_buffers(
+    tensors: dict[str, torch.Tensor], pin: bool
+) -> tuple[SharedSegment, dict[str, torch.Tensor]]:
+    """Host buffers shaped like `tensors`, all in one new shared segment (a DTensor gets a
+    host DTensor of the same layout whose local shard lies in the segment)."""
+    locals_ = [_local(t) for t in tensors.values()]
+    offsets, nbytes = SharedSegment.layout(locals_)
+    segment = SharedSegment(nbytes, pin=pin)
+    buffers = {}
+    for (k, t), local, offset in zip(tensors.items(), locals_, offsets, strict=True):
+        view = segment.view(offset, local)
+        if isinstance(t, DTensor):
+            host = t.detach().to("cpu")  # torch's own staging makes host DTensors this way
+            host._local_tensor = view
+            buffers[k] = host
+        else:
+            buffers[k] = view
+    return segment, buffers
 
 
 def _copy_into(
@@ -72,9 +96,11 @@ def _signature(tensors: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, .
 class PinnedStaging:
     """Reusable host buffers for a state dict (see the module docstring)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, shared: bool = False):
         self.cuda = device.type == "cuda"
         self.device = device
+        self.shared = shared
+        self.segment: SharedSegment | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
         self._signature: list | None = None
         self._stream = torch.cuda.Stream(device) if self.cuda else None
@@ -92,7 +118,12 @@ class PinnedStaging:
         signature = _signature(tensors)
         if self._buffers is None or signature != self._signature:
             # Allocated (and pinned) once, reused by every later save of the same state.
-            self._buffers = {k: _host_buffer(v, self.cuda) for k, v in tensors.items()}
+            self._buffers = None
+            self.close()
+            if self.shared:
+                self.segment, self._buffers = _shared_buffers(tensors, self.cuda)
+            else:
+                self._buffers = {k: _host_buffer(v, self.cuda) for k, v in tensors.items()}
             self._signature = signature
             self.bytes = sum(_local(v).numel() * v.element_size() for v in tensors.values())
         self._copied.clear()
@@ -136,6 +167,13 @@ class PinnedStaging:
             torch.cuda.current_stream(self.device).wait_event(self._event)
         else:
             self._copied.wait()
+
+    def close(self) -> None:
+        """Release the shared segment (its memory goes once the writer has unmapped it)."""
+        segment, self.segment = self.segment, None
+        if segment is not None:
+            self._buffers = self._signature = None
+            segment.close()
 
     def abandon(self) -> None:
         """Release a staged copy that will not be written (its save failed to start)."""

@@ -184,14 +184,24 @@ def save_flat(
 ) -> None:
     """DCP's save of `flat` into `partial`: by DCP's FileSystemWriter in this thread, or by
     `storage_writer` (a ProcessFileSystemWriter: the same files, written by the writer
-    process). Every data file is fsynced before this returns."""
+    process). Every data file is fsynced before this returns.
+
+    Raises:
+        CheckpointError: the writer process died, stalled or failed (DCP's wrapper removed).
+    """
     _quiet_single_process()
-    dcp.save(
-        flat,
-        storage_writer=storage_writer or FileSystemWriter(str(partial)),
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-    )
+    try:
+        dcp.save(
+            flat,
+            storage_writer=storage_writer or FileSystemWriter(str(partial)),
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
+    except CheckpointException as e:
+        err = _unwrap(e)
+        if isinstance(err, CheckpointError):  # the writer process's, naming the folder
+            raise err from None
+        raise
 
 
 def begin_partial(folder: Path, step: int, rank: int, process_group) -> Path:

@@ -8,8 +8,11 @@ small torch ops (Python dispatch, GIL held), timed in blocks. A state dict of `-
 memory; the device-to-host copy is not what is measured), then saved `--repeats` times per
 writer, alternating. Per save: the stall is the wall time of the blocks that ran while the
 write was going on, beyond as many blocks at the median speed measured with nothing running
-beside them (baseline measured before every save). Prints the median and the spread of both
-writers' stalls, their write times, and the ratio old / new.
+beside them (baseline measured before every save). The loop thread's stall is split with
+Linux's schedstat into time waiting for the GIL (blocked: neither on a CPU nor runnable) and
+time waiting for a CPU (runnable; another process or the kernel had it). Prints the median and
+the spread of both writers' stalls, their GIL and CPU waits, their write times, and the ratio
+old / new.
 
     python benchmarks/checkpoint_stall.py                      # 512 MB, 5 saves per writer
     python benchmarks/checkpoint_stall.py --mb 2048 --repeats 3
@@ -48,6 +51,16 @@ def block(x: torch.Tensor, y: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def schedstat() -> tuple[float, float]:
+    """This thread's seconds on a CPU and seconds runnable but waiting for one (Linux)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting, _ = f.read().split()
+    except OSError:
+        return 0.0, 0.0
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def baseline(x: torch.Tensor, y: torch.Tensor, n: int = 40) -> float:
     return statistics.median(block(x, y) for _ in range(n))
 
@@ -81,13 +94,19 @@ def one_save(kind: str, staged: dict, staging: PinnedStaging, writer: WriterProc
             done.set()
 
     blocks = []
+    cpu0, queued0 = schedstat()
     threading.Thread(target=write, daemon=True).start()
     while not done.is_set():
         blocks.append(block(x, y))
+    cpu1, queued1 = schedstat()
     if error:
         raise error[0]
     stall = sum(blocks) - len(blocks) * base
-    return {"stall_s": stall, "write_s": seconds[0], "blocks": len(blocks), "base_s": base}
+    # The loop never sleeps: wall time neither on a CPU nor waiting in the run queue is time
+    # blocked on a lock, i.e. waiting for the GIL.
+    gil = sum(blocks) - (cpu1 - cpu0) - (queued1 - queued0)
+    return {"stall_s": stall, "write_s": seconds[0], "blocks": len(blocks), "base_s": base,
+            "gil_s": gil, "queued_s": queued1 - queued0}  # fmt: skip
 
 
 def main() -> None:
@@ -133,27 +152,34 @@ def main() -> None:
             res = one_save(kind, staged, staging, writer, folder, x, y, pin)
             results[kind].append(res)
             print(f"save {r} {kind:7s} stall {res['stall_s']:6.3f}s over {res['blocks']:4d} "
-                  f"blocks (block alone {res['base_s'] * 1e3:.2f} ms), write "
+                  f"blocks (block alone {res['base_s'] * 1e3:.2f} ms): waiting for the GIL "
+                  f"{res['gil_s']:6.3f}s, for a CPU {res['queued_s']:6.3f}s; write "
                   f"{res['write_s']:.2f}s", flush=True)  # fmt: skip
     writer.close()
     staging.close()
     if args.folder is None:
         shutil.rmtree(folder, ignore_errors=True)
 
-    def summary(kind: str) -> tuple[float, str]:
-        stalls = [r["stall_s"] for r in results[kind]]
-        writes = [r["write_s"] for r in results[kind]]
-        med = statistics.median(stalls)
-        return med, (f"stall median {med:.3f}s (min {min(stalls):.3f}, max {max(stalls):.3f}), "
-                     f"write median {statistics.median(writes):.2f}s")  # fmt: skip
+    def spread(kind: str, key: str) -> tuple[float, str]:
+        v = [r[key] for r in results[kind]]
+        med = statistics.median(v)
+        return med, f"{med:.3f}s (min {min(v):.3f}, max {max(v):.3f})"
 
-    old, old_text = summary("thread")
-    new, new_text = summary("process")
+    def summary(kind: str) -> tuple[float, float, str]:
+        med, stall = spread(kind, "stall_s")
+        gil, gil_text = spread(kind, "gil_s")
+        text = (f"stall {stall}, of it waiting for the GIL {gil_text}, for a CPU "
+                f"{spread(kind, 'queued_s')[1]}; write {spread(kind, 'write_s')[1]}")  # fmt: skip
+        return med, gil, text
+
+    old, old_gil, old_text = summary("thread")
+    new, new_gil, new_text = summary("process")
     how = f", loop on CPU {pin[0]}, writer on CPU {pin[1]}" if pin else ""
     print(f"\n{args.mb} MB in {args.tensors} tensors, {args.repeats} saves per writer{how}")
     print(f"  thread writer (old):  {old_text}")
     print(f"  writer process (new): {new_text}")
     print(f"  ratio old / new stall: {old / new:.2f}x" if new > 0 else "  new stall <= 0")
+    print(f"  GIL wait old {old_gil:.3f}s, new {new_gil:.3f}s (medians)")
 
 
 if __name__ == "__main__":

@@ -97,3 +97,24 @@ def test_fsdp_checkpoint_reshards(name, fsdp_straight, resumed):
     torch.testing.assert_close(have[:, 1], want[:, 1], atol=ATOL, rtol=0)  # grad norm
     assert torch.equal(have[:, 2], want[:, 2])  # the learning rate continues exactly
     assert have[-1, 0] < want[0, 0] + 0.5  # it went on training, not from scratch
+
+
+def test_fsdp_pinned_async_saves_match_the_synchronous_ones(fsdp_straight, tmp_path):
+    """2 FSDP ranks, each with its writer process writing its DTensor shards from the
+    shared staging segment: the same losses and the same checkpoint contents."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "pinned"
+    pinned = [*FSDP, "--checkpoint.async_mode", "async_with_pinned_mem"]
+    run_ranks(2, _train_runs, [(str(out), pinned, 2)], tmp_path=out)
+    assert step_records(out) == step_records(fsdp_straight)
+    for step in (10, 20):
+        dcp_to_torch_save(fsdp_straight / f"checkpoint/step-{step}", tmp_path / "a.pt")
+        dcp_to_torch_save(out / f"checkpoint/step-{step}", tmp_path / "b.pt")
+        a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+        assert sorted(a) == sorted(b)
+        for k, v in a.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, b[k]), (step, k)
+            else:
+                assert v == b[k], (step, k)

@@ -17,14 +17,17 @@ pytestmark = [
 CUDA = ("--job.device", "cuda")
 
 
-def test_pinned_staging_copies_the_values_of_the_save_not_later_updates():
+@pytest.mark.parametrize("shared", [False, True], ids=["own_buffers", "shared_segment"])
+def test_pinned_staging_copies_the_values_of_the_save_not_later_updates(shared):
+    """Shared: the buffers of the writer process's segment, page-locked with
+    cudaHostRegister, so the copy is as asynchronous (and as fast) as into pinned tensors."""
     from tidal.train.checkpoint.staging import PinnedStaging
 
     device = torch.device("cuda", torch.cuda.current_device())
     weights = {f"w{i}": torch.full((4096, 4096), float(i), device=device) for i in range(8)}
     weights["step"] = torch.tensor(3.0, device=device)  # 0-dim, like fused AdamW's step
     flat = {**weights, "train_state": '{"step": 3}'}
-    staging = PinnedStaging(device)
+    staging = PinnedStaging(device, shared=shared)
     for round_ in range(2):  # the first allocates and pins the buffers, the second reuses them
         # Queued kernels that write the weights: the copy must run after them.
         for w in weights.values():
@@ -46,6 +49,9 @@ def test_pinned_staging_copies_the_values_of_the_save_not_later_updates():
             assert queued_s < 0.05, queued_s  # stage() only queues 512 MB of copies
         for w in weights.values():
             w.div_(100.0)
+    if shared:
+        assert staging.segment is not None and staging.segment.pinned
+    staging.close()
 
 
 def test_async_pinned_saves_do_not_change_losses_on_cuda(tmp_path):

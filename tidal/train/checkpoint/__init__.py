@@ -2,6 +2,8 @@
 
 - `layout.py`: the folder layout, the completion marker, atomic commit and clean-up.
 - `staging.py`: host copies of the state for background saves (pinned buffers, side stream).
+- `writer_process.py`, `writer_child.py`: the pinned mode's writer process, which writes the
+  DCP data files from shared staging memory off the trainer's GIL.
 - `plan.py`: `plan_load`, which checkpoint a run starts from, checked before anything is
   built.
 - `dcp_io.py`: DCP reads and writes, checks of a state dict against a checkpoint, and

@@ -21,8 +21,9 @@ Lifecycle (every rank makes the same calls in the same order): the Trainer calls
 first (tidal/train/checkpoint/plan.py: file system only, before the data, the model or any
 process group exists), builds one `Checkpointer` after the optimizer, calls `load(plan)` once, then
 `maybe_save(step)` after every step, `wait_before_update()` before every optimizer step and
-`finish()` at the end, which waits for a background save. Saves run on a gloo process group
-of their own, so a background save never shares a communicator with training.
+`finish()` at the end, which waits for a background save (`close()` also stops the pinned
+mode's writer process). Saves run on a gloo process group of their own, so a background save
+never shares a communicator with training.
 """
 
 from __future__ import annotations

@@ -58,11 +58,12 @@ def _shared_buffers(
     locals_ = [_local(t) for t in tensors.values()]
     offsets, nbytes = SharedSegment.layout(locals_)
     segment = SharedSegment(nbytes, pin=pin)
-    buffers = {}
+    buffers: dict[str, torch.Tensor] = {}
     for (k, t), local, offset in zip(tensors.items(), locals_, offsets, strict=True):
         view = segment.view(offset, local)
         if isinstance(t, DTensor):
             host = t.detach().to("cpu")  # torch's own staging makes host DTensors this way
+            assert isinstance(host, DTensor)
             host._local_tensor = view
             buffers[k] = host
         else:

@@ -86,6 +86,7 @@ def write_files(
         results = []
         with open(path, "wb") as stream:
             for item in f["items"]:
+                data: io.BytesIO | torch.Tensor
                 if "bytes" in item:
                     kind, data = WriteItemType.BYTE_IO, _bytes_io(item["bytes"])
                 else:
@@ -111,6 +112,9 @@ def _bytes_io(text: str) -> io.BytesIO:
 def main(argv: list[str]) -> int:
     ppid, fd, nbytes = int(argv[1]), int(argv[2]), int(argv[3])
     _die_with_parent(ppid)
+    # Ctrl-C reaches the whole process group: the trainer finishes its step and saves, and
+    # this process must finish the write it is doing rather than die with the interrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # a stray print must not corrupt the replies
     mapping = mmap.mmap(fd, nbytes) if nbytes else None

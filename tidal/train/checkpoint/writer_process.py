@@ -29,6 +29,7 @@ child's parent-death signal follows the main thread); the save's background thre
 from __future__ import annotations
 
 import base64
+import io
 import json
 import mmap
 import os
@@ -137,8 +138,9 @@ class WriterProcess:
             argv = [sys.executable, "-P", str(_CHILD), str(os.getpid()), str(segment.fd),
                     str(segment.nbytes)]  # fmt: skip
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(segment.fd,)
-            )
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(segment.fd,),
+                bufsize=0,  # replies are read with os.read after select: nothing buffered
+            )  # fmt: skip
             self._segment = segment
 
     @property
@@ -154,23 +156,30 @@ class WriterProcess:
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise CheckpointError("the checkpoint writer process was not started")
+        request = memoryview((json.dumps({"op": "write", "files": files}) + "\n").encode())
         try:
-            proc.stdin.write((json.dumps({"op": "write", "files": files}) + "\n").encode())
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+            while request:
+                request = request[os.write(proc.stdin.fileno(), request) :]
+        except OSError:  # BrokenPipeError: the child is gone
             raise self._died(proc, files) from None
+        pending = b""
         while True:
-            ready, _, _ = select.select([proc.stdout], [], [], self.item_timeout_s)
-            if not ready:
-                proc.kill()
-                proc.wait()
-                raise CheckpointError(
-                    f"the checkpoint writer process (pid {proc.pid}) reported no progress for "
-                    f"{self.item_timeout_s:.0f}s writing {_where(files)}; killed it"
-                )
-            line = proc.stdout.readline()
-            if not line:
-                raise self._died(proc, files)
+            line, newline, rest = pending.partition(b"\n")
+            if not newline:  # no whole line yet: wait for more (the pipe is unbuffered here)
+                ready, _, _ = select.select([proc.stdout], [], [], self.item_timeout_s)
+                if not ready:
+                    proc.kill()
+                    proc.wait()
+                    raise CheckpointError(
+                        f"the checkpoint writer process (pid {proc.pid}) reported no progress "
+                        f"for {self.item_timeout_s:.0f}s writing {_where(files)}; killed it"
+                    )
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    raise self._died(proc, files)
+                pending += chunk
+                continue
+            pending = rest
             reply = json.loads(line)
             if "progress" in reply:
                 continue
@@ -237,6 +246,7 @@ class ProcessFileSystemWriter(FileSystemWriter):
         items: list[dict[str, Any]] = []
         for wi in bytes_w:  # FileSystemWriter's order: bytes first, then tensors
             data = planner.resolve_data(wi)
+            assert isinstance(data, io.BytesIO)
             items.append(
                 {"fqn": wi.index.fqn, "bytes": base64.b64encode(data.getbuffer()).decode()}
             )

@@ -105,6 +105,7 @@ def test_fsdp_pinned_async_saves_match_the_synchronous_ones(fsdp_straight, tmp_p
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp_path / "pinned"
+    out.mkdir()
     pinned = [*FSDP, "--checkpoint.async_mode", "async_with_pinned_mem"]
     run_ranks(2, _train_runs, [(str(out), pinned, 2)], tmp_path=out)
     assert step_records(out) == step_records(fsdp_straight)

@@ -1,12 +1,14 @@
 """The trainer's side of the checkpoint writer process (tidal/train/checkpoint/writer_child.py).
 
 Why: a background save written by a thread of the trainer (DCP's FileSystemWriter: a
-`torch.save` per tensor into a Python stream, then fsync) shares the trainer's GIL, and on the
-H200 the steps that ran beside the write of an 18 GB pinned save were slowed by 16.4 s in all,
-49.9x the 0.33 s device-to-host copy (benchmarks/checkpoint.py). Here DCP still plans the save
-in the trainer (keys, chunks, file names, the collectives, `.metadata`), and only the bytes of
-the data files are written by a child process, from staging buffers it shares with the
-trainer, in exactly FileSystemWriter's format.
+`torch.save` per tensor into a Python stream, then fsync) shares the trainer's GIL and its CUDA
+context. On the H200 the steps that ran beside the write of an 18 GB pinned save were slowed by
+16.4 s in all, 49.9x the 0.33 s device-to-host copy (benchmarks/checkpoint.py, before this
+file); on CPU a loop of small ops beside the thread writer waited 0.2-0.4 s per GB for the GIL,
+and beside this process about none (benchmarks/checkpoint_stall.py). Here DCP still plans the
+save in the trainer (keys, chunks, file names, the collectives, `.metadata`), and only the
+bytes of the data files are written by a child process, from staging buffers it shares with
+the trainer, in exactly FileSystemWriter's format.
 
 - `SharedSegment`: one anonymous shared-memory file (memfd) holding every staging buffer of a
   state dict, registered with CUDA (page-locked) when the trainer trains on CUDA, so the

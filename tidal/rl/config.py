@@ -111,13 +111,18 @@ class RolloutConfig:
     """Keep the k most likely tokens; 0 keeps all."""
     max_new_tokens: int = 128
     """Most tokens per completion; longer ones are cut (and count as truncated)."""
+    max_prompt_tokens: int = 128
+    """Longest rendered prompt (chat template included) a task may yield; a longer one is an
+    error. Sizes the generator's KV cache and the trainer's sequences with max_new_tokens."""
     seed: int = 0
     """Seeds the training problems and the sampling noise; step s of generator g draws the
     same problems and tokens for the same seed whatever ran before (resumable)."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
-            _check(getattr(self, name) > 0, f"rollout.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens"):
+            _check(
+                getattr(self, name) > 0, f"rollout.{name} must be > 0, got {getattr(self, name)}"
+            )
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
@@ -305,11 +310,6 @@ class RLConfig:
             self.rollout.group_size <= self.generator.max_batch,
             f"rollout.group_size={self.rollout.group_size} exceeds generator.max_batch="
             f"{self.generator.max_batch} (a group is decoded at once)",
-        )
-        _check(
-            self.loss.kl_coef == 0,
-            "loss.kl_coef > 0 needs a frozen reference model, which the sync loop does not "
-            "keep yet; set --loss.kl_coef 0",
         )
 
     def prompts_of(self, generator: int) -> int:

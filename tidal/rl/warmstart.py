@@ -109,7 +109,9 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         if flavor not in FLAVORS:
             raise ValueError(f"policy.init: {path}/tidal.json names no known flavor ({flavor!r})")
         saved = ModelArgs(**{**model["args"], "extra": {}}) if "args" in model else None
-        vocab = saved.vocab_size if saved and saved.vocab_size != FLAVORS[flavor].vocab_size else None
+        vocab = (
+            saved.vocab_size if saved and saved.vocab_size != FLAVORS[flavor].vocab_size else None
+        )
         args = dataclasses.replace(FLAVORS[flavor], **({"vocab_size": vocab} if vocab else {}))
         return PolicySource(args=args, flavor=flavor, vocab_size=vocab, tokenizer=tok,
                             encoder=encoder, checkpoint=path,

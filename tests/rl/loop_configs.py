@@ -58,10 +58,10 @@ def tiny(out: str = "outputs/rl_test") -> RLConfig:
         model=ModelConfig(flavor="tiny", vocab_size=512),
         task=TaskConfig(name="digits", eval_problems=8),
         rollout=RolloutConfig(
-            prompts_per_step=4, group_size=4, max_new_tokens=MAX_NEW, max_prompt_tokens=32
+            prompts_per_step=4, group_size=8, max_new_tokens=MAX_NEW, max_prompt_tokens=32
         ),  # fmt: skip
         loss=LossConfig(drop_equal_groups=False),
-        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0),
+        optimizer=OptimizerConfig(lr=3e-2, weight_decay=0.0),
         lr_scheduler=SchedulerConfig(warmup_steps=0, decay_fraction=0.0),
         trainer=TrainerConfig(micro_batch_size=16, mixed_precision="fp32", max_norm=0.0),
         generator=GeneratorRoleConfig(count=1, max_batch=16, device="cpu", dtype="fp32"),

@@ -152,7 +152,8 @@ class TrainerConfig:
         _check(self.max_norm >= 0, f"trainer.max_norm must be >= 0, got {self.max_norm}")
         _check(
             self.mixed_precision in ("auto", "bf16", "fp32"),
-            f"trainer.mixed_precision must be one of auto, bf16, fp32; got {self.mixed_precision!r}",
+            "trainer.mixed_precision must be one of auto, bf16, fp32; got "
+            f"{self.mixed_precision!r}",
         )
 
 

@@ -328,9 +328,13 @@ def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
     if cfg.loss.tis_cap is not None:  # the PPO ratio against the trainer's own old log-probs
         for b in batches:
             b.extras["old_logprobs"] = trainer.logprobs(b)
-    if side.reference is not None:
-        _with_weights(trainer, side.reference, lambda: [
-            b.extras.__setitem__("ref_logprobs", trainer.logprobs(b)) for b in batches])  # fmt: skip
+    if side.reference is not None:  # the KL term's frozen reference, in the same layout
+
+        def score_reference() -> None:
+            for b in batches:
+                b.extras["ref_logprobs"] = trainer.logprobs(b)
+
+        _with_weights(trainer, side.reference, score_reference)
     n_tokens = sum(b.target_count() for b in batches)
     result = trainer.train_step(batches, n_tokens, loss=loss)
     metrics = {k: float(v) for k, v in result.metrics.items()}

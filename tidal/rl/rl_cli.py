@@ -55,9 +55,11 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
     from tidal.rl.configs import RL_CONFIGS, get_rl_config
     from tidal.train.config_parse import apply_overrides, help_text, to_json
 
-    parser = argparse.ArgumentParser(prog=prog, add_help=False, description=(
+    about = (
         "RL post-training (GRPO family) with the store as the only coupling between roles. "
-        "Any field can be overridden with --section.field VALUE; --help lists them all."))  # fmt: skip
+        "Any field can be overridden with --section.field VALUE; --help lists them all."
+    )
+    parser = argparse.ArgumentParser(prog=prog, add_help=False, description=about)
     parser.add_argument("--config", default="rl_addition",
                         help=f"one of {sorted(RL_CONFIGS)}, or MODULE:FUNCTION")  # fmt: skip
     parser.add_argument("--print-config", action="store_true",

@@ -175,8 +175,11 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
         activation_checkpoint=cfg.activation_checkpoint,
         metrics=MetricsConfig(log_every=1, val_every=0, tensorboard=cfg.metrics.tensorboard),
         sample=SampleConfig(max_new_tokens=0),
+        # The warm start loads through the checkpoint code, which reads initial_load_path only
+        # when enabled: without policy checkpoints it is enabled to load, never to save.
         checkpoint=CheckpointConfig(
-            enable=c.enable,
+            enable=c.enable or src.checkpoint is not None,
+            load_only=not c.enable,
             interval=c.interval or cfg.rl.steps,
             keep_latest_k=c.keep_latest_k,
             initial_load_path=str(src.checkpoint) if src.checkpoint else None,
@@ -372,8 +375,9 @@ def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log:
         )
     trainer_cmd = [sys.executable, "-m", "tidal", "rl", "trainer", *common]
     if nproc > 1:
-        trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={nproc}", "-m", "tidal", "rl", "trainer", *common]  # fmt: skip
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={nproc}"]  # fmt: skip
+        trainer_cmd = [*torchrun, "-m", "tidal", "rl", "trainer", *common]
     procs["trainer"] = subprocess.Popen(trainer_cmd, env=env)
     try:
         return _watch(procs, store, log)

@@ -109,10 +109,11 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         if flavor not in FLAVORS:
             raise ValueError(f"policy.init: {path}/tidal.json names no known flavor ({flavor!r})")
         saved = ModelArgs(**{**model["args"], "extra": {}}) if "args" in model else None
-        vocab = (
-            saved.vocab_size if saved and saved.vocab_size != FLAVORS[flavor].vocab_size else None
-        )
-        args = dataclasses.replace(FLAVORS[flavor], **({"vocab_size": vocab} if vocab else {}))
+        differs = saved is not None and saved.vocab_size != FLAVORS[flavor].vocab_size
+        vocab = saved.vocab_size if saved is not None and differs else None
+        args = FLAVORS[flavor]
+        if vocab is not None:
+            args = dataclasses.replace(args, vocab_size=vocab)
         return PolicySource(args=args, flavor=flavor, vocab_size=vocab, tokenizer=tok,
                             encoder=encoder, checkpoint=path,
                             describe=f"checkpoint {path}")  # fmt: skip
@@ -121,9 +122,9 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
     args = FLAVORS[cfg.model.flavor]
     if cfg.model.vocab_size is not None:
         args = replace(args, vocab_size=cfg.model.vocab_size)
+    seed = f"seed init of {cfg.model.flavor} (seed {cfg.trainer.seed})"
     return PolicySource(args=args, flavor=cfg.model.flavor, vocab_size=cfg.model.vocab_size,
-                        tokenizer=tok, encoder=encoder,
-                        describe=f"seed init of {cfg.model.flavor} (seed {cfg.trainer.seed})")  # fmt: skip
+                        tokenizer=tok, encoder=encoder, describe=seed)  # fmt: skip
 
 
 def sft_run(cfg: RLConfig):

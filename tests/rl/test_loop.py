@@ -87,17 +87,24 @@ def test_reward_rises_and_the_run_reports_everything(tmp_path):
 def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
     """Generator and trainer are separate processes with their own model copies; the weights
     travel through the store, and the trainer's step recomputes the generator's log-probs
-    bit for bit: every token's ratio is exactly 1.0 at every step."""
-    out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
-                 "--generator.batch_invariant", "true", "--metrics.plot", "false")  # fmt: skip
-    assert r.returncode == 0, r.stdout
-    steps, _ = records(out)
-    assert len(steps) == 3
-    for s in steps:
-        assert s["ratio_max"] == 1.0 and s["ratio_min"] == 1.0, s
-        assert s["clip_frac"] == 0.0
-    assert steps[-1]["reward_mean"] != steps[0]["reward_mean"]  # the policy did change
+    bit for bit: every token's ratio is exactly 1.0 at every step, with one trainer rank and
+    with two (FSDP over gloo), whose runs are then the same run."""
+    rewards = []
+    for nproc in (1, 2):
+        out = tmp_path / f"run{nproc}"
+        r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
+                     "--generator.batch_invariant", "true", "--metrics.plot", "false",
+                     "--nproc", str(nproc))  # fmt: skip
+        assert r.returncode == 0, r.stdout
+        steps, _ = records(out)
+        assert len(steps) == 3
+        for s in steps:
+            assert s["ratio_max"] == 1.0 and s["ratio_min"] == 1.0, s
+            assert s["clip_frac"] == 0.0
+        assert steps[-1]["reward_mean"] != steps[0]["reward_mean"]  # the policy did change
+        rewards.append([s["reward_mean"] for s in steps])
+    assert "world 2 (dp_shard=2)" in r.stdout
+    assert rewards[0] == rewards[1]
 
 
 @pytest.mark.parametrize(

@@ -257,6 +257,11 @@ class StoreConfig:
     """Seconds to wait for the store to answer at start."""
     keep: int = 2
     """Versions kept per key by an embedded store."""
+    policy_memory: Literal["auto", "host", "cuda"] = "auto"
+    """Where published policy versions live: "host" (the store's shared memory: any reader,
+    any host), "cuda" (the trainer's GPU memory, read by CUDA IPC device to device: readers on
+    this host only; each kept version costs a copy of the weights there). auto: cuda when the
+    trainer runs on CUDA and every role is on this machine (an empty store.address)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -266,6 +271,10 @@ class StoreConfig:
         _check(self.connect_timeout_s > 0,
                f"store.connect_timeout_s must be > 0, got {self.connect_timeout_s}")  # fmt: skip
         _check(self.keep >= 2, f"store.keep must be >= 2, got {self.keep}")
+        _check(
+            self.policy_memory in ("auto", "host", "cuda"),
+            f"store.policy_memory must be auto, host or cuda; got {self.policy_memory!r}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

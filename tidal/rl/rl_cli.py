@@ -85,6 +85,8 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
         print()
         print(help_text(apply_overrides(cfg, overrides), args.config))
         return 0
+    if role is not None and args.store:
+        overrides = [*overrides, "--store.address", args.store]
     cfg = apply_overrides(cfg, overrides)
     if args.print_config:
         print(to_json(cfg))
@@ -101,7 +103,7 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
             return 0
         role_argv = _without_launcher_flags(argv)
         return roles.launch_local(cfg, role_argv, nproc=args.nproc)
-    address = args.store or cfg.store.address
+    address = cfg.store.address
     if not address:
         raise ValueError(f"{prog} needs the run's store: --store tcp://HOST:PORT")
     store = roles.connect_store(address, cfg)

@@ -241,11 +241,14 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
         if barrier is not None:
             dist.barrier(group=barrier)
         dtype, writers = publish_dtype(cfg), info.world_size
+        memory = cfg.store.policy_memory
+        if memory == "auto":  # `tidal rl` resolves it for the roles it starts
+            memory = "cuda" if trainer.device.type == "cuda" and not cfg.store.address else "host"
 
         def publish(version: int):
             sd = {k: v for m in trainer.modules for k, v in m.state_dict().items()}
             return store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
-                                              dtype=dtype)  # fmt: skip
+                                              dtype=dtype, memory=memory)  # fmt: skip
 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
         side = TrainerSide(
@@ -367,7 +370,12 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, log: Lo
 def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log: Log) -> int:
     env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    common = ["--store", store.address, *role_argv]
+    memory = cfg.store.policy_memory
+    if memory == "auto":  # every role is on this machine: CUDA IPC when the trainer is on CUDA
+        from tidal.train.job import resolve_device
+
+        memory = "cuda" if resolve_device(cfg.job.device).type == "cuda" else "host"
+    common = ["--store", store.address, *role_argv, "--store.policy_memory", memory]
     procs: dict[str, subprocess.Popen] = {}
     for i in range(cfg.generator.count):
         procs[generator_name(i)] = subprocess.Popen(

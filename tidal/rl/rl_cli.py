@@ -9,7 +9,9 @@ The first form starts an embedded store, trains the SFT warm start if it is not 
 then runs the generators and the trainer (`--nproc` ranks) as processes of this machine
 (tidal/rl/roles.py). `--prepare` only trains the warm start. The role forms join a store
 started elsewhere (`tidal store serve`); every role of a run gets the same config and
-overrides. Errors a user can cause print one line and exit with status 2; Ctrl-C stops every
+overrides. Environment: TIDAL_STORE_TOKEN (the store's shared secret, for non-loopback stores),
+TIDAL_CACHE_DIR (the default of policy.cache_dir), torchrun's RANK / LOCAL_RANK / WORLD_SIZE.
+Errors a user can cause print one line and exit with status 2; Ctrl-C stops every
 role (status 130).
 """
 
@@ -94,6 +96,8 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
 
     from tidal.rl import roles
 
+    token = os.environ.get("TIDAL_STORE_TOKEN") or None  # a store's secret, as `tidal store`
+
     if role is None:
         if args.prepare:
             from tidal.rl.warmstart import prepare_policy
@@ -102,11 +106,11 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
             prepare_policy(cfg)
             return 0
         role_argv = _without_launcher_flags(argv)
-        return roles.launch_local(cfg, role_argv, nproc=args.nproc)
+        return roles.launch_local(cfg, role_argv, nproc=args.nproc, token=token)
     address = cfg.store.address
     if not address:
         raise ValueError(f"{prog} needs the run's store: --store tcp://HOST:PORT")
-    store = roles.connect_store(address, cfg)
+    store = roles.connect_store(address, cfg, token=token)
     try:
         if role == "trainer":
             roles.run_trainer(cfg, store, dist_info=dist_info)

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +117,15 @@ def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
     return src
 
 
-def connect_store(address: str, cfg: RLConfig):
-    """A store handle for `address`.
+def connect_store(address: str, cfg: RLConfig, *, token: str | None = None):
+    """A store handle for `address` (`token`: the store's shared secret, if it has one).
 
     Raises:
         ValueError: the store does not answer (the message says where and how long)."""
     import tidal.store
 
     try:
-        return tidal.store.connect(address, timeout=cfg.store.connect_timeout_s)
+        return tidal.store.connect(address, token=token, timeout=cfg.store.connect_timeout_s)
     except tidal.store.StoreError as e:
         raise ValueError(
             f"store.address {address!r} does not answer within store.connect_timeout_s="
@@ -345,7 +345,29 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) ->
 # -- the local launcher ----------------------------------------------------------------------
 
 
-def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, log: Log = print) -> int:
+def run_local(config: str = "rl_addition", overrides: Sequence[str] = (), *,
+              nproc: int = 1) -> int:  # fmt: skip
+    """`tidal rl --config CONFIG OVERRIDES... --nproc N` from Python: every role on this
+    machine (embedded store, generator processes, `nproc` trainer ranks). Returns the exit
+    status (0: done; the run's folder holds metrics.jsonl, rl.png and the checkpoints).
+
+    Raises:
+        ValueError, FileNotFoundError: bad input, before any role starts.
+
+    Example::
+
+        from tidal.rl.roles import run_local
+        run_local("rl_addition", ["--rl.steps", "10", "--job.output_dir", "outputs/rl10"])
+    """
+    from tidal.rl.configs import get_rl_config
+    from tidal.train.config_parse import apply_overrides
+
+    cfg = apply_overrides(get_rl_config(config), list(overrides))
+    return launch_local(cfg, ["--config", config, *overrides], nproc=nproc)
+
+
+def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: str | None = None,
+                 log: Log = print) -> int:  # fmt: skip
     """`tidal rl`: every role on this machine, coupled by an embedded store (see the module
     docstring). `role_argv` is the config's command line (`--config NAME` and overrides),
     repeated for each role. Returns the exit status."""
@@ -355,7 +377,7 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, log: Lo
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     src = check_rl_job(cfg, log=log)
     if cfg.store.address:
-        store = connect_store(cfg.store.address, cfg)
+        store = connect_store(cfg.store.address, cfg, token=token)
     else:
         store = tidal.store.connect(keep=cfg.store.keep)
     try:

@@ -63,7 +63,7 @@ def records(out_dir: Path) -> tuple[list[dict], list[dict]]:
 def test_reward_rises_and_the_run_reports_everything(tmp_path):
     out = tmp_path / "run"
     r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--checkpoint.enable",
-                 "true", "--rl.steps", "8")  # fmt: skip
+                 "true", "--rl.steps", "8", "--metrics.tensorboard", "true")  # fmt: skip
     assert r.returncode == 0, r.stdout
     steps, evals = records(out)
     assert [s["step"] for s in steps] == list(range(1, 9))
@@ -80,6 +80,7 @@ def test_reward_rises_and_the_run_reports_everything(tmp_path):
     assert all(e["eval_total"] == 8 for e in evals)
     assert (out / "rl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "checkpoint" / "step-8").is_dir()
+    assert any((out / "tb").iterdir())  # TensorBoard events
     assert "held-out pass@1" in r.stdout and f"plot: {out / 'rl.png'}" in r.stdout
     assert "step    8/8 reward" in r.stdout
 
@@ -223,3 +224,47 @@ def test_help_and_print_config(capsys):
     assert "unknown RL config 'nope'" in capsys.readouterr().err
     assert main(["trainer", "--config", "rl_addition"]) == 2
     assert "needs the run's store" in capsys.readouterr().err
+
+
+def test_the_warm_start_weights_reach_the_trainer(tmp_path):
+    """policy.init=checkpoint:PATH loads that checkpoint's weights into the trainer through
+    the checkpoint code, with policy checkpoints on or off (the checkpoint code reads an
+    initial load only when enabled)."""
+    import torch
+
+    from tests.rl.loop_configs import tiny
+    from tidal.models import Transformer, get_flavor
+    from tidal.rl.roles import trainer_config
+    from tidal.rl.warmstart import resolve_policy
+    from tidal.train.config_parse import apply_overrides
+    from tidal.train.data import DataBundle
+    from tidal.train.trainer import Trainer
+
+    seed_run = tmp_path / "seed"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "tidal", "train", "--config", "sft_addition", "--model.flavor",
+         "tiny", "--training.seed", "7", "--job.device", "cpu", "--job.output_dir",
+         str(seed_run), "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint",
+         "true", "--data.num_problems", "2000", "--metrics.val_every", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    with torch.device("meta"):
+        expected = Transformer(get_flavor("tiny", vocab_size=512))
+    expected.to_empty(device="cpu")
+    expected.init_weights(seed=7)
+    for enable in ("false", "true"):
+        cfg = apply_overrides(tiny(str(tmp_path / f"rl-{enable}")), [
+            "--policy.init", f"checkpoint:{seed_run / 'checkpoint'}",
+            "--checkpoint.enable", enable, "--trainer.seed", "0",
+        ])  # fmt: skip
+        src = resolve_policy(cfg, log=lambda line: None)
+        trainer = Trainer(trainer_config(cfg, src), log=lambda line: None,
+                          data=DataBundle(tokenizer=src.tokenizer, train=None, val=None))  # fmt: skip
+        try:
+            got = trainer.model.state_dict()
+            for name, want in expected.state_dict().items():
+                assert torch.equal(got[name], want), (enable, name)
+        finally:
+            trainer.close()

@@ -260,8 +260,8 @@ def test_the_warm_start_weights_reach_the_trainer(tmp_path):
             "--checkpoint.enable", enable, "--trainer.seed", "0",
         ])  # fmt: skip
         src = resolve_policy(cfg, log=lambda line: None)
-        trainer = Trainer(trainer_config(cfg, src), log=lambda line: None,
-                          data=DataBundle(tokenizer=src.tokenizer, train=None, val=None))  # fmt: skip
+        data = DataBundle(tokenizer=src.tokenizer, train=None, val=None)
+        trainer = Trainer(trainer_config(cfg, src), data=data, log=lambda line: None)
         try:
             got = trainer.model.state_dict()
             for name, want in expected.state_dict().items():

@@ -116,8 +116,16 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
         (["--model.vocab_size", "100"], "does not cover"),
         (["--store.address", "tcp://127.0.0.1:9"], "does not answer"),
         (["--task.params", '{"digits": 3}'], "task 'digits' has no parameter 'digits'"),
+        (["--rollout.max_prompt_tokens", "4"], "over rollout.max_prompt_tokens=4"),
     ],
-    ids=["unknown-task", "group-of-one", "vocabulary", "store-address", "task-parameter"],
+    ids=[
+        "unknown-task",
+        "group-of-one",
+        "vocabulary",
+        "store-address",
+        "task-parameter",
+        "prompt-length",
+    ],  # fmt: skip
 )
 def test_bad_input_fails_before_any_role_starts(tmp_path, args, message):
     start = time.monotonic()

@@ -31,7 +31,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tidal.rl.config import LoopConfig
-from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
+from tidal.store.errors import (
+    KeyNotFoundError,
+    StoreError,
+    VersionNotFoundError,
+    WaitExpiredError,
+)
 
 T = TypeVar("T")
 
@@ -149,7 +154,8 @@ class Link:
         """`attempt(seconds)` until it returns, checking the others between tries.
 
         `attempt` waits at most `seconds` (e.g. `store.get_state_dict(..., wait=seconds)`) and
-        raises VersionNotFoundError (or KeyNotFoundError) when what it waits for is not there.
+        raises VersionNotFoundError (or KeyNotFoundError) when what it waits for is not there,
+        WaitExpiredError when it began but was not completely written.
 
         Raises:
             RoleStopped: a role asked to stop, or one this role depends on died.
@@ -161,8 +167,8 @@ class Link:
             left = deadline - time.monotonic()
             try:
                 return attempt(max(0.0, min(self.loop.heartbeat_s, left)))
-            except (VersionNotFoundError, KeyNotFoundError):
-                pass
+            except (VersionNotFoundError, KeyNotFoundError, WaitExpiredError):
+                pass  # not there (or not completely written) within this slice: ask again
             except StoreError as e:
                 raise RoleStopped(f"{self.name}: the store failed while waiting for {what}: "
                                   f"{e}") from e  # fmt: skip

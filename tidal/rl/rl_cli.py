@@ -33,8 +33,8 @@ def main(argv: list[str]) -> int:
     dist_info = DistInfo.from_env()
 
     def fail(error: object) -> int:
-        if dist_info.is_main:
-            print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        rank = f" (rank {dist_info.rank})" if dist_info.world_size > 1 else ""
+        print(f"{prog}{rank}: error: {error}", file=sys.stderr, flush=True)
         return 2
 
     try:

@@ -61,8 +61,9 @@ def make_task(cfg: RLConfig):
 
 def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
     """The policy's tokenizer and model cover the task's text: every id of a rendered prompt
-    and of a reference answer is inside the model's vocabulary, and the text comes back from
-    the ids unchanged.
+    and of a reference answer is inside the model's vocabulary, the text comes back from the
+    ids unchanged, and rendered prompts fit `rollout.max_prompt_tokens` (on a sample of
+    train and held-out problems).
 
     Raises:
         ValueError: naming the text, the ids and the vocabulary size.
@@ -80,6 +81,11 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
     problems += task.eval_set(min(16, cfg.task.eval_problems), seed=cfg.task.eval_seed)
     for p in problems:
         ids = src.encoder.prompt_ids([{"role": "user", "content": p.prompt}])
+        if len(ids) > cfg.rollout.max_prompt_tokens:
+            raise ValueError(
+                f"a prompt of the task {task.name!r} renders to {len(ids)} tokens, over "
+                f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens}: {p.prompt[:60]!r}"
+            )
         for text in (p.prompt, str(p.reference)):
             got = tok.encode(text)
             back = tok.decode(got)

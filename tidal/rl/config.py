@@ -47,6 +47,9 @@ class PolicyConfig:
     """How prompts are rendered, as `data.chat_template` of training: empty takes the
     tokenizer's own (tokenizer_config.json beside it) or the built-in ChatML template that
     tidal's SFT uses; "builtin"; or a template file."""
+    sft_overrides: str = ""
+    """For sft:NAME, overrides of that training config as section.field=value words
+    ("training.steps=200 optimizer.lr=2e-3"); they are part of the cache key."""
     cache_dir: str = "~/.cache/tidal"
     """tidal's cache: cached SFT warm starts (<cache_dir>/warmstart), BPE tokenizers, data."""
 

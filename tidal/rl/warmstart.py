@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shlex
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,7 +135,13 @@ def sft_run(cfg: RLConfig):
 
     name = cfg.policy.source
     sft = get_config(name)
-    sft = apply_overrides(sft, ["--data.cache_dir", cfg.policy.cache_dir])
+    try:
+        extra = [
+            t if t.startswith("--") else f"--{t}" for t in shlex.split(cfg.policy.sft_overrides)
+        ]
+        sft = apply_overrides(sft, ["--data.cache_dir", cfg.policy.cache_dir, *extra])
+    except ValueError as e:
+        raise ValueError(f"policy.sft_overrides: {e}") from e
     described = to_dict(sft)
     described["job"].pop("output_dir")
     described["job"].pop("device")

@@ -75,19 +75,22 @@ def rl_addition() -> RLConfig:
         job=JobConfig(name="rl_addition", output_dir="outputs/rl_addition"),
         policy=PolicyConfig(init="sft:sft_addition"),
         task=TaskConfig(name="addition", params={"digits": [1, 4]}, eval_problems=200),
+        # A worked 4-digit solution is ~127 tokens and the stop token.
         rollout=RolloutConfig(
             prompts_per_step=16,
             group_size=8,
             temperature=1.0,
-            max_new_tokens=96,
+            max_new_tokens=160,
             max_prompt_tokens=48,
-        ),  # fmt: skip
+        ),
         loss=LossConfig(),
+        # Adam starts fresh (the warm start loads the model only): its first steps move every
+        # weight by about lr, so the rate warms up.
         optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.0),
-        lr_scheduler=SchedulerConfig(warmup_steps=0, decay_fraction=0.0),
+        lr_scheduler=SchedulerConfig(warmup_steps=5, decay_fraction=0.0),
         trainer=TrainerConfig(micro_batch_size=32),
         generator=GeneratorRoleConfig(count=1, max_batch=128),
-        rl=LoopConfig(steps=30, eval_every=10),
+        rl=LoopConfig(steps=20, eval_every=10),
         checkpoint=RLCheckpointConfig(enable=True),
     )
 

@@ -1,5 +1,7 @@
-# tidal: `make demo` trains the debug model on Shakespeare; `make test` runs lint (ruff,
-# mypy) and the tests.
+# tidal: `make demo` is RL post-training on CPU: it warm-starts the debug model on addition
+# with SFT (cached after the first run), then runs GRPO through the store and prints held-out
+# pass@1 before and after. `make demo-pretrain` trains the debug model on Shakespeare;
+# `make test` runs lint (ruff, mypy) and the tests.
 # Both create .venv on first use and reuse it (and the downloaded corpus) afterwards.
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +15,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidal-installed
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo demo-pretrain test lint format clean
 
 setup: $(STAMP)
 
@@ -37,6 +39,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
+	rm -rf outputs/rl_addition  # a fresh run refuses a folder holding an earlier run's metrics
+	$(BIN)/tidal rl --config rl_addition
+
+demo-pretrain: setup
 	$(BIN)/tidal fetch shakespeare
 	rm -rf outputs/debug  # a fresh run refuses a folder holding an earlier run's metrics
 	$(BIN)/tidal train --config debug

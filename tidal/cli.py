@@ -6,6 +6,7 @@
     tidal convert hf-to-dcp|dcp-to-hf SRC DST [--flavor NAME] [--dtype D] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models
+    tidal rl [trainer|generator] --config NAME [--nproc N] [--store tcp://HOST:PORT] ...
     tidal store serve|volume|ls ...
 
 Environment variables read here: TIDAL_CACHE_DIR sets the default of `data.cache_dir` for
@@ -379,6 +380,12 @@ def _generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def _rl(argv: list[str]) -> int:
+    from tidal.rl.rl_cli import main as rl_main
+
+    return rl_main(argv)
+
+
 def _store(argv: list[str]) -> int:
     from tidal.store.cli import main as store_main
 
@@ -392,6 +399,7 @@ COMMANDS = {
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
     "configs": (_configs, "list the named training configs"),
     "models": (_models, "list the model flavors and their parameter counts"),
+    "rl": (_rl, "RL post-training: trainer and generators coupled by the store"),
     "store": (_store, "run or inspect a tidal.store service (serve, volume, ls)"),
 }
 

@@ -336,6 +336,33 @@ def test_multi_writer_versions(store):
     assert store.versions("mw") == [0]
 
 
+def test_a_layout_cached_while_pending_reads_the_committed_version_right(store):
+    """Writers that begin in the other order than their shards' offsets: a reader that
+    cached the layout during a waiting read of the pending version (shards in arrival order)
+    and reads the committed one (shards sorted by offsets, same layout signature) gets every
+    row in its place. (Before the fix the two writers' rows came back swapped: an RL
+    generator reading a 2-rank FSDP trainer's weights got each parameter's halves swapped.)"""
+    from tidal.store.errors import WaitExpiredError
+
+    full = torch.arange(24.0).view(6, 4)
+    a, b = testing.raw(store.address), testing.raw(store.address)
+    begun = []
+    for conn, rows, writer in ((b, (2, 6), "wb"), (a, (0, 2), "wa")):  # the later rows first
+        declared = _declare(conn, rows)
+        slot = _begin(conn, declared["plan"], 0, writer)["slots"][0]
+        testing.write_slot(declared["volume"], slot, full[rows[0] : rows[1]])
+        begun.append((conn, writer))
+    with tidal.store.connect(store.address) as reader:
+        with pytest.raises(WaitExpiredError, match="not completely written"):
+            reader.get("mw", into=torch.zeros(6, 4), version=0, wait=0.2)  # caches the layout
+        assert [_commit(conn, 0, w) for conn, w in begun] == [False, True]
+        assert torch.equal(reader.get("mw", version=0), full)
+        assert torch.equal(reader.get("mw", into=torch.zeros(6, 4), version=0), full)
+        assert reader.metadata_fetches == 1  # the cached layout was used, in the right order
+    a.close()
+    b.close()
+
+
 def test_reader_unmaps_deleted_segments(store):
     with tidal.store.connect(store.address) as reader:
         store.put("gone", torch.ones(1000))

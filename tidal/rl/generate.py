@@ -30,6 +30,9 @@ Randomness: per sample, a counter-based hash of (request seed, sample index, com
 index, token id) (tidal/rl/sampling.py): the same request and seed give the same tokens in
 any batch.
 
+Files: this one holds the engine; its config, samples and counters are in
+tidal/rl/generator_types.py, the bookkeeping of cache rows in tidal/rl/slots.py.
+
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
 it in a `Generator` once, call `generate` for each batch of prompts and `load_weights` /
 `load_from_store` between calls. One Generator per process (per rank under tensor
@@ -42,167 +45,18 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
+from tidal.rl.generator_types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
 from tidal.rl.sampling import SamplingParams, sample, sample_key
-
-MAX_STOP_IDS = 16
-"""Stop token ids per request (a fixed-width device table)."""
+from tidal.rl.slots import Request, Rows, Slot, buckets, round_up
 
 _PREFILL_PAD = 16  # prompts are right-padded to a multiple of this many tokens
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class GeneratorConfig:
-    """Sizes and modes of a Generator.
-
-    Example::
-
-        GeneratorConfig(max_batch=64, max_seq_len=1024, batch_invariant=True)
-    """
-
-    max_batch: int = 32
-    """KV-cache rows: samples decoded at once. Memory: 2 x layers x max_batch x max_seq_len x
-    kv heads x head dim elements of the model's dtype."""
-    max_seq_len: int | None = None
-    """Positions per row (prompt + completion); None: the model's max_seq_len."""
-    check_every: int = 8
-    """Decode steps between host checks (stop strings, finished rows, refills)."""
-    prefill_tokens: int = 16384
-    """Most (padded) prompt tokens per prefill forward; larger admissions are split."""
-    batch_invariant: bool = False
-    """Fixed reduction orders (tidal/models/batch_invariant.py): the reported log-probs are
-    bitwise those of `tidal.rl.logprobs(model, ..., batch_invariant=True)`. Slower."""
-    compile: bool | None = None
-    """torch.compile the decode step and prefill. None: on for CUDA outside batch-invariant
-    mode, for models without DTensor parameters (no FSDP or tensor parallel)."""
-    cuda_graphs: bool | None = None
-    """Capture the decode step in CUDA graphs per (batch bucket, sampler variant). None: on
-    for CUDA models without DTensor parameters."""
-    amp_dtype: Literal["bf16", "fp16"] | None = None
-    """Run under autocast in this dtype (fp32 weights, as a trainer without FSDP does).
-    A caller's autocast is honoured as well."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError(f"GeneratorConfig.max_batch must be >= 1, got {self.max_batch}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"GeneratorConfig.max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.check_every < 1:
-            raise ValueError(f"GeneratorConfig.check_every must be >= 1, got {self.check_every}")
-        if self.prefill_tokens < 1:
-            raise ValueError(
-                f"GeneratorConfig.prefill_tokens must be >= 1, got {self.prefill_tokens}"
-            )
-        if self.amp_dtype not in (None, "bf16", "fp16"):
-            raise ValueError(
-                f"GeneratorConfig.amp_dtype must be None, 'bf16' or 'fp16', got {self.amp_dtype!r}"
-            )
-
-
-@dataclass(slots=True)
-class Sample:
-    """One completion of one prompt."""
-
-    prompt_index: int
-    """Position of the prompt in the `generate` call."""
-    sample_index: int
-    """Index in the prompt's group (0..n-1)."""
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    """Generated tokens; ends with the stop token when one was hit."""
-    text: str | None
-    """Decoded completion (special tokens dropped, cut before a stop string); None without a
-    tokenizer."""
-    finish_reason: Literal["stop", "length"]
-    """"stop": a stop token or string; "length": max_new_tokens reached."""
-    logprobs: list[float]
-    """Per completion token: log-prob under the model (temperature 1, no truncation)."""
-    sampling_logprobs: list[float]
-    """Per completion token: log-prob under the distribution sampled (after temperature and
-    truncation); 0 for greedy decoding."""
-    weight_version: int | None
-    """`Generator.version` when the sample was generated (None: unversioned weights)."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "prompt_index": self.prompt_index,
-            "sample_index": self.sample_index,
-            "prompt_ids": self.prompt_ids,
-            "completion_ids": self.completion_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "logprobs": self.logprobs,
-            "sampling_logprobs": self.sampling_logprobs,
-            "weight_version": self.weight_version,
-        }
-
-
-@dataclass(slots=True)
-class GeneratorStats:
-    """Counters since the Generator was built (tests and benchmarks read them)."""
-
-    prefill_calls: int = 0
-    prefill_tokens: int = 0
-    """Prompt tokens run through the model (each prompt once, however many samples)."""
-    decode_steps: int = 0
-    host_checks: int = 0
-    graphs_captured: int = 0
-    decode_seconds: float = 0.0
-    """Host time spent in decode steps and checks (device-synchronized at each check)."""
-
-
-@dataclass(slots=True)
-class _Request:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _Slot:
-    """Host view of an occupied cache row."""
-
-    request: _Request
-    sample_index: int
-    count: int  # tokens generated if the row is still running (exact until it finishes)
-    checked: int = 0  # tokens already searched for stop strings
-
-
-class _Rows:
-    """The device state of every slot (all [R] or [R, W]); decode steps update it in place."""
-
-    FIELDS = ("last", "pos", "count", "done", "max_new", "temperature", "top_k", "top_p",
-              "min_p", "key", "stop_ids", "out_tok", "out_lp", "out_slp")  # fmt: skip
-
-    def __init__(self, rows: int, width: int, device: torch.device):
-        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        f32 = torch.float32
-        self.last, self.pos, self.count = zeros(rows), zeros(rows), zeros(rows)
-        self.done = torch.ones(rows, dtype=torch.bool, device=device)
-        self.max_new = zeros(rows) + 1
-        self.temperature, self.top_k = zeros(rows, dtype=f32), zeros(rows)
-        self.top_p, self.min_p = zeros(rows, dtype=f32) + 1, zeros(rows, dtype=f32)
-        self.key = zeros(rows)
-        self.stop_ids = zeros(rows, MAX_STOP_IDS) - 1
-        self.out_tok = zeros(rows, width)
-        self.out_lp, self.out_slp = zeros(rows, width, dtype=f32), zeros(rows, width, dtype=f32)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f) for f in self.FIELDS]
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for t in self.tensors():
-            t[dst] = t[src]
 
 
 class Generator:
@@ -262,9 +116,9 @@ class Generator:
                 "ops differently from the trainer's eager forward; leave compile=None"
             )
         self.cache = KVCache.for_model(model, batch_size=cfg.max_batch, capacity=self.capacity)
-        self._rows = _Rows(cfg.max_batch, self.capacity + 1, self.device)
-        self._slots: list[_Slot | None] = [None] * cfg.max_batch
-        self.buckets = _buckets(cfg.max_batch)
+        self._rows = Rows(cfg.max_batch, self.capacity + 1, self.device)
+        self._slots: list[Slot | None] = [None] * cfg.max_batch
+        self.buckets = buckets(cfg.max_batch)
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self._pool: Any = None
         self._steps: dict[bool | str, Any] = {}
@@ -401,7 +255,7 @@ class Generator:
 
     # -- validation -----------------------------------------------------------------------
 
-    def _requests(self, prompts, params) -> list[_Request]:
+    def _requests(self, prompts, params) -> list[Request]:
         if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a sequence of token-id sequences, one per prompt")
         if params is None:
@@ -452,7 +306,7 @@ class Generator:
                     f"[0, {self.vocab_size})"
                 )
             self._check_stop_strings(i, p.stop)
-            out.append(_Request(i, prompt, p, tuple(stop_ids)))
+            out.append(Request(i, prompt, p, tuple(stop_ids)))
         return out
 
     def _check_stop_strings(self, i: int, stop: tuple[str, ...]) -> None:
@@ -477,7 +331,7 @@ class Generator:
         self._rows.done.fill_(True)
         self.cache.reset()
 
-    def _admit(self, pending: deque[_Request]) -> list[tuple[_Request, list[int]]]:
+    def _admit(self, pending: deque[Request]) -> list[tuple[Request, list[int]]]:
         """Take waiting requests (in order) while their groups fit into free slots."""
         free = [i for i, s in enumerate(self._slots) if s is None]
         admitted = []
@@ -485,7 +339,7 @@ class Generator:
             req = pending.popleft()
             slots, free = free[: req.params.n], free[req.params.n :]
             for j, slot in enumerate(slots):
-                self._slots[slot] = _Slot(req, j, count=1)
+                self._slots[slot] = Slot(req, j, count=1)
             admitted.append((req, slots))
         return admitted
 
@@ -499,12 +353,12 @@ class Generator:
             batch_invariant=self.config.batch_invariant,
         )[:, 0]
 
-    def _prefill(self, admitted: list[tuple[_Request, list[int]]]) -> None:
+    def _prefill(self, admitted: list[tuple[Request, list[int]]]) -> None:
         """Prefill each admitted prompt once into its group's first slot, copy it to the
         group's other slots, and sample every slot's first token."""
-        chunk: list[tuple[_Request, list[int]]] = []
+        chunk: list[tuple[Request, list[int]]] = []
         for item in admitted:
-            width = _round_up(max(len(r.prompt) for r, _ in [*chunk, item]), _PREFILL_PAD)
+            width = round_up(max(len(r.prompt) for r, _ in [*chunk, item]), _PREFILL_PAD)
             if chunk and width * (len(chunk) + 1) > self.config.prefill_tokens:
                 self._prefill_chunk(chunk)
                 chunk = []
@@ -512,9 +366,9 @@ class Generator:
         if chunk:
             self._prefill_chunk(chunk)
 
-    def _prefill_chunk(self, chunk: list[tuple[_Request, list[int]]]) -> None:
+    def _prefill_chunk(self, chunk: list[tuple[Request, list[int]]]) -> None:
         dev, rows = self.device, self._rows
-        width = min(_round_up(max(len(r.prompt) for r, _ in chunk), _PREFILL_PAD), self.capacity)
+        width = min(round_up(max(len(r.prompt) for r, _ in chunk), _PREFILL_PAD), self.capacity)
         tokens = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, (r, _) in enumerate(chunk):
             tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
@@ -754,7 +608,7 @@ class Generator:
                 self._slots[slot_id] = None
             rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True
 
-    def _search_stop(self, slot: _Slot, ids: list[int]) -> int | None:
+    def _search_stop(self, slot: Slot, ids: list[int]) -> int | None:
         """Tokens kept when a stop string ends within ids[slot.checked:] (the token that
         completes it included), else None."""
         stops = slot.request.params.stop
@@ -766,7 +620,7 @@ class Generator:
         slot.checked = len(ids)
         return None
 
-    def _sample(self, slot: _Slot, ids, lps, slps, reason) -> Sample:
+    def _sample(self, slot: Slot, ids, lps, slps, reason) -> Sample:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(ids)
@@ -794,17 +648,6 @@ class Generator:
             return contextlib.nullcontext()
         # No cast cache: a captured graph must cast the current weights on every replay.
         return torch.autocast(dev, dtype=amp, cache_enabled=False)
-
-
-def _buckets(max_batch: int) -> list[int]:
-    """Decode batch sizes: powers of two below max_batch and max_batch itself, the largest 8
-    (one compiled graph each, within dynamo's default recompile limit)."""
-    sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
-    return [*sizes, max_batch][-8:]
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _few(names: list[str], n: int = 8) -> str:

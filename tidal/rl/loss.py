@@ -277,8 +277,8 @@ def policy_loss(
         (loss, metrics): a 0-dim tensor in fp32 (fp64 for fp64 inputs) to backpropagate, and
         0-dim detached tensors (no host sync): "loss", "pg_loss", "kl" (masked token mean
         of k3; with ref_logprobs), "clip_frac", "clip_low_frac", "clip_high_frac" (masked
-        tokens whose gradient the clip removes), "ratio_mean", "ratio_max", "tis_weight_mean"
-        and "tis_capped_frac" (with TIS), "entropy", "num_tokens".
+        tokens whose gradient the clip removes), "ratio_mean", "ratio_max", "ratio_min",
+        "tis_weight_mean" and "tis_capped_frac" (with TIS), "entropy", "num_tokens".
 
     Raises:
         ValueError: a shape mismatch, or a tensor the config needs is missing.
@@ -372,6 +372,7 @@ def policy_loss(
             "clip_frac": (low_BT | high_BT).sum() / denom,
             "ratio_mean": (ratio_BT * mf_BT).sum() / denom,
             "ratio_max": torch.where(m_BT, ratio_BT, 0.0).amax() if B * T else tokens,
+            "ratio_min": torch.where(m_BT, ratio_BT, torch.inf).amin() if B * T else tokens,
             "entropy": (ent_BT * mf_BT).sum() / denom,
             "num_tokens": tokens,
         }

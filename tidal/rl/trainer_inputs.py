@@ -159,9 +159,9 @@ class PolicyLoss:
     `cfg.tis_cap` is set), as `rollout_batches` builds them.
 
     Metrics (`StepResult.metrics`, reduced over the step): policy_loss's, as step values:
-    "loss", "pg_loss", "num_tokens" (sums), "ratio_max" (max) and the token means ("kl",
-    "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy", and with TIS
-    "tis_weight_mean", "tis_capped_frac") over all the step's tokens.
+    "loss", "pg_loss", "num_tokens" (sums), "ratio_max" (max), "ratio_min" (min) and the
+    token means ("kl", "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean",
+    "entropy", and with TIS "tis_weight_mean", "tis_capped_frac") over all the step's tokens.
 
     Example::
 

@@ -20,6 +20,7 @@ from tidal.store.errors import (
     StoreError,
     VersionNotFoundError,
     VolumeLostError,
+    WaitExpiredError,
 )
 
 __all__ = [
@@ -30,5 +31,6 @@ __all__ = [
     "StoreError",
     "VersionNotFoundError",
     "VolumeLostError",
+    "WaitExpiredError",
     "connect",
 ]

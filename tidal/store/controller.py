@@ -69,10 +69,16 @@ class Controller(Writes):
             self._leases[lease] = Lease(key, vrec, conn)
             vrec.leases += 1
             names = sorted(vrec.tensors, key=name_order)
+            # Shards in the order a commit sorts them to (by offsets), also while the version
+            # is pending (in writer arrival order until then): the layout signature ignores
+            # the order, so a reader that cached the boxes of a pending read and reuses them
+            # for the committed version must get the slots in the same order (else two
+            # writers' shards land in each other's place).
+            shards = {n: sorted(vrec.tensors[n].shards, key=lambda s: s.offsets) for n in names}
             vols: list[str] = []
             slots: list[int] = []
             for n in names:
-                for s in vrec.tensors[n].shards:
+                for s in shards[n]:
                     slots.append(s.slot)
                     vols.append(s.volume)
             vol_ids = sorted(set(vols))
@@ -95,7 +101,7 @@ class Controller(Writes):
                     {"name": list(n), "shape": list(vrec.tensors[n].shape),
                      "dtype": vrec.tensors[n].dtype,
                      "boxes": [{"offsets": list(s.offsets), "sizes": list(s.sizes)}
-                               for s in vrec.tensors[n].shards]}
+                               for s in shards[n]]}
                     for n in names
                 ]  # fmt: skip
             return out

@@ -11,6 +11,11 @@ class StoreError(RuntimeError):
     """The store could not do what was asked: a lost volume, a dropped connection, a timeout."""
 
 
+class WaitExpiredError(StoreError):
+    """A read waiting with ``wait=`` saw the version begin, but it was not completely written
+    before the wait ended (the writer is slow or gone); asking again may succeed."""
+
+
 class VolumeLostError(StoreError):
     """A storage volume holding the requested bytes is gone (its process died or left)."""
 

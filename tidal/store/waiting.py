@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from tidal.store import ops
 from tidal.store.conn import Conn
-from tidal.store.errors import StoreError
+from tidal.store.errors import WaitExpiredError
 
 T = TypeVar("T")
 
@@ -83,6 +83,6 @@ class Gate:
             self._written.update(r["written"])
             return True
 
-        until(self._deadline, conn.timeout, attempt, lambda: StoreError(
+        until(self._deadline, conn.timeout, attempt, lambda: WaitExpiredError(
             f"version {self.version} of key {self.key!r} was not completely written within "
             f"{self._wait:g} s"))  # fmt: skip

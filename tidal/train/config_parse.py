@@ -58,7 +58,7 @@ def type_name(tp: Any) -> str:
         return "|".join(type_name(a) for a in get_args(tp))
     if tp is type(None):
         return "NONE"
-    if _record_type(tp) is not None:
+    if _record_type(tp) is not None or tp is dict or get_origin(tp) is dict:
         return "JSON"
     return getattr(tp, "__name__", str(tp)).upper()
 
@@ -99,6 +99,14 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
     item = _record_type(tp)
     if item is not None:
         return _parse_records(raw, item, where)
+    if tp is dict or get_origin(tp) is dict:
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: expected a JSON object, got {raw!r} ({e.msg})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {raw!r}")
+        return data
     raise TypeError(f"{where}: fields of type {tp} cannot be set from the command line")
 
 

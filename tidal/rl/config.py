@@ -1,0 +1,331 @@
+"""Typed configuration of an RL job: one dataclass per component, as for training.
+
+An RL job's config is an `RLConfig`; named configs are functions in tidal/rl/configs.py, and
+the command line overrides any field with `--section.field value` (tidal/train/config_parse.py,
+the same parser as `tidal train`). Sections shared with training reuse its dataclasses
+(`job`, `model`, `optimizer`, `lr_scheduler`, `parallelism`, `activation_checkpoint`) and
+`loss` is `tidal.rl.loss.LossConfig`; the rest are here. Every field carries its documentation
+as the string under it; `tidal rl --help` prints it.
+
+Checks that need no file, model or process live in `__post_init__`; those that do (the task
+exists, the tokenizer covers its text, the store answers) run in `tidal.rl.roles.check_rl_job`
+before any role starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, _check
+from tidal.rl.loss import LossConfig
+from tidal.train.config import (
+    JobConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+)
+
+INIT_KINDS = ("sft", "checkpoint", "hf", "seed")
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """Where the policy's first weights, tokenizer and chat template come from."""
+
+    init: str = "sft:sft_addition"
+    """"sft:NAME": the final checkpoint of `tidal train --config NAME`, trained the first time
+    and cached under cache_dir (keyed by the resolved SFT config) for every later run.
+    "hf:PATH": a Hugging Face folder (e.g. `tidal fetch smollm2-135m`'s; needs its model
+    shape to be a flavor, `tidal models`). "checkpoint:PATH": a tidal checkpoint (a step-N
+    folder, or a folder of them: the newest), its model named by its tidal.json; set
+    `tokenizer`. "seed": the seed initialization of model.flavor (throughput runs, tests)."""
+    tokenizer: str = ""
+    """For checkpoint: and seed: a tokenizer.json path, or "sft:NAME" for that config's
+    tokenizer. sft: and hf: bring their own (then leave it empty)."""
+    chat_template: str = ""
+    """How prompts are rendered, as `data.chat_template` of training: empty takes the
+    tokenizer's own (tokenizer_config.json beside it) or the built-in ChatML template that
+    tidal's SFT uses; "builtin"; or a template file."""
+    sft_overrides: str = ""
+    """For sft:NAME, overrides of that training config as section.field=value words
+    ("training.steps=200 optimizer.lr=2e-3"); they are part of the cache key."""
+    cache_dir: str = "~/.cache/tidal"
+    """tidal's cache: cached SFT warm starts (<cache_dir>/warmstart), BPE tokenizers, data."""
+
+    def __post_init__(self) -> None:
+        kind = self.init.partition(":")[0]
+        _check(
+            kind in INIT_KINDS and (kind == "seed") == (self.init == "seed"),
+            f"policy.init must be sft:NAME, checkpoint:PATH, hf:PATH or seed; got {self.init!r}",
+        )
+        _check(
+            kind == "seed" or bool(self.init.partition(":")[2]),
+            f"policy.init {self.init!r} needs a name or path after '{kind}:'",
+        )
+        _check(
+            kind not in ("checkpoint", "seed") or bool(self.tokenizer),
+            f"policy.init={self.init!r} needs policy.tokenizer (a tokenizer.json, or sft:NAME)",
+        )
+        _check(bool(self.cache_dir), "policy.cache_dir must be a non-empty path")
+
+    @property
+    def kind(self) -> str:
+        return self.init.partition(":")[0]
+
+    @property
+    def source(self) -> str:
+        return self.init.partition(":")[2]
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    """The task rollouts are drawn from and graded by (tidal/rl/tasks)."""
+
+    name: str = "addition"
+    """A registered task (`tidal.rl.tasks.TASKS`: addition, countdown, gsm_symbolic, or one
+    registered by a module that the config imports)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The task's parameters, JSON on the command line: '{"digits": [1, 3]}'."""
+    eval_problems: int = 200
+    """Held-out problems scored greedily for eval_pass1 (a fixed set: task.eval_set)."""
+    eval_seed: int = 0
+    """Seed of the held-out set."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "task.name must be a registered task name")
+        _check(isinstance(self.params, dict), f"task.params must be a dict, got {self.params!r}")
+        _check(self.eval_problems > 0, f"task.eval_problems must be > 0, got {self.eval_problems}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """What each step samples."""
+
+    prompts_per_step: int = 16
+    """Prompts per step, over all generators (each gets an equal share)."""
+    group_size: int = 8
+    """Samples per prompt (GRPO's group)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling cut; 1 keeps all tokens."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    max_new_tokens: int = 128
+    """Most tokens per completion; longer ones are cut (and count as truncated)."""
+    max_prompt_tokens: int = 128
+    """Longest rendered prompt (chat template included) a task may yield; a longer one is an
+    error. Sizes the generator's KV cache and the trainer's sequences with max_new_tokens."""
+    seed: int = 0
+    """Seeds the training problems and the sampling noise; step s of generator g draws the
+    same problems and tokens for the same seed whatever ran before (resumable)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens"):
+            _check(
+                getattr(self, name) > 0, f"rollout.{name} must be > 0, got {getattr(self, name)}"
+            )
+        _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The trainer role: the tidal Trainer's step over the rollouts."""
+
+    micro_batch_size: int = 32
+    """Sequences per forward/backward on each data-parallel rank; a step accumulates over
+    all of its rollouts (one optimizer step per RL step)."""
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """As training.mixed_precision: auto is bf16 on CUDA and fp32 on CPU."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    max_norm: float = 1.0
+    """Gradient clipping on the global L2 norm; 0 disables it."""
+    seed: int = 0
+    """Seed of the trainer (weight init for policy.init=seed)."""
+    deterministic: bool = False
+    """Deterministic algorithms (slower)."""
+
+    def __post_init__(self) -> None:
+        _check(self.micro_batch_size > 0,
+               f"trainer.micro_batch_size must be > 0, got {self.micro_batch_size}")  # fmt: skip
+        _check(self.max_norm >= 0, f"trainer.max_norm must be >= 0, got {self.max_norm}")
+        _check(
+            self.mixed_precision in ("auto", "bf16", "fp32"),
+            "trainer.mixed_precision must be one of auto, bf16, fp32; got "
+            f"{self.mixed_precision!r}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class GeneratorRoleConfig:
+    """The generator role: processes running tidal.rl.Generator and the task's grader."""
+
+    count: int = 1
+    """Generator processes (`tidal rl` starts them; on a cluster, one `tidal rl generator
+    --index i` each)."""
+    max_batch: int = 128
+    """KV-cache rows of each generator: samples decoded at once."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Weights' dtype in the generator: auto is bf16 on CUDA and fp32 on CPU. An fp32 trainer
+    publishes bf16 weights when this is bf16."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the generators (auto: cuda when available)."""
+    batch_invariant: bool = False
+    """Fixed reduction orders: the generator's log-probs equal the trainer's bitwise (slower;
+    docs/generate.md)."""
+
+    def __post_init__(self) -> None:
+        _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
+        _check(self.max_batch >= 1, f"generator.max_batch must be >= 1, got {self.max_batch}")
+        _check(self.dtype in ("auto", "fp32", "bf16"),
+               f"generator.dtype must be one of auto, fp32, bf16; got {self.dtype!r}")  # fmt: skip
+        _check(self.device in ("auto", "cpu", "cuda"),
+               f"generator.device must be one of auto, cpu, cuda; got {self.device!r}")  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class LoopConfig:
+    """The schedule of the roles and how long anyone waits for anyone."""
+
+    mode: Literal["sync"] = "sync"
+    """sync: strictly on-policy; rollouts of step s come from policy version s - 1 (the next
+    issue adds async, a schedule with bounded staleness)."""
+    steps: int = 20
+    """Optimizer steps (policy versions 1..steps are published)."""
+    eval_every: int = 5
+    """eval_pass1 on the held-out set every this many versions (and at versions 0 and the
+    last); 0 evaluates only at the start and the end."""
+    wait_timeout_s: float = 600.0
+    """Longest wait for another role's next output (a policy version, rollouts, an eval)
+    before giving up with an error naming it."""
+    heartbeat_s: float = 1.0
+    """Each role announces itself in the store this often."""
+    dead_after_s: float = 30.0
+    """A role silent for this long is taken for dead: the others stop with an error naming it."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode == "sync", f"rl.mode must be sync (async comes next), got {self.mode!r}")
+        _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
+        _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
+        for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s"):
+            _check(getattr(self, name) > 0, f"rl.{name} must be > 0, got {getattr(self, name)}")
+        _check(
+            self.dead_after_s > 2 * self.heartbeat_s,
+            f"rl.dead_after_s={self.dead_after_s} must exceed twice rl.heartbeat_s="
+            f"{self.heartbeat_s}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class RLMetricsConfig:
+    """What the user sees besides the per-step line and metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard events to <output_dir>/tb."""
+    plot: bool = True
+    """Write <output_dir>/rl.png (reward and eval_pass1 against step) at the end (needs
+    matplotlib: pip install 'tidal[plot]')."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RLCheckpointConfig:
+    """Policy checkpoints, through tidal's checkpoint code (tidal/train/checkpoint)."""
+
+    enable: bool = True
+    """Save the policy (model, optimizer, step) in <output_dir>/checkpoint/step-N every
+    `interval` steps and at the last; a rerun of the same output_dir resumes there."""
+    interval: int = 0
+    """Save every this many steps; 0 saves only at the last step."""
+    keep_latest_k: int = 2
+    """Keep the newest k checkpoints; 0 keeps all."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, f"checkpoint.interval must be >= 0, got {self.interval}")
+        _check(self.keep_latest_k >= 0,
+               f"checkpoint.keep_latest_k must be >= 0, got {self.keep_latest_k}")  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class StoreConfig:
+    """The tensor store that couples the roles (docs/store.md)."""
+
+    address: str = ""
+    """tcp://host:port of a running store (`tidal store serve`); empty: `tidal rl` starts an
+    embedded one in its own process, and the roles it launches connect to it."""
+    connect_timeout_s: float = 10.0
+    """Seconds to wait for the store to answer at start."""
+    keep: int = 2
+    """Versions kept per key by an embedded store."""
+    policy_memory: Literal["auto", "host", "cuda"] = "auto"
+    """Where published policy versions live: "host" (the store's shared memory: any reader,
+    any host), "cuda" (the trainer's GPU memory, read by CUDA IPC device to device: readers on
+    this host only; each kept version costs a copy of the weights there). auto: cuda when the
+    trainer runs on CUDA and every role is on this machine (an empty store.address)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            not self.address or self.address.startswith("tcp://"),
+            f"store.address must be empty or tcp://host:port, got {self.address!r}",
+        )
+        _check(self.connect_timeout_s > 0,
+               f"store.connect_timeout_s must be > 0, got {self.connect_timeout_s}")  # fmt: skip
+        _check(self.keep >= 2, f"store.keep must be >= 2, got {self.keep}")
+        _check(
+            self.policy_memory in ("auto", "host", "cuda"),
+            f"store.policy_memory must be auto, host or cuda; got {self.policy_memory!r}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """A whole RL job."""
+
+    job: JobConfig = field(default_factory=lambda: JobConfig(name="rl", output_dir="outputs/rl"))
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=1e-5, weight_decay=0.0)
+    )
+    lr_scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(warmup_steps=0, decay_fraction=0.0)
+    )
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    generator: GeneratorRoleConfig = field(default_factory=GeneratorRoleConfig)
+    rl: LoopConfig = field(default_factory=LoopConfig)
+    metrics: RLMetricsConfig = field(default_factory=RLMetricsConfig)
+    checkpoint: RLCheckpointConfig = field(default_factory=RLCheckpointConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            not (self.rollout.group_size == 1 and self.loss.std_normalize),
+            "rollout.group_size=1 with loss.std_normalize=true: a group of one sample has no "
+            "standard deviation to divide by; sample more per prompt (--rollout.group_size 8) "
+            "or set --loss.std_normalize false",
+        )
+        _check(
+            self.rollout.prompts_per_step >= self.generator.count,
+            f"rollout.prompts_per_step={self.rollout.prompts_per_step} is fewer than "
+            f"generator.count={self.generator.count}: every generator needs a prompt a step",
+        )
+        _check(
+            self.rollout.group_size <= self.generator.max_batch,
+            f"rollout.group_size={self.rollout.group_size} exceeds generator.max_batch="
+            f"{self.generator.max_batch} (a group is decoded at once)",
+        )
+
+    def prompts_of(self, generator: int) -> int:
+        """Prompts generator `generator` samples each step (the remainder goes to the first)."""
+        share, extra = divmod(self.rollout.prompts_per_step, self.generator.count)
+        return share + (1 if generator < extra else 0)

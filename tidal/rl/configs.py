@@ -1,0 +1,117 @@
+"""Named RL configs: functions returning an `RLConfig`, registered by name.
+
+`tidal rl --config NAME` starts from one of these; `--section.field value` overrides any
+field (`tidal rl --config NAME --help` lists them). Add one with `@register` here, or name a
+function anywhere as `--config MODULE:FUNCTION` (a dotted module or a `.py` file).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tidal.rl.config import (
+    GeneratorRoleConfig,
+    LoopConfig,
+    PolicyConfig,
+    RLCheckpointConfig,
+    RLConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainerConfig,
+)
+from tidal.rl.loss import LossConfig
+from tidal.train.config import JobConfig, ModelConfig, OptimizerConfig, SchedulerConfig
+
+RL_CONFIGS: dict[str, Callable[[], RLConfig]] = {}
+
+
+def register(fn: Callable[[], RLConfig]) -> Callable[[], RLConfig]:
+    RL_CONFIGS[fn.__name__] = fn
+    return fn
+
+
+def get_rl_config(name: str) -> RLConfig:
+    """The named RL config, freshly built: a registered name or `MODULE:FUNCTION`.
+
+    Raises:
+        ValueError: an unknown name, a module that cannot be imported, a missing function, or
+            one that does not return an RLConfig.
+    """
+    if ":" not in name:
+        if name not in RL_CONFIGS:
+            raise ValueError(f"unknown RL config {name!r}; choose one of {sorted(RL_CONFIGS)}, "
+                             "or name a function as MODULE:FUNCTION")  # fmt: skip
+        return RL_CONFIGS[name]()
+    module_name, _, fn_name = name.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if not path.is_file() or spec is None or spec.loader is None:
+                raise ValueError(f"--config {name!r}: no file {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(path.stem, module)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--config {name!r}: cannot import {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    cfg = fn() if callable(fn) else None
+    if not isinstance(cfg, RLConfig):
+        raise ValueError(f"--config {name!r}: {fn_name} in {module_name!r} is no function "
+                         "returning an RLConfig")  # fmt: skip
+    return cfg
+
+
+@register
+def rl_addition() -> RLConfig:
+    """`make demo`: GRPO on 1-4 digit addition from the SFT warm start, on CPU, sync mode."""
+    return RLConfig(
+        job=JobConfig(name="rl_addition", output_dir="outputs/rl_addition"),
+        policy=PolicyConfig(init="sft:sft_addition"),
+        task=TaskConfig(name="addition", params={"digits": [1, 4]}, eval_problems=200),
+        # A worked 4-digit solution is ~127 tokens and the stop token.
+        rollout=RolloutConfig(
+            prompts_per_step=16,
+            group_size=8,
+            temperature=1.0,
+            max_new_tokens=160,
+            max_prompt_tokens=48,
+        ),
+        loss=LossConfig(),
+        # Adam starts fresh (the warm start loads the model only): its first steps move every
+        # weight by about lr, so the rate warms up.
+        optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.0),
+        lr_scheduler=SchedulerConfig(warmup_steps=5, decay_fraction=0.0),
+        trainer=TrainerConfig(micro_batch_size=32),
+        generator=GeneratorRoleConfig(count=1, max_batch=128),
+        rl=LoopConfig(steps=20, eval_every=10),
+        checkpoint=RLCheckpointConfig(enable=True),
+    )
+
+
+@register
+def rl_llama3_1b() -> RLConfig:
+    """Throughput: llama3_1b from the seed init on addition (one GPU: trainer and generator
+    share it; bf16). Rewards stay near 0: this measures the loop, not learning."""
+    return RLConfig(
+        job=JobConfig(name="rl_llama3_1b", output_dir="outputs/rl_llama3_1b"),
+        policy=PolicyConfig(init="seed", tokenizer="sft:sft_addition"),
+        model=ModelConfig(flavor="llama3_1b"),
+        task=TaskConfig(name="addition", params={"digits": [1, 4]}, eval_problems=64),
+        rollout=RolloutConfig(
+            prompts_per_step=32, group_size=8, max_new_tokens=128, max_prompt_tokens=64
+        ),  # fmt: skip
+        loss=LossConfig(drop_equal_groups=False),
+        optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.0),
+        lr_scheduler=SchedulerConfig(warmup_steps=0, decay_fraction=0.0),
+        trainer=TrainerConfig(micro_batch_size=16),
+        generator=GeneratorRoleConfig(count=1, max_batch=256),
+        rl=LoopConfig(steps=10, eval_every=0),
+        checkpoint=RLCheckpointConfig(enable=False),
+    )

@@ -1,0 +1,184 @@
+"""How the RL roles see each other: only through the store.
+
+Keys of a run (one run per store at a time; the trainer clears an earlier run's at start):
+
+    policy               state dict, version v: the weights after v optimizer steps
+    rollouts/<g>         RolloutBatch of generator g, version s: the samples of step s
+    eval                 plain values, version v: eval_pass1 of policy version v
+    control/start        plain values, version 0: the trainer's first step and the run's length
+    control/stop         plain values: a role asks every other to stop (error or Ctrl-C)
+    control/done         plain values, version 0: the trainer finished; generators may exit
+    alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive"
+
+Liveness: each role runs a `Link`, whose background thread puts a heartbeat under
+`alive/<role>` every `heartbeat_s`. Waiting for another role's output is `Link.wait`: it
+asks the store in slices of `heartbeat_s`, and between slices checks `control/stop` and the
+heartbeats of the roles it depends on. A heartbeat that has not advanced for `dead_after_s`
+(measured on the waiter's own clock, so hosts need no synchronized clocks) means that role
+is dead; a role that never beat is dead once `wait_timeout_s` has passed since the waiter
+started. Every wait ends within `wait_timeout_s` with an error naming what it waited for.
+
+Lifecycle (in every role process): `Link(store, name, watch=[...], loop=cfg.rl)` after
+connecting, `link.start()` to begin beating, `link.wait(...)` for each input, `link.stop(why)`
+on an error or Ctrl-C (the others see it within a heartbeat), `link.close()` at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tidal.rl.config import LoopConfig
+from tidal.store.errors import (
+    KeyNotFoundError,
+    StoreError,
+    VersionNotFoundError,
+    WaitExpiredError,
+)
+
+T = TypeVar("T")
+
+POLICY = "policy"
+EVAL = "eval"
+START = "control/start"
+STOP = "control/stop"
+DONE = "control/done"
+ALIVE = "alive/"
+
+
+def rollouts_key(generator: int) -> str:
+    """The key generator `generator` puts its rollout batches under."""
+    return f"rollouts/{generator}"
+
+
+def generator_name(index: int) -> str:
+    return f"generator {index}"
+
+
+class RoleStopped(RuntimeError):
+    """Another role asked every role to stop, or died; the message says which and why."""
+
+
+class Link:
+    """One role's heartbeat, stop flag and guarded waits (see the module docstring).
+
+    Args:
+        store: this process's `tidal.store.Store`.
+        name: this role ("trainer", "generator 0").
+        watch: the roles whose output this one waits for; their silence stops the wait.
+        loop: the timeouts (`rl.wait_timeout_s`, `rl.heartbeat_s`, `rl.dead_after_s`).
+        beat: put heartbeats (one process per role does: trainer rank 0, each generator).
+    """
+
+    def __init__(self, store: Any, name: str, *, watch: list[str], loop: LoopConfig,
+                 beat: bool = True) -> None:  # fmt: skip
+        self.store, self.name, self.watch, self.loop = store, name, list(watch), loop
+        self._beat = beat
+        self._started = time.monotonic()
+        self._seen: dict[str, tuple[int, float]] = {}  # role -> (last beat version, when seen)
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.beat_error: BaseException | None = None
+
+    @staticmethod
+    def key(role: str) -> str:
+        return ALIVE + role.replace(" ", "")
+
+    def start(self) -> None:
+        """Put the first heartbeat now and keep beating in a daemon thread."""
+        if not self._beat:
+            return
+        self._put_beat()
+        self._thread = threading.Thread(target=self._run, name=f"tidal-rl-beat-{self.name}",
+                                         daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _put_beat(self) -> None:
+        self.store.put_state_dict({"role": self.name, "t": time.time()}, self.key(self.name))
+
+    def _run(self) -> None:
+        while not self._halt.wait(self.loop.heartbeat_s):
+            try:
+                self._put_beat()
+            except BaseException as e:  # the store is gone: the waits report it
+                self.beat_error = e
+                return
+
+    def close(self) -> None:
+        """Stop beating (the others then see this role as gone after `dead_after_s`)."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.loop.heartbeat_s + 5)
+            self._thread = None
+
+    def stop(self, reason: str) -> None:
+        """Ask every role to stop, saying why (best effort: the store may be gone)."""
+        try:
+            if not self.store.exists(STOP):
+                self.store.put_state_dict({"by": self.name, "reason": reason}, STOP)
+        except (StoreError, ValueError, OSError):
+            pass
+
+    def check(self) -> None:
+        """Raise RoleStopped if a role asked to stop or a watched role is silent."""
+        try:
+            if self.store.exists(STOP):
+                info = self.store.get_state_dict(STOP)
+                raise RoleStopped(f"{info.get('by', 'a role')} stopped the run: "
+                                  f"{info.get('reason', '(no reason given)')}")  # fmt: skip
+        except StoreError as e:
+            raise RoleStopped(f"the store stopped answering ({e}); every role stops") from e
+        now = time.monotonic()
+        for role in self.watch:
+            try:
+                version = self.store.versions(self.key(role))[-1]
+            except (KeyNotFoundError, IndexError):
+                if now - self._started > self.loop.wait_timeout_s:
+                    raise RoleStopped(
+                        f"{role} never started (no heartbeat in the store within "
+                        f"rl.wait_timeout_s={self.loop.wait_timeout_s:g} s)"
+                    ) from None
+                continue
+            last = self._seen.get(role)
+            if last is None or last[0] != version:
+                self._seen[role] = (version, now)
+            elif now - last[1] > self.loop.dead_after_s:
+                raise RoleStopped(
+                    f"{role} stopped answering: no heartbeat for {now - last[1]:.1f} s "
+                    f"(rl.dead_after_s={self.loop.dead_after_s:g}); it has died or hangs"
+                )
+
+    def wait(self, what: str, attempt: Callable[[float], T]) -> T:
+        """`attempt(seconds)` until it returns, checking the others between tries.
+
+        `attempt` waits at most `seconds` (e.g. `store.get_state_dict(..., wait=seconds)`) and
+        raises VersionNotFoundError (or KeyNotFoundError) when what it waits for is not there,
+        WaitExpiredError when it began but was not completely written.
+
+        Raises:
+            RoleStopped: a role asked to stop, or one this role depends on died.
+            TimeoutError: nothing came within `rl.wait_timeout_s` (the message names `what`).
+        """
+        deadline = time.monotonic() + self.loop.wait_timeout_s
+        while True:
+            self.check()
+            left = deadline - time.monotonic()
+            try:
+                return attempt(max(0.0, min(self.loop.heartbeat_s, left)))
+            except (VersionNotFoundError, KeyNotFoundError, WaitExpiredError):
+                pass  # not there (or not completely written) within this slice: ask again
+            except StoreError as e:
+                raise RoleStopped(f"{self.name}: the store failed while waiting for {what}: "
+                                  f"{e}") from e  # fmt: skip
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.name}: waited rl.wait_timeout_s={self.loop.wait_timeout_s:g} s for "
+                    f"{what}; it never came"
+                )
+
+    def wait_version(self, key: str, version: int, what: str, into: Any = None) -> dict:
+        """`store.get_state_dict(key, into=, version=)` through `wait`."""
+        return self.wait(what, lambda s: self.store.get_state_dict(
+            key, into=into, version=version, wait=s))  # fmt: skip

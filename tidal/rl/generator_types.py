@@ -1,0 +1,110 @@
+"""What a Generator is built with, what it returns and what it counts: `GeneratorConfig`,
+`Sample` and `GeneratorStats` (the engine is tidal/rl/generate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MAX_STOP_IDS = 16
+"""Stop token ids per request (a fixed-width device table)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GeneratorConfig:
+    """Sizes and modes of a Generator.
+
+    Example::
+
+        GeneratorConfig(max_batch=64, max_seq_len=1024, batch_invariant=True)
+    """
+
+    max_batch: int = 32
+    """KV-cache rows: samples decoded at once. Memory: 2 x layers x max_batch x max_seq_len x
+    kv heads x head dim elements of the model's dtype."""
+    max_seq_len: int | None = None
+    """Positions per row (prompt + completion); None: the model's max_seq_len."""
+    check_every: int = 8
+    """Decode steps between host checks (stop strings, finished rows, refills)."""
+    prefill_tokens: int = 16384
+    """Most (padded) prompt tokens per prefill forward; larger admissions are split."""
+    batch_invariant: bool = False
+    """Fixed reduction orders (tidal/models/batch_invariant.py): the reported log-probs are
+    bitwise those of `tidal.rl.logprobs(model, ..., batch_invariant=True)`. Slower."""
+    compile: bool | None = None
+    """torch.compile the decode step and prefill. None: on for CUDA outside batch-invariant
+    mode, for models without DTensor parameters (no FSDP or tensor parallel)."""
+    cuda_graphs: bool | None = None
+    """Capture the decode step in CUDA graphs per (batch bucket, sampler variant). None: on
+    for CUDA models without DTensor parameters."""
+    amp_dtype: Literal["bf16", "fp16"] | None = None
+    """Run under autocast in this dtype (fp32 weights, as a trainer without FSDP does).
+    A caller's autocast is honoured as well."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"GeneratorConfig.max_batch must be >= 1, got {self.max_batch}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"GeneratorConfig.max_seq_len must be >= 2, got {self.max_seq_len}")
+        if self.check_every < 1:
+            raise ValueError(f"GeneratorConfig.check_every must be >= 1, got {self.check_every}")
+        if self.prefill_tokens < 1:
+            raise ValueError(
+                f"GeneratorConfig.prefill_tokens must be >= 1, got {self.prefill_tokens}"
+            )
+        if self.amp_dtype not in (None, "bf16", "fp16"):
+            raise ValueError(
+                f"GeneratorConfig.amp_dtype must be None, 'bf16' or 'fp16', got {self.amp_dtype!r}"
+            )
+
+
+@dataclass(slots=True)
+class Sample:
+    """One completion of one prompt."""
+
+    prompt_index: int
+    """Position of the prompt in the `generate` call."""
+    sample_index: int
+    """Index in the prompt's group (0..n-1)."""
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    """Generated tokens; ends with the stop token when one was hit."""
+    text: str | None
+    """Decoded completion (special tokens dropped, cut before a stop string); None without a
+    tokenizer."""
+    finish_reason: Literal["stop", "length"]
+    """"stop": a stop token or string; "length": max_new_tokens reached."""
+    logprobs: list[float]
+    """Per completion token: log-prob under the model (temperature 1, no truncation)."""
+    sampling_logprobs: list[float]
+    """Per completion token: log-prob under the distribution sampled (after temperature and
+    truncation); 0 for greedy decoding."""
+    weight_version: int | None
+    """`Generator.version` when the sample was generated (None: unversioned weights)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_index": self.prompt_index,
+            "sample_index": self.sample_index,
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+            "sampling_logprobs": self.sampling_logprobs,
+            "weight_version": self.weight_version,
+        }
+
+
+@dataclass(slots=True)
+class GeneratorStats:
+    """Counters since the Generator was built (tests and benchmarks read them)."""
+
+    prefill_calls: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens run through the model (each prompt once, however many samples)."""
+    decode_steps: int = 0
+    host_checks: int = 0
+    graphs_captured: int = 0
+    decode_seconds: float = 0.0
+    """Host time spent in decode steps and checks (device-synchronized at each check)."""

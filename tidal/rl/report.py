@@ -1,0 +1,153 @@
+"""What the user of an RL run sees: a line per step and per evaluation, metrics.jsonl,
+TensorBoard when enabled, and at the end rl.png with a summary line.
+
+Lifecycle: the trainer's rank 0 makes one `Report`, passes `report.log` to the loop (one
+record per step, one per evaluation), and calls `finish()` then `close()`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tidal.rl.config import RLConfig
+from tidal.train.metrics import MetricsLogger
+
+Log = Callable[[str], None]
+
+STEP_FIELDS = ("step", "reward_mean", "reward_std", "response_len_mean", "entropy", "clip_frac",
+               "groups_dropped", "tokens_per_s_gen", "tokens_per_s_train", "sync_trainer_s",
+               "sync_generator_s")  # fmt: skip
+"""Fields of every step record (and "kl" when loss.kl_coef > 0)."""
+
+
+class Report:
+    def __init__(self, cfg: RLConfig, *, first_step: int, resumed: bool, log: Log = print) -> None:
+        self.cfg, self.log_line = cfg, log
+        self.dir = Path(cfg.job.output_dir)
+        self.logger = MetricsLogger(self.dir, tensorboard=cfg.metrics.tensorboard,
+                                    resume_step=first_step if resumed else None,
+                                    stream=_LineSink(log))  # fmt: skip
+        self.steps: list[dict[str, Any]] = []
+        self.evals: dict[int, dict[str, Any]] = {}
+        self.grader_errors = 0
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record (a step's or an evaluation's) and print its line."""
+        if "eval_pass1" in record:
+            self.evals[record["step"]] = record
+            line = (f"eval  step {record['step']:>4}: pass@1 {100 * record['eval_pass1']:5.1f}% "
+                    f"({record['eval_correct']}/{record['eval_total']} held-out, greedy, "
+                    f"{record['eval_s']:.0f}s)")  # fmt: skip
+        else:
+            self.steps.append(record)
+            self.grader_errors += record.get("grader_errors", 0)
+            steps = self.cfg.rl.steps
+            kl = f" kl {record['kl']:.4f}" if record.get("kl") is not None else ""
+            line = (
+                f"step {record['step']:>4}/{steps} reward {record['reward_mean']:.3f} "
+                f"(std {record['reward_std']:.3f}) len {record['response_len_mean']:.0f} "
+                f"entropy {_num(record['entropy'])}{kl} clip {_num(record['clip_frac'])} "
+                f"dropped {record['groups_dropped']}/{record['groups']} "
+                f"gen {record['tokens_per_s_gen']:,.0f} tok/s train "
+                f"{record['tokens_per_s_train']:,.0f} tok/s sync "
+                f"{1000 * record['sync_trainer_s']:.0f}/{1000 * record['sync_generator_s']:.0f}ms"
+            )
+            if record.get("grader_errors"):
+                line += (f" | grader raised {record['grader_errors']}x: "
+                         f"{record.get('grader_error', '')}")  # fmt: skip
+        self.logger.log(record, line)
+
+    def finish(self) -> dict[str, Any]:
+        """The summary line and rl.png; returns the summary's numbers."""
+        evals = sorted(self.evals.items())
+        summary: dict[str, Any] = {"steps": len(self.steps), "grader_errors": self.grader_errors}
+        if evals:
+            (v0, first), (v1, last) = evals[0], evals[-1]
+            summary.update(pass1_before=first["eval_pass1"], pass1_after=last["eval_pass1"],
+                           version_before=v0, version_after=v1)  # fmt: skip
+        if self.steps:
+            summary["reward_first"] = self.steps[0]["reward_mean"]
+            summary["reward_last"] = self.steps[-1]["reward_mean"]
+            summary["elapsed_s"] = self.steps[-1]["elapsed_s"]
+        text = summary_line(summary)
+        if self.cfg.metrics.plot:
+            path = self.dir / "rl.png"
+            plot(self.steps, [r for _, r in evals], path, title=f"{self.cfg.job.name}: {text}")
+            summary["plot"] = str(path)
+        self.log_line(text)
+        if "plot" in summary:
+            self.log_line(f"plot: {summary['plot']}")
+        if self.grader_errors:
+            self.log_line(f"the grader raised {self.grader_errors} time(s); those samples got "
+                          "reward 0 (the first error is in metrics.jsonl)")  # fmt: skip
+        return summary
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    parts = []
+    if "pass1_before" in s:
+        d = 100 * (s["pass1_after"] - s["pass1_before"])
+        parts.append(f"held-out pass@1 {100 * s['pass1_before']:.1f}% (version "
+                     f"{s['version_before']}) -> {100 * s['pass1_after']:.1f}% (version "
+                     f"{s['version_after']}), {d:+.1f} points")  # fmt: skip
+    if "reward_first" in s:
+        parts.append(f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over "
+                     f"{s['steps']} steps in {s['elapsed_s']:.0f}s")  # fmt: skip
+    return "; ".join(parts) or "no steps run"
+
+
+def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -> None:
+    """reward_mean and eval_pass1 against step, in one PNG.
+
+    Raises:
+        ImportError: matplotlib is missing (pip install 'tidal[plot]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("metrics.plot=true needs matplotlib: pip install 'tidal[plot]' (or "
+                          "--metrics.plot false)") from e  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="reward (mean)",
+            color="tab:blue")  # fmt: skip
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_pass1"] for r in evals], "o-",
+                label="held-out pass@1 (greedy)", color="tab:orange")  # fmt: skip
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=8, wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+class _LineSink:
+    """A text stream that hands whole lines to a log function (MetricsLogger prints to a
+    stream)."""
+
+    def __init__(self, log: Log) -> None:
+        self._log = log
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            if line:
+                self._log(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,470 @@
+"""The RL roles as processes: the trainer, the generators, and the local launcher.
+
+Lifecycle:
+- `tidal rl --config NAME` (one machine) runs `launch_local` in the launching process: it
+  checks the job (`check_rl_job`: nothing has started yet), trains or reuses the SFT warm
+  start (`prepare_policy`), starts an embedded store in its own threads, then starts the
+  generator processes (`tidal rl generator --store ADDR --index i ...`) and the trainer
+  (`tidal rl trainer --store ADDR ...`, through torchrun's launcher with `--nproc N`). It
+  watches them: when one fails, it asks the others to stop through the store and ends any
+  left after a grace period; Ctrl-C does the same. No role is left running.
+- `run_trainer` (every trainer rank): builds the tidal Trainer (no data pipeline, the warm
+  start loaded through the checkpoint code), clears an earlier run's keys, announces the first
+  step (`control/start`), publishes version 0 and runs `train_loop`; rank 0 logs.
+- `run_generator` (each generator process): builds the model from the policy's architecture
+  (its weights come from the store only), waits for `control/start` and runs `generate_loop`.
+The roles share nothing but the store (tidal/rl/coupling.py); each also runs alone against a
+store address (`tidal store serve`) on a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.rl.config import RLConfig
+from tidal.rl.coupling import DONE, POLICY, START, STOP, Link, generator_name
+from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
+
+Log = Callable[[str], None]
+
+CHILD_GRACE_S = 20.0
+"""After asking the roles to stop, how long the launcher waits before it ends them."""
+
+
+# -- checks before anything starts -------------------------------------------------------
+
+
+def make_task(cfg: RLConfig):
+    """The configured task.
+
+    Raises:
+        ValueError: an unknown task or a bad parameter (the message names it)."""
+    from tidal.rl.tasks import get_task
+
+    try:
+        return get_task(cfg.task.name, **cfg.task.params)
+    except TypeError as e:
+        raise ValueError(f"task.params: {e}") from e
+    except ValueError as e:
+        raise ValueError(f"task.name: {e}") from e
+
+
+def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
+    """The policy's tokenizer and model cover the task's text: every id of a rendered prompt
+    and of a reference answer is inside the model's vocabulary, the text comes back from the
+    ids unchanged, and rendered prompts fit `rollout.max_prompt_tokens` (on a sample of
+    train and held-out problems).
+
+    Raises:
+        ValueError: naming the text, the ids and the vocabulary size.
+    """
+    vocab = src.args.vocab_size
+    tok = src.tokenizer
+    if tok.vocab_size > vocab:
+        raise ValueError(
+            f"the policy's tokenizer has {tok.vocab_size} tokens but the model embeds only "
+            f"{vocab}: its vocabulary does not cover the tokenizer's ids"
+        )
+    import itertools
+
+    problems = list(itertools.islice(task.problems("train", seed=cfg.rollout.seed), 16))
+    problems += task.eval_set(min(16, cfg.task.eval_problems), seed=cfg.task.eval_seed)
+    for p in problems:
+        ids = src.encoder.prompt_ids([{"role": "user", "content": p.prompt}])
+        if len(ids) > cfg.rollout.max_prompt_tokens:
+            raise ValueError(
+                f"a prompt of the task {task.name!r} renders to {len(ids)} tokens, over "
+                f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens}: {p.prompt[:60]!r}"
+            )
+        for text in (p.prompt, str(p.reference)):
+            got = tok.encode(text)
+            back = tok.decode(got)
+            if back != text:
+                raise ValueError(
+                    f"the policy's tokenizer cannot represent the task {task.name!r}'s text: "
+                    f"{text[:60]!r} decodes back as {back[:60]!r}"
+                )
+            ids = ids + got
+        top = max(ids)
+        if top >= vocab:
+            raise ValueError(
+                f"the model's vocabulary ({vocab} ids) does not cover the task {task.name!r}: "
+                f"its text {p.prompt[:60]!r} encodes to id {top}"
+            )
+
+
+def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
+    """Every check a user can fail that needs no trained warm start: the task, the policy's
+    files and, for policies that need no SFT, the tokenizer's cover of the task's text.
+    Returns the resolved policy (None for an SFT warm start not trained yet).
+
+    Raises:
+        ValueError, FileNotFoundError: naming the field at fault.
+    """
+    task = make_task(cfg)
+    if cfg.policy.kind == "sft":
+        try:
+            src = resolve_policy(cfg, log=log)
+        except FileNotFoundError:
+            return None  # trained by prepare_policy; checked after it
+    else:
+        src = resolve_policy(cfg, log=log)
+    check_task_text(cfg, src, task)
+    return src
+
+
+def connect_store(address: str, cfg: RLConfig, *, token: str | None = None):
+    """A store handle for `address` (`token`: the store's shared secret, if it has one).
+
+    Raises:
+        ValueError: the store does not answer (the message says where and how long)."""
+    import tidal.store
+
+    try:
+        return tidal.store.connect(address, token=token, timeout=cfg.store.connect_timeout_s)
+    except tidal.store.StoreError as e:
+        raise ValueError(
+            f"store.address {address!r} does not answer within store.connect_timeout_s="
+            f"{cfg.store.connect_timeout_s:g} s ({e}); start one with `tidal store serve`"
+        ) from e
+
+
+# -- the trainer ---------------------------------------------------------------------------
+
+
+def trainer_seq_len(cfg: RLConfig, src: PolicySource) -> int:
+    """Positions per sequence: the longest prompt and completion, within the model."""
+    return min(src.args.max_seq_len, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+
+
+def trainer_config(cfg: RLConfig, src: PolicySource):
+    """The tidal.train Config of the trainer role (no data pipeline: the loop feeds it)."""
+    from tidal.train.config import (
+        CheckpointConfig,
+        Config,
+        MetricsConfig,
+        ModelConfig,
+        SampleConfig,
+        TrainingConfig,
+    )
+
+    t, c = cfg.trainer, cfg.checkpoint
+    return Config(
+        job=dataclasses.replace(cfg.job),
+        model=ModelConfig(
+            flavor=src.flavor, attention=cfg.model.attention, vocab_size=src.vocab_size
+        ),  # fmt: skip
+        training=TrainingConfig(
+            steps=cfg.rl.steps,
+            batch_size=t.micro_batch_size,
+            seq_len=trainer_seq_len(cfg, src),
+            max_norm=t.max_norm,
+            mixed_precision=t.mixed_precision,
+            compile=t.compile,
+            seed=t.seed,
+            deterministic=t.deterministic,
+            batch_invariant=cfg.generator.batch_invariant,
+        ),  # fmt: skip
+        optimizer=cfg.optimizer,
+        lr_scheduler=cfg.lr_scheduler,
+        parallelism=cfg.parallelism,
+        activation_checkpoint=cfg.activation_checkpoint,
+        metrics=MetricsConfig(log_every=1, val_every=0, tensorboard=cfg.metrics.tensorboard),
+        sample=SampleConfig(max_new_tokens=0),
+        # The warm start loads through the checkpoint code, which reads initial_load_path only
+        # when enabled: without policy checkpoints it is enabled to load, never to save.
+        checkpoint=CheckpointConfig(
+            enable=c.enable or src.checkpoint is not None,
+            load_only=not c.enable,
+            interval=c.interval or cfg.rl.steps,
+            keep_latest_k=c.keep_latest_k,
+            initial_load_path=str(src.checkpoint) if src.checkpoint else None,
+            initial_load_model_only=True,
+        ),  # fmt: skip
+    )
+
+
+def publish_dtype(cfg: RLConfig) -> torch.dtype | None:
+    """bf16 when the generators run bf16 (an fp32 trainer casts while publishing)."""
+    return torch.bfloat16 if generator_dtype(cfg) == torch.bfloat16 else None
+
+
+def generator_device(cfg: RLConfig, local_rank: int = 0) -> torch.device:
+    d = cfg.generator.device
+    if d == "auto":
+        d = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(d, local_rank) if d == "cuda" else torch.device(d)
+
+
+def generator_dtype(cfg: RLConfig) -> torch.dtype:
+    d = cfg.generator.dtype
+    if d == "auto":
+        d = "bf16" if generator_device(cfg).type == "cuda" else "fp32"
+    return torch.bfloat16 if d == "bf16" else torch.float32
+
+
+def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) -> dict:
+    """The trainer role (every rank). Returns the summary rank 0 printed ({} on others)."""
+    import torch.distributed as dist
+
+    from tidal.parallel.launch import DistInfo
+    from tidal.rl.loop import TrainerSide, train_loop
+    from tidal.rl.report import Report
+    from tidal.train.data import DataBundle
+    from tidal.train.trainer import Trainer
+
+    info = dist_info or DistInfo()
+    main = info.is_main
+    src = resolve_policy(cfg, log=log)
+    check_task_text(cfg, src, make_task(cfg))
+    link = Link(store, "trainer", watch=[generator_name(i) for i in range(cfg.generator.count)],
+                loop=cfg.rl, beat=main)  # fmt: skip
+    trainer = Trainer(trainer_config(cfg, src),
+                      data=DataBundle(tokenizer=src.tokenizer, train=None, val=None),
+                      dist_info=info, log=log)  # fmt: skip
+    report = None
+    try:
+        first = trainer.step
+        if src.hf_folder is not None and first == 0 and trainer.plan is None:
+            from tidal.models.hf import load_hf_state_dict
+
+            for m in trainer.modules:
+                load_hf_state_dict(src.hf_folder, m.state_dict(), strict=len(trainer.modules) == 1)
+        barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
+        if main:
+            _clear_run(store)
+            link.start()
+        if barrier is not None:
+            dist.barrier(group=barrier)
+        dtype, writers = publish_dtype(cfg), info.world_size
+        memory = cfg.store.policy_memory
+        if memory == "auto":  # `tidal rl` resolves it for the roles it starts
+            memory = "cuda" if trainer.device.type == "cuda" and not cfg.store.address else "host"
+
+        def publish(version: int):
+            sd = {k: v for m in trainer.modules for k, v in m.state_dict().items()}
+            return store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
+                                              dtype=dtype, memory=memory)  # fmt: skip
+
+        dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
+        side = TrainerSide(
+            trainer=trainer, publish=publish, dp_rank=dp_rank, dp_world=trainer.dims.dp,
+            seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
+            reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
+        )  # fmt: skip
+        if main:
+            report = Report(cfg, first_step=first, resumed=first > 0, log=log)
+            store.put_state_dict({"step": first, "steps": cfg.rl.steps}, START, version=0)
+            log(f"trainer: {src.describe}; steps {first + 1}..{cfg.rl.steps}, "
+                f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
+                f"step over {cfg.generator.count} generator(s)")  # fmt: skip
+        train_loop(side, link, cfg, first_step=first,
+                   log_record=report.log if report else lambda r: None)  # fmt: skip
+        summary = report.finish() if report else {}
+        if main:
+            store.put_state_dict({"ok": True}, DONE, version=0)
+        return summary
+    except BaseException as e:
+        if main:
+            link.stop(_why(e, "the trainer"))
+        raise
+    finally:
+        if report is not None:
+            report.close()
+        link.close()
+        trainer.close()
+
+
+def _clear_run(store: Any) -> None:
+    """Delete an earlier run's keys (one run per store at a time)."""
+    for key in store.keys():
+        if key == POLICY or key.startswith(("rollouts/", "control/")) or key == "eval":
+            store.delete(key)
+
+
+def _why(e: BaseException, role: str) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return f"{role} was interrupted (Ctrl-C)"
+    return f"{role} failed: {type(e).__name__}: {e}"[:500]
+
+
+# -- a generator ---------------------------------------------------------------------------
+
+
+def build_generator(cfg: RLConfig, src: PolicySource):
+    """The generator's model (its own copy, on its device and dtype; weights from the store)
+    wrapped in a tidal.rl.Generator."""
+    from tidal.models.transformer import Transformer
+    from tidal.rl.generate import Generator, GeneratorConfig
+
+    device, dtype = generator_device(cfg), generator_dtype(cfg)
+    with torch.device("meta"):
+        model = Transformer(src.args)
+    model.to_empty(device=device)
+    model.init_weights(seed=cfg.trainer.seed)
+    model.to(dtype)
+    capacity = trainer_seq_len(cfg, src)
+    config = GeneratorConfig(max_batch=cfg.generator.max_batch, max_seq_len=capacity,
+                             batch_invariant=cfg.generator.batch_invariant)  # fmt: skip
+    return Generator(model, tokenizer=src.tokenizer, config=config)
+
+
+def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) -> None:
+    """Generator `index`'s role: until the trainer is done."""
+    from tidal.rl.loop import Policy, generate_loop
+
+    if not 0 <= index < cfg.generator.count:
+        raise ValueError(f"--index must be in 0..{cfg.generator.count - 1} (generator.count="
+                         f"{cfg.generator.count}), got {index}")  # fmt: skip
+    task = make_task(cfg)
+    src = resolve_policy(cfg, log=log)
+    name = generator_name(index)
+    link = Link(store, name, watch=["trainer"], loop=cfg.rl)
+    link.start()
+    try:
+        gen = build_generator(cfg, src)
+        pad = src.tokenizer.eos_id
+        policy = Policy(generator=gen, encoder=src.encoder, pad_id=pad,
+                        max_prompt_tokens=cfg.rollout.max_prompt_tokens)  # fmt: skip
+        start = link.wait_version(START, 0, "the trainer's start")
+        log(f"{name}: on {gen.device} ({generator_dtype(cfg)}), steps {start['step'] + 1}.."
+            f"{cfg.rl.steps}, {cfg.prompts_of(index)} prompts a step")  # fmt: skip
+        generate_loop(policy, task, link, cfg, index=index, first_step=start["step"], log=log)
+        link.wait_version(DONE, 0, "the trainer to finish")
+    except BaseException as e:
+        link.stop(_why(e, name))
+        raise
+    finally:
+        link.close()
+
+
+# -- the local launcher ----------------------------------------------------------------------
+
+
+def run_local(config: str = "rl_addition", overrides: Sequence[str] = (), *,
+              nproc: int = 1) -> int:  # fmt: skip
+    """`tidal rl --config CONFIG OVERRIDES... --nproc N` from Python: every role on this
+    machine (embedded store, generator processes, `nproc` trainer ranks). Returns the exit
+    status (0: done; the run's folder holds metrics.jsonl, rl.png and the checkpoints).
+
+    Raises:
+        ValueError, FileNotFoundError: bad input, before any role starts.
+
+    Example::
+
+        from tidal.rl.roles import run_local
+        run_local("rl_addition", ["--rl.steps", "10", "--job.output_dir", "outputs/rl10"])
+    """
+    from tidal.rl.configs import get_rl_config
+    from tidal.train.config_parse import apply_overrides
+
+    cfg = apply_overrides(get_rl_config(config), list(overrides))
+    return launch_local(cfg, ["--config", config, *overrides], nproc=nproc)
+
+
+def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: str | None = None,
+                 log: Log = print) -> int:  # fmt: skip
+    """`tidal rl`: every role on this machine, coupled by an embedded store (see the module
+    docstring). `role_argv` is the config's command line (`--config NAME` and overrides),
+    repeated for each role. Returns the exit status."""
+    import tidal.store
+
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    src = check_rl_job(cfg, log=log)
+    if cfg.store.address:
+        store = connect_store(cfg.store.address, cfg, token=token)
+    else:
+        store = tidal.store.connect(keep=cfg.store.keep)
+    try:
+        if src is None:
+            prepare_policy(cfg, log=log)
+            check_task_text(cfg, resolve_policy(cfg, log=log), make_task(cfg))
+        return _run_roles(cfg, store, role_argv, nproc, log)
+    finally:
+        store.close()
+
+
+def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log: Log) -> int:
+    env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    memory = cfg.store.policy_memory
+    if memory == "auto":  # every role is on this machine: CUDA IPC when the trainer is on CUDA
+        from tidal.train.job import resolve_device
+
+        memory = "cuda" if resolve_device(cfg.job.device).type == "cuda" else "host"
+    common = ["--store", store.address, *role_argv, "--store.policy_memory", memory]
+    procs: dict[str, subprocess.Popen] = {}
+    for i in range(cfg.generator.count):
+        procs[generator_name(i)] = subprocess.Popen(
+            [sys.executable, "-m", "tidal", "rl", "generator", "--index", str(i), *common], env=env
+        )
+    trainer_cmd = [sys.executable, "-m", "tidal", "rl", "trainer", *common]
+    if nproc > 1:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={nproc}"]  # fmt: skip
+        trainer_cmd = [*torchrun, "-m", "tidal", "rl", "trainer", *common]
+    procs["trainer"] = subprocess.Popen(trainer_cmd, env=env)
+    try:
+        return _watch(procs, store, log)
+    except KeyboardInterrupt:
+        log("tidal rl: interrupted; stopping every role")
+        _put_stop(store, "the launcher was interrupted (Ctrl-C)")
+        _end(procs, signal.SIGINT)
+        return 130
+    finally:
+        _end(procs, signal.SIGTERM)
+
+
+def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
+    """Wait for the roles; the first failure stops the rest. Returns the exit status."""
+    while True:
+        codes = {name: p.poll() for name, p in procs.items()}
+        failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
+        if failed:
+            name, code = failed[0]
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            log(f"tidal rl: {name} {how}; stopping the other roles")
+            _put_stop(store, f"{name} {how}")
+            _end(procs, None)
+            return 130 if code in (130, -signal.SIGINT) else 1
+        if all(c == 0 for c in codes.values()):
+            return 0
+        time.sleep(0.2)  # polling child processes, not synchronizing with them
+
+
+def _put_stop(store: Any, reason: str) -> None:
+    try:
+        if not store.exists(STOP):
+            store.put_state_dict({"by": "the launcher", "reason": reason}, STOP)
+    except Exception:  # documented fallback: the store is gone; the processes are ended below
+        pass
+
+
+def _end(procs: dict[str, subprocess.Popen], sig: int | None) -> None:
+    """Signal the live roles (if `sig`), give them CHILD_GRACE_S to exit, then kill them."""
+    live = [p for p in procs.values() if p.poll() is None]
+    for p in live:
+        if sig is not None:
+            p.send_signal(sig)
+    deadline = time.monotonic() + CHILD_GRACE_S
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+def output_path(cfg: RLConfig, name: str) -> Path:
+    return Path(cfg.job.output_dir) / name

@@ -30,10 +30,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+KEEP = ("step ", "eval ", "warm start", "held-out", "trainer:", "generator")
+"""The lines of a `tidal rl` run echoed as they come."""
 TARGET_SYNC_S = 0.010
 """The issue's target for each side's blocking weight-sync time per step (llama3_1b bf16)."""
 
@@ -44,16 +47,30 @@ def run(name: str, args: list[str], out: Path, *, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "tidal", "rl", *args, "--job.output_dir", str(out)]
     print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
     start = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, text=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    # Streamed, not collected at the end: a run stopped by a time limit (the benchmark's or a
+    # device call's) still shows how far it got.
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, bufsize=1,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    watchdog = threading.Timer(timeout, p.kill)
+    watchdog.start()
+    lines = []
+    assert p.stdout is not None
+    try:
+        for line in p.stdout:
+            line = line.rstrip("\n")
+            lines.append(line)
+            if line.startswith(KEEP):
+                print("   " + line, flush=True)
+        p.wait()
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
     wall = time.perf_counter() - start
-    lines = p.stdout.splitlines()
-    for line in lines:
-        if line.startswith(("step ", "eval ", "warm start", "held-out", "trainer:", "generator")):
-            print("   " + line)
     if p.returncode != 0:
         print("\n".join(lines[-30:]))
-        raise SystemExit(f"{name}: tidal rl exited with status {p.returncode}")
+        why = f"was stopped after {timeout:.0f}s" if wall >= timeout else "exited"
+        raise SystemExit(f"{name}: tidal rl {why} with status {p.returncode}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_pass1" in r]

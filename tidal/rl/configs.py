@@ -7,11 +7,7 @@ function anywhere as `--config MODULE:FUNCTION` (a dotted module or a `.py` file
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from tidal.rl.config import (
     GeneratorRoleConfig,
@@ -25,6 +21,7 @@ from tidal.rl.config import (
 )
 from tidal.rl.loss import LossConfig
 from tidal.train.config import JobConfig, ModelConfig, OptimizerConfig, SchedulerConfig
+from tidal.train.configs import config_from_module
 
 RL_CONFIGS: dict[str, Callable[[], RLConfig]] = {}
 
@@ -41,31 +38,12 @@ def get_rl_config(name: str) -> RLConfig:
         ValueError: an unknown name, a module that cannot be imported, a missing function, or
             one that does not return an RLConfig.
     """
-    if ":" not in name:
-        if name not in RL_CONFIGS:
-            raise ValueError(f"unknown RL config {name!r}; choose one of {sorted(RL_CONFIGS)}, "
-                             "or name a function as MODULE:FUNCTION")  # fmt: skip
-        return RL_CONFIGS[name]()
-    module_name, _, fn_name = name.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).expanduser()
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            if not path.is_file() or spec is None or spec.loader is None:
-                raise ValueError(f"--config {name!r}: no file {path}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(path.stem, module)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--config {name!r}: cannot import {module_name!r}: {e}") from None
-    fn = getattr(module, fn_name, None)
-    cfg = fn() if callable(fn) else None
-    if not isinstance(cfg, RLConfig):
-        raise ValueError(f"--config {name!r}: {fn_name} in {module_name!r} is no function "
-                         "returning an RLConfig")  # fmt: skip
-    return cfg
+    if ":" in name:
+        return config_from_module(name, RLConfig)
+    if name not in RL_CONFIGS:
+        raise ValueError(f"unknown RL config {name!r}; choose one of {sorted(RL_CONFIGS)}, "
+                         "or name a function as MODULE:FUNCTION")  # fmt: skip
+    return RL_CONFIGS[name]()
 
 
 @register

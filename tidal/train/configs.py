@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tidal.train.config import (
     Config,
@@ -26,6 +27,7 @@ from tidal.train.config import (
 from tidal.train.data.config import DataConfig
 
 CONFIGS: dict[str, Callable[[], Config]] = {}
+C = TypeVar("C")
 
 
 def register(fn: Callable[[], Config]) -> Callable[[], Config]:
@@ -42,7 +44,7 @@ def get_config(name: str) -> Config:
             one that does not return a Config.
     """
     if ":" in name:
-        return _from_module(name)
+        return config_from_module(name, Config)
     if name not in CONFIGS:
         raise ValueError(
             f"unknown config {name!r}; choose one of {sorted(CONFIGS)}, or name a function "
@@ -51,7 +53,14 @@ def get_config(name: str) -> Config:
     return CONFIGS[name]()
 
 
-def _from_module(spec: str) -> Config:
+def config_from_module(spec: str, kind: type[C]) -> C:
+    """`MODULE:FUNCTION` (a module name or a .py path) called: the config it returns, which
+    must be a `kind` (`Config` here, `RLConfig` for `tidal rl`).
+
+    Raises:
+        ValueError: naming the spec: a module that cannot be imported, a missing function, or
+            one that returns something else.
+    """
     module_name, _, fn_name = spec.rpartition(":")
     if not module_name or not fn_name:
         raise ValueError(f"--config {spec!r}: expected MODULE:FUNCTION (e.g. my_configs:long_run)")
@@ -77,9 +86,10 @@ def _from_module(spec: str) -> Config:
             f"{public}"
         )
     cfg = fn()
-    if not isinstance(cfg, Config):
+    if not isinstance(cfg, kind):
         raise ValueError(
-            f"--config {spec!r}: {fn_name}() returned {type(cfg).__name__}, expected a Config"
+            f"--config {spec!r}: {fn_name}() returned {type(cfg).__name__}, expected a "
+            f"{kind.__name__}"
         )
     return cfg
 

@@ -156,6 +156,11 @@ class Case:
         return math.ceil(self.trainer_gpus / self.gpus_per_node)
 
     @property
+    def gen_nics(self) -> int:
+        """NICs of one generator node the sync can use (a node may be only partly used)."""
+        return min(self.gpus_per_node, self.gen_gpus)
+
+    @property
     def node_distinct(self) -> float:
         """Distinct bytes the GPUs of one generator node need (what a relay pulls once)."""
         r, ranks = self.replicated_frac, min(self.gpus_per_node, self.gen_gpus, self.tp)
@@ -195,7 +200,7 @@ def tcp_gbps(connections: int) -> float:
 
 def lower_bound(c: Case) -> tuple[float, str]:
     """Seconds for the fewest bytes over the slowest link, and which link that is."""
-    g = c.gpus_per_node
+    g = c.gen_nics
     receive = c.node_distinct / (g * c.nic)  # each generator node's distinct bytes, its NICs
     send = c.gen_nodes * c.node_distinct / (c.trainer_gpus * c.nic)  # every copy, trainer NICs
     if receive >= send:
@@ -213,7 +218,7 @@ def predict(c: Case, path: Path) -> Prediction:
     """The predicted time of one sync of `c` along `path`, phase by phase (seconds)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    g, dev, pcie = c.gpus_per_node, DEVICE_COPY_GBPS * GB, PCIE_GBPS * GB
+    dev, pcie = DEVICE_COPY_GBPS * GB, PCIE_GBPS * GB
     bound, bottleneck = lower_bound(c)
     ops = 2 * (c.trainer_gpus + c.gen_gpus)  # put_begin + put_commit, acquire + release
     controller = ops * CONTROLLER_OP_US * 1e-6 + 2 * NET_RTT_US * 1e-6
@@ -225,17 +230,17 @@ def predict(c: Case, path: Path) -> Prediction:
         reader = min(c.nic, TCP_CONNECTIONS * per_conn, TCP_PROCESS_GBPS * GB)  # + the H2D
         receive = c.window / reader
         served = c.gen_gpus * c.window / c.trainer_nodes  # bytes each trainer host sends
-        send = served / min(g * c.nic, TCP_PROCESS_GBPS * GB)
+        send = served / min(min(c.gpus_per_node, c.trainer_gpus) * c.nic, TCP_PROCESS_GBPS * GB)
         requests = c.window / TCP_PIECE / TCP_CONNECTIONS * NET_RTT_US * 1e-6
         network, relay, final = max(receive, send) + requests, 0.0, 0.0  # copy_ is in recv
         per_tensor = c.tensors * HOST_OP_US * 1e-6 * 2
     else:
         gpu = path == "design, GPU-direct"
         publish = c.shard / (dev if gpu else pcie)
-        receive = c.node_distinct / (g * c.nic)
+        receive = c.node_distinct / (c.gen_nics * c.nic)
         send = c.gen_nodes * c.node_distinct / (c.trainer_gpus * c.nic)
         network = max(receive, send)
-        from_peers = max(0.0, c.window - c.node_distinct / g)
+        from_peers = max(0.0, c.window - c.node_distinct / c.gen_nics)
         relay = from_peers / (NVLINK_GBPS * GB) if gpu else 0.0  # host: the H2D below reads it
         final = c.window / (dev if gpu else pcie)
         per_tensor = c.tensors * ((CUDA_PUT_US + CUDA_GET_US) if gpu else 2 * HOST_OP_US) * 1e-6
@@ -334,8 +339,9 @@ ANCHORS = [
 
 def describe(c: Case) -> str:
     scope = "per GPU" if c.nic_scope == "gpu" else f"per node of {c.gpus_per_node} GPUs"
+    size = f"{c.params / 1e12:g}T" if c.params >= 1e12 else f"{c.params / 1e9:g}B"
     return (
-        f"{c.params / 1e12:g}T parameters x {c.dtype_bytes:g} B = {c.model_bytes / GB:,.0f} "
+        f"{size} parameters x {c.dtype_bytes:g} B = {c.model_bytes / GB:,.0f} "
         f"GB; trainer {c.trainer_gpus} GPUs ({c.trainer_nodes} nodes, FSDP over all: "
         f"{c.shard / GB:.2f} GB each); generators {c.replicas} x TP {c.tp} = {c.gen_gpus} "
         f"GPUs ({c.gen_nodes} nodes, window {c.window / GB:.2f} GB each); NIC "

@@ -74,9 +74,12 @@ CUDA_GET_US = (4.2e-3 - 1.48e-3) / CAL_TENSORS * 1e6  # memory="cuda" get 4.2 ms
 HOST_OP_US = (0.181 - 2 * CAL_BYTES / (MEMCPY_GBPS * GB)) / (2 * CAL_TENSORS) * 1e6
 TCP_STREAM_GBPS = 1.07e9 / 0.364 / GB  # store_tcp.py: plain socket, 1.07 GB in 0.364 s
 TCP_PROCESS_GBPS = 1.07e9 / 0.119 / GB  # store_tcp.py: the store, 4 connections, 0.119 s
-# Not measured by tidal (no multi-host run yet): stated, and used only at cluster scale.
+# Not measured by tidal on the H200 (no multi-host run yet); used only at cluster scale.
 NVLINK_GBPS = 450.0  # H200 NVLink 4, per direction (NVIDIA's figure)
-CONTROLLER_OP_US = 50.0  # one controller op (msgpack in, a dict lookup, msgpack out): assumed
+# One controller op, served in turn: on the shared 2-core dev machine (2026-12-01, nice'd) an
+# `exists` round trip took 21 us and a get of one 16-byte tensor (acquire, copy, release)
+# 91 us; 45 us an op, half that get, is what an acquire or a commit is taken to cost.
+CONTROLLER_OP_US = 45.0
 NET_RTT_US = 20.0  # one round trip across the cluster network: assumed
 STREAM_CHUNKS = 8  # a writer reports progress at most 8 times a put (tidal/store/progress.py)
 MIN_CHUNK = 64e6  # ... and only every 64 MB
@@ -96,7 +99,7 @@ class Case:
     gpus_per_node: int = 8
     nic_gbps: float = 50.0
     nic_scope: Literal["gpu", "node"] = "gpu"
-    tensors: int = 2000
+    tensors: int = 2000  # Kimi-K2-like: 61 layers x ~17 weights (fused experts) + FP8 scales
     replicated_frac: float = 0.001
 
     def __post_init__(self) -> None:

@@ -85,6 +85,15 @@ def test_a_relay_pulls_a_node_s_bytes_once(sim):
     assert sim.predict(case, "as built (TCP)").phases["network"] > 8 * design.phases["network"]
 
 
+def test_the_controller_bounds_a_sync_of_many_small_shards(sim):
+    """One process serves every op: with thousands of GPUs and a small model its busy time,
+    not the network, sets the total."""
+    case = sim.Case(params=1e9, trainer_gpus=4096, replicas=512, tp=8)
+    p = sim.predict(case, "design, GPU-direct")
+    assert p.phases["controller"] > 10 * p.phases["network"]
+    assert p.total >= p.phases["controller"]
+
+
 def test_nic_per_node_is_eight_times_slower(sim):
     gpu, node = sim.Case(nic_scope="gpu"), sim.Case(nic_scope="node")
     assert sim.lower_bound(node)[0] == pytest.approx(8 * sim.lower_bound(gpu)[0])

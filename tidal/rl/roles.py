@@ -189,6 +189,9 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
             interval=c.interval or cfg.rl.steps,
             keep_latest_k=c.keep_latest_k,
             initial_load_path=str(src.checkpoint) if src.checkpoint else None,
+            # The folder's config.json is the architecture; loaded in any layout (without
+            # policy checkpoints too) and skipped when the run resumes.
+            initial_load_hf=str(src.hf_folder) if src.hf_folder else None,
             initial_load_model_only=True,
         ),  # fmt: skip
     )
@@ -235,11 +238,6 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
     report = None
     try:
         first = trainer.step
-        if src.hf_folder is not None and first == 0 and trainer.plan is None:
-            from tidal.models.hf import load_hf_state_dict
-
-            for m in trainer.modules:
-                load_hf_state_dict(src.hf_folder, m.state_dict(), strict=len(trainer.modules) == 1)
         barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
         if main:
             _clear_run(store)

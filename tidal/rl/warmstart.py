@@ -94,9 +94,10 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         # Any Llama / Qwen 3 shape: the trainer builds config.json's architecture
         # (checkpoint.initial_load_hf), so the folder need not be a named flavor.
         args = hf_model_args(folder)
-        tok_file = Path(p.tokenizer).expanduser() if p.tokenizer else folder / "tokenizer.json"
-        tok = _tokenizer(str(tok_file), cfg)
-        encoder = build_encoder(tok, p.chat_template, str(tok_file))
+        tok_spec = p.tokenizer or str(folder / "tokenizer.json")
+        tok = _tokenizer(tok_spec, cfg)
+        tok_path = None if tok_spec.startswith("sft:") else tok_spec
+        encoder = build_encoder(tok, p.chat_template, tok_path)
         return PolicySource(args=args, flavor=matching_flavor(args) or cfg.model.flavor,
                             vocab_size=None, tokenizer=tok, encoder=encoder, hf_folder=folder,
                             describe=f"Hugging Face folder {folder}")  # fmt: skip

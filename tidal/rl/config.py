@@ -322,6 +322,12 @@ class RLConfig:
             f"generator.count={self.generator.count}: every generator needs a prompt a step",
         )
         _check(
+            self.parallelism.cp == 1,
+            f"parallelism.cp={self.parallelism.cp}: the trainer's RL step does not run under "
+            "context parallelism (the policy loss's per-sequence terms need whole rows); use "
+            "parallelism.cp 1 (FSDP, HSDP, TP and PP are fine)",
+        )
+        _check(
             self.rollout.group_size <= self.generator.max_batch,
             f"rollout.group_size={self.rollout.group_size} exceeds generator.max_batch="
             f"{self.generator.max_batch} (a group is decoded at once)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,18 @@ def test_the_trainer_on_two_ranks_in_another_layout(tmp_path, layout, args):
             assert real / (1 - s["train_pad_frac"]) == pytest.approx(32 * 40, rel=1e-6)
             assert real < 32 * 40
     assert steps[-1]["reward_mean"] != steps[0]["reward_mean"]  # the policy did change
+
+
+def test_a_failed_publish_stops_every_role_at_once(tmp_path):
+    """The trainer reads a publish's result only after the next rollouts, which no generator
+    can make without that version: a publish that fails stops every role at once, naming
+    the error, instead of each waiting out rl.wait_timeout_s (60 s here) for the other."""
+    start = time.monotonic()
+    r = tidal_rl("--config", "tests/rl/loop_configs.py:publish_fails", "--job.output_dir",
+                 str(tmp_path / "run"), "--rl.steps", "4", *QUIET)  # fmt: skip
+    took = time.monotonic() - start
+    assert r.returncode != 0, r.stdout
+    why = "failed to publish policy version 2: RuntimeError: publish failure on purpose"
+    assert why in r.stdout
+    assert "generator 0: waited" not in r.stdout
+    assert took < 45, took

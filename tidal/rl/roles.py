@@ -251,8 +251,20 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
 
         def publish(version: int):
             sd = {k: v for m in trainer.modules for k, v in m.state_dict().items()}
-            return store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
-                                              dtype=dtype, memory=memory)  # fmt: skip
+            future = store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
+                                                dtype=dtype, memory=memory)  # fmt: skip
+
+            def stop_on_failure(f) -> None:
+                # The loop reads the put's result only after the next rollouts, which the
+                # generators cannot make without this version: stop every role now, naming
+                # the error, instead of all of them waiting out rl.wait_timeout_s.
+                if not f.cancelled() and f.exception() is not None:
+                    e = f.exception()
+                    link.stop(f"the trainer (rank {info.rank}) failed to publish policy "
+                              f"version {version}: {type(e).__name__}: {e}"[:500])  # fmt: skip
+
+            future.add_done_callback(stop_on_failure)
+            return future
 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
         side = TrainerSide(

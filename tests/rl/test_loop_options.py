@@ -176,17 +176,20 @@ def test_two_generators_each_contribute_every_step(tmp_path):
     ],
     ids=["tp2", "pp2"],
 )
-def test_the_trainer_on_two_ranks_in_another_layout(tmp_path, layout, args):
-    """The trainer as 2 ranks (gloo) under tensor or pipeline parallelism: the generator reads
+def test_the_trainer_on_two_ranks_in_another_layout(tmp_path, hf_folder, layout, args):
+    """The trainer as 2 ranks (gloo) under tensor or pipeline parallelism, from the Hugging
+    Face folder (each rank loads its shards or stage): the generator reads
     every version from the store into its own unsharded model, and the trainer recomputes
     the generator's log-probs to fp32 rounding (ratios 1 up to 1e-4). tokens_per_s_train
     counts real token positions only: under pipeline parallel every sequence is padded to
     the fixed 32 + 8 positions, 32 x 40 a step, of which train_pad_frac is padding."""
     out = tmp_path / "run"
     r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
-                 "--nproc", "2", "--parallelism.dp_shard", "1", *args, *QUIET)  # fmt: skip
+                 "--nproc", "2", "--parallelism.dp_shard", "1", *args, "--policy.init",
+                 f"hf:{hf_folder}", "--policy.tokenizer", "", *QUIET)  # fmt: skip
     assert r.returncode == 0, r.stdout
     assert f"world 2 ({layout})" in r.stdout
+    assert f"checkpoint: loaded {hf_folder}" in r.stdout
     steps, _ = records(out)
     assert len(steps) == 3
     for s in steps:

@@ -94,6 +94,20 @@ def test_the_policy_starts_from_a_hugging_face_folder_and_from_a_checkpoint(tmp_
     _assert_near(_weights(second), from_hf)
 
 
+def test_a_hugging_face_folder_without_a_tokenizer_fails_before_any_role_starts(
+    tmp_path, hf_folder
+):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(hf_folder / name)
+    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"), "--policy.init",
+                 f"hf:{bare}", "--policy.tokenizer", "", timeout=60)  # fmt: skip
+    assert r.returncode == 2, r.stdout
+    assert f"tidal rl: error: policy.init: no tokenizer.json in {bare}" in r.stdout
+    assert "trainer:" not in r.stdout and "generator 0: on" not in r.stdout
+
+
 SMOLLM2 = Path(os.environ.get("TIDAL_CACHE_DIR", "~/.cache/tidal")).expanduser() / "models"
 SMOLLM2 = SMOLLM2 / "smollm2-135m"
 

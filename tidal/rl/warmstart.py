@@ -94,6 +94,10 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         # Any Llama / Qwen 3 shape: the trainer builds config.json's architecture
         # (checkpoint.initial_load_hf), so the folder need not be a named flavor.
         args = hf_model_args(folder)
+        if not p.tokenizer and not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"policy.init: no tokenizer.json in {folder}; name one with policy.tokenizer"
+            )
         tok_spec = p.tokenizer or str(folder / "tokenizer.json")
         tok = _tokenizer(tok_spec, cfg)
         tok_path = None if tok_spec.startswith("sft:") else tok_spec

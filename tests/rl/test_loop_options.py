@@ -138,16 +138,27 @@ def test_rl_addition_from_smollm2(tmp_path):
 def test_kl_to_the_frozen_reference(tmp_path):
     """loss.kl_coef > 0: the trainer scores each batch under a frozen copy of its starting
     weights. The k3 KL is 0 at step 1 (the policy is the reference) and positive once a step
-    has moved the weights."""
-    out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
-                 "--loss.kl_coef", "0.1", *QUIET)  # fmt: skip
-    assert r.returncode == 0, r.stdout
-    steps, _ = records(out)
-    kl = [s["kl"] for s in steps]
-    assert len(kl) == 3 and all(math.isfinite(x) for x in kl), kl
-    assert abs(kl[0]) < 1e-6 and all(x > 0 for x in kl[1:]), kl
+    has moved the weights. Batch-invariant, one trainer rank and two (FSDP) make the same
+    run: the swap to the reference and back also reaches FSDP's gathered parameters (it did
+    not: with two ranks the KL pass read the policy's root weights and the step trained on
+    the reference's, KL 0.09 instead of 0.17 at step 2)."""
+    runs = []
+    for nproc in (1, 2):
+        out = tmp_path / f"run{nproc}"
+        r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
+                     "--loss.kl_coef", "0.1", "--generator.batch_invariant", "true",
+                     "--nproc", str(nproc), *QUIET)  # fmt: skip
+        assert r.returncode == 0, r.stdout
+        steps, _ = records(out)
+        kl = [s["kl"] for s in steps]
+        assert len(kl) == 3 and all(math.isfinite(x) for x in kl), kl
+        assert abs(kl[0]) < 1e-6 and all(x > 0 for x in kl[1:]), kl
+        assert all(s["ratio_min"] == 1.0 and s["ratio_max"] == 1.0 for s in steps), steps
+        runs.append(steps)
     assert " kl 0.0000 " in r.stdout
+    one, two = runs
+    assert [s["reward_mean"] for s in one] == [s["reward_mean"] for s in two]
+    assert [s["kl"] for s in two] == pytest.approx([s["kl"] for s in one], rel=1e-4, abs=1e-6)
 
 
 def test_truncated_importance_sampling(tmp_path):

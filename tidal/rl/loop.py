@@ -356,12 +356,31 @@ def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
 @torch.no_grad()
 def _with_weights(trainer: Any, weights: list[torch.Tensor], fn: Callable[[], Any]) -> None:
     """Run `fn` with the trainer's parameters swapped for `weights` (same layout), then put
-    the trainer's own back."""
+    the trainer's own back.
+
+    The swap writes the (sharded) parameters; FSDP2 modules that keep their gathered
+    parameters after a forward (the root and the last block, by default) are resharded on
+    both sides of it, or the next forward would reuse a copy gathered from the other
+    weights (the KL reference pass read the policy's weights, and the training step the
+    reference's)."""
     own = [p.detach().clone() for p in trainer.params]
+    _reshard(trainer)
     for p, w in zip(trainer.params, weights, strict=True):
         p.copy_(w)
     try:
         fn()
     finally:
+        _reshard(trainer)
         for p, w in zip(trainer.params, own, strict=True):
             p.copy_(w)
+
+
+def _reshard(trainer: Any) -> None:
+    """Free the gathered parameters of every FSDP2 module of the trainer (a no-op without
+    FSDP or when already resharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in trainer.modules:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()

@@ -1,7 +1,8 @@
 """Options of the sync RL loop exercised through `tidal rl` itself (launcher, embedded store,
 generator processes, the trainer's ranks): the policy from a Hugging Face folder and from a
-checkpoint, the KL term's frozen reference, truncated importance sampling, two generators,
-and the trainer under tensor and pipeline parallelism (2 CPU ranks, gloo).
+checkpoint, the KL term's frozen reference (1 and 2 FSDP ranks), truncated importance
+sampling, two generators, the trainer under tensor and pipeline parallelism (2 CPU ranks,
+gloo), and a policy publish that fails.
 
 The config is tests/rl/loop_configs.py:tiny, as in test_loop.py (whose launcher is reused).
 The real SmolLM2-135M-Instruct folder runs in a `slow` test when it has been fetched."""

@@ -70,3 +70,24 @@ def tiny(out: str = "outputs/rl_test") -> RLConfig:
         ),  # fmt: skip
         checkpoint=RLCheckpointConfig(enable=False),
     )
+
+
+def publish_fails(out: str = "outputs/rl_test") -> RLConfig:
+    """`tiny`, with the trainer's publish of policy version 2 failing in its background
+    thread (the fail-fast test). The patch is made in every role process that builds this
+    config; only the trainer publishes."""
+    from concurrent.futures import Future
+
+    import tidal.store.client
+
+    real = tidal.store.client.Store.put_state_dict_async
+
+    def put_state_dict_async(self, state_dict, key, **kwargs):
+        if key == "policy" and kwargs.get("version") == 2:
+            failed: Future = Future()
+            failed.set_exception(RuntimeError("publish failure on purpose"))
+            return failed
+        return real(self, state_dict, key, **kwargs)
+
+    tidal.store.client.Store.put_state_dict_async = put_state_dict_async  # type: ignore[method-assign]
+    return tiny(out)

@@ -117,6 +117,7 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
         (["--store.address", "tcp://127.0.0.1:9"], "does not answer"),
         (["--task.params", '{"digits": 3}'], "task 'digits' has no parameter 'digits'"),
         (["--rollout.max_prompt_tokens", "4"], "over rollout.max_prompt_tokens=4"),
+        (["--parallelism.cp", "2", "--nproc", "2"], "does not run under context parallelism"),
     ],
     ids=[
         "unknown-task",
@@ -125,6 +126,7 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
         "store-address",
         "task-parameter",
         "prompt-length",
+        "context-parallel",
     ],  # fmt: skip
 )
 def test_bad_input_fails_before_any_role_starts(tmp_path, args, message):

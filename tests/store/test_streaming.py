@@ -103,3 +103,27 @@ def test_writers_report_progress_only_when_a_reader_waits(monkeypatch):
         s.put_state_dict(_sd(1.0), "m")
         assert torch.equal(pending.result(timeout=30)["w2"], _sd(1.0)["w2"])
         assert sum(len(r) for r in reports) >= 5  # every tensor but (at most) the last
+
+
+def test_a_reserved_shard_another_writer_stored_first_is_not_reported(monkeypatch):
+    """Two writers of each version hold the same (replicated) tensors: the first to begin
+    stores them, and only its commit reserves their slots for the next put. When the other
+    writer begins first next time, the reserved slots are taken back as replicas: the
+    reserving writer must neither write on into them nor report them to a streaming reader.
+    (It reported them, and the put failed with "slots [...] are not this writer's": a policy
+    publish of a tensor-parallel trainer under `tidal rl`, tests/rl/test_loop_options.py.)"""
+    monkeypatch.setattr(progress, "PROGRESS_BYTES", 1)  # report after every tensor
+    with (
+        tidal.store.connect() as a,
+        tidal.store.connect(a.address) as b,
+        tidal.store.connect(a.address) as reader,
+    ):
+        into = {k: torch.zeros(256, 1024) for k in _sd(0.0)}
+        for v, order in enumerate([(a, b), (a, b), (b, a), (a, b), (b, a)]):
+            pending = reader.get_state_dict_async("m", into=into, version=v, wait=30)
+            until_waited_for(a, "m", v)
+            for w in order:
+                assert w.put_state_dict(_sd(10.0 * v), "m", version=v, writers=2) == v
+            pending.result(timeout=30)
+            for k, t in _sd(10.0 * v).items():
+                assert torch.equal(into[k], t), (v, k)

@@ -36,13 +36,15 @@ class PolicyConfig:
     init: str = "sft:sft_addition"
     """"sft:NAME": the final checkpoint of `tidal train --config NAME`, trained the first time
     and cached under cache_dir (keyed by the resolved SFT config) for every later run.
-    "hf:PATH": a Hugging Face folder (e.g. `tidal fetch smollm2-135m`'s; needs its model
-    shape to be a flavor, `tidal models`). "checkpoint:PATH": a tidal checkpoint (a step-N
-    folder, or a folder of them: the newest), its model named by its tidal.json; set
+    "hf:PATH": a Hugging Face folder of a Llama or Qwen 3 model (e.g. `tidal fetch
+    smollm2-135m`'s), its architecture from its config.json, with the folder's tokenizer.json
+    and chat template. "checkpoint:PATH": a tidal checkpoint (a step-N folder, or a folder of
+    them: the newest), its model a flavor named or matched by its tidal.json; set
     `tokenizer`. "seed": the seed initialization of model.flavor (throughput runs, tests)."""
     tokenizer: str = ""
     """For checkpoint: and seed: a tokenizer.json path, or "sft:NAME" for that config's
-    tokenizer. sft: and hf: bring their own (then leave it empty)."""
+    tokenizer. sft: and hf: bring their own (leave it empty; for hf: it replaces the
+    folder's)."""
     chat_template: str = ""
     """How prompts are rendered, as `data.chat_template` of training: empty takes the
     tokenizer's own (tokenizer_config.json beside it) or the built-in ChatML template that
@@ -318,6 +320,12 @@ class RLConfig:
             self.rollout.prompts_per_step >= self.generator.count,
             f"rollout.prompts_per_step={self.rollout.prompts_per_step} is fewer than "
             f"generator.count={self.generator.count}: every generator needs a prompt a step",
+        )
+        _check(
+            self.parallelism.cp == 1,
+            f"parallelism.cp={self.parallelism.cp}: the trainer's RL step does not run under "
+            "context parallelism (the policy loss's per-sequence terms need whole rows); use "
+            "parallelism.cp 1 (FSDP, HSDP, TP and PP are fine)",
         )
         _check(
             self.rollout.group_size <= self.generator.max_batch,

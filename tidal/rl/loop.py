@@ -43,6 +43,9 @@ from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
 
 Log = Callable[[str], None]
 
+TIS_FIELDS = ("tis_weight_mean", "tis_capped_frac")
+"""The step record's truncated importance sampling metrics (with `loss.tis_cap`)."""
+
 
 def eval_versions(steps: int, eval_every: int) -> list[int]:
     """Policy versions scored on the held-out set: 0, every `eval_every`, and the last."""
@@ -249,7 +252,7 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
                                                cfg.lr_scheduler)  # fmt: skip
         set_lr(trainer.optimizer, lr)
         train_start = time.perf_counter()
-        metrics, tokens = _train_step(side, rollout, adv, loss, cfg)
+        metrics, tokens, positions = _train_step(side, rollout, adv, loss, cfg)
         train_s = time.perf_counter() - train_start
         trainer.step = step
         t0 = time.perf_counter()
@@ -266,6 +269,7 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
             "response_len_mean": float(lens.mean()),
             "entropy": metrics.get("entropy"),
             **({"kl": metrics.get("kl")} if cfg.loss.kl_coef > 0 else {}),
+            **({k: metrics.get(k) for k in TIS_FIELDS} if cfg.loss.tis_cap is not None else {}),
             "clip_frac": metrics.get("clip_frac"),
             "ratio_max": metrics.get("ratio_max"),
             "ratio_min": metrics.get("ratio_min"),
@@ -273,11 +277,14 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
             "loss": metrics.get("loss"),
             "groups_dropped": adv.dropped_groups,
             "groups": adv.groups,
+            "samples": rollout.num_samples,
+            "samples_per_generator": [p.num_samples for p in parts],
             "format_ok_rate": float(rollout.format_ok.float().mean()),
             "truncated_rate": float(rollout.truncated.float().mean()),
             "grader_errors": sum(m["grader_errors"] for m in meta),
             "tokens_per_s_gen": sum(m["gen_tokens"] for m in meta) / max(gen_s, 1e-9),
             "tokens_per_s_train": tokens / max(train_s, 1e-9) if tokens else 0.0,
+            "train_pad_frac": 1.0 - tokens / positions if positions else 0.0,
             "sync_trainer_s": sync_s,
             "sync_generator_s": max(m["sync_s"] for m in meta),
             "trainer_idle_s": idle_s,
@@ -316,14 +323,17 @@ def _log_evals(store: Any, pending: list[int], step: int, log_record) -> list[in
 
 
 def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
-                cfg: RLConfig) -> tuple[dict[str, float], int]:  # fmt: skip
-    """One optimizer step on a rollout (nothing when dynamic sampling dropped every group)."""
+                cfg: RLConfig) -> tuple[dict[str, float], int, int]:  # fmt: skip
+    """One optimizer step on a rollout (nothing when dynamic sampling dropped every group).
+    Returns the loss metrics, the real token positions trained on (every kept sample's prompt
+    and completion, minus its last token, over all ranks) and the positions the trainer ran,
+    padding included."""
     trainer = side.trainer
     batches = rollout_batches(rollout, adv, micro_batch_size=cfg.trainer.micro_batch_size,
                               seq_len=side.seq_len, dp_rank=side.dp_rank,
                               dp_world=side.dp_world)  # fmt: skip
     if not batches:
-        return {}, 0
+        return {}, 0, 0
     batches = [b.to(trainer.device) for b in batches]
     if cfg.loss.tis_cap is not None:  # the PPO ratio against the trainer's own old log-probs
         for b in batches:
@@ -338,18 +348,39 @@ def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
     n_tokens = sum(b.target_count() for b in batches)
     result = trainer.train_step(batches, n_tokens, loss=loss)
     metrics = {k: float(v) for k, v in result.metrics.items()}
-    return metrics, int(result.tokens)
+    lens = rollout.prompt_lens + rollout.completion_mask.sum(1)
+    real = int((lens - 1).clamp(min=0)[adv.keep].sum())
+    return metrics, real, int(result.tokens)
 
 
 @torch.no_grad()
 def _with_weights(trainer: Any, weights: list[torch.Tensor], fn: Callable[[], Any]) -> None:
     """Run `fn` with the trainer's parameters swapped for `weights` (same layout), then put
-    the trainer's own back."""
+    the trainer's own back.
+
+    The swap writes the (sharded) parameters; FSDP2 modules that keep their gathered
+    parameters after a forward (the root and the last block, by default) are resharded on
+    both sides of it, or the next forward would reuse a copy gathered from the other
+    weights (the KL reference pass read the policy's weights, and the training step the
+    reference's)."""
     own = [p.detach().clone() for p in trainer.params]
+    _reshard(trainer)
     for p, w in zip(trainer.params, weights, strict=True):
         p.copy_(w)
     try:
         fn()
     finally:
+        _reshard(trainer)
         for p, w in zip(trainer.params, own, strict=True):
             p.copy_(w)
+
+
+def _reshard(trainer: Any) -> None:
+    """Free the gathered parameters of every FSDP2 module of the trainer (a no-op without
+    FSDP or when already resharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in trainer.modules:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()

@@ -18,9 +18,11 @@ from tidal.train.metrics import MetricsLogger
 Log = Callable[[str], None]
 
 STEP_FIELDS = ("step", "reward_mean", "reward_std", "response_len_mean", "entropy", "clip_frac",
-               "groups_dropped", "tokens_per_s_gen", "tokens_per_s_train", "sync_trainer_s",
+               "groups_dropped", "samples", "samples_per_generator", "tokens_per_s_gen",
+               "tokens_per_s_train", "train_pad_frac", "sync_trainer_s",
                "sync_generator_s")  # fmt: skip
-"""Fields of every step record (and "kl" when loss.kl_coef > 0)."""
+"""Fields of every step record (and "kl" when loss.kl_coef > 0, "tis_weight_mean" and
+"tis_capped_frac" with loss.tis_cap)."""
 
 
 class Report:

@@ -189,6 +189,9 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
             interval=c.interval or cfg.rl.steps,
             keep_latest_k=c.keep_latest_k,
             initial_load_path=str(src.checkpoint) if src.checkpoint else None,
+            # The folder's config.json is the architecture; loaded in any layout (without
+            # policy checkpoints too) and skipped when the run resumes.
+            initial_load_hf=str(src.hf_folder) if src.hf_folder else None,
             initial_load_model_only=True,
         ),  # fmt: skip
     )
@@ -235,11 +238,6 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
     report = None
     try:
         first = trainer.step
-        if src.hf_folder is not None and first == 0 and trainer.plan is None:
-            from tidal.models.hf import load_hf_state_dict
-
-            for m in trainer.modules:
-                load_hf_state_dict(src.hf_folder, m.state_dict(), strict=len(trainer.modules) == 1)
         barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
         if main:
             _clear_run(store)
@@ -253,8 +251,20 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
 
         def publish(version: int):
             sd = {k: v for m in trainer.modules for k, v in m.state_dict().items()}
-            return store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
-                                              dtype=dtype, memory=memory)  # fmt: skip
+            future = store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
+                                                dtype=dtype, memory=memory)  # fmt: skip
+
+            def stop_on_failure(f) -> None:
+                # The loop reads the put's result only after the next rollouts, which the
+                # generators cannot make without this version: stop every role now, naming
+                # the error, instead of all of them waiting out rl.wait_timeout_s.
+                if not f.cancelled() and f.exception() is not None:
+                    e = f.exception()
+                    link.stop(f"the trainer (rank {info.rank}) failed to publish policy "
+                              f"version {version}: {type(e).__name__}: {e}"[:500])  # fmt: skip
+
+            future.add_done_callback(stop_on_failure)
+            return future
 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
         side = TrainerSide(

@@ -32,9 +32,6 @@ from tidal.train.data.chat import ChatEncoder, build_encoder
 
 Log = Callable[[str], None]
 
-# ModelArgs fields that do not shape the weights: a flavor matches an HF folder without them.
-_NOT_ARCH = ("attention", "max_seq_len", "extra")
-
 
 @dataclass(kw_only=True)
 class PolicySource:
@@ -43,7 +40,9 @@ class PolicySource:
     args: ModelArgs
     """The architecture (vocabulary included)."""
     flavor: str
-    """The tidal flavor the trainer builds (`model.flavor` of its config)."""
+    """The tidal flavor the trainer builds (`model.flavor` of its config); for a Hugging Face
+    folder only a name (a matching flavor, else `model.flavor`): the trainer builds the
+    folder's config.json."""
     vocab_size: int | None
     """The vocabulary override of that flavor (`model.vocab_size`), None for none."""
     tokenizer: Tokenizer
@@ -90,26 +89,42 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         folder = Path(p.source).expanduser()
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"policy.init: no Hugging Face config.json in {folder}")
+        from tidal.train.checkpoint.hf import matching_flavor
+
+        # Any Llama / Qwen 3 shape: the trainer builds config.json's architecture
+        # (checkpoint.initial_load_hf), so the folder need not be a named flavor.
         args = hf_model_args(folder)
-        flavor = flavor_of(args, f"policy.init {p.init!r}")
-        tok_file = Path(p.tokenizer).expanduser() if p.tokenizer else folder / "tokenizer.json"
-        tok = _tokenizer(str(tok_file), cfg)
-        encoder = build_encoder(tok, p.chat_template, str(tok_file))
-        vocab = args.vocab_size if args.vocab_size != FLAVORS[flavor].vocab_size else None
-        return PolicySource(args=args, flavor=flavor, vocab_size=vocab, tokenizer=tok,
-                            encoder=encoder, hf_folder=folder,
+        if not p.tokenizer and not (folder / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"policy.init: no tokenizer.json in {folder}; name one with policy.tokenizer"
+            )
+        tok_spec = p.tokenizer or str(folder / "tokenizer.json")
+        tok = _tokenizer(tok_spec, cfg)
+        tok_path = None if tok_spec.startswith("sft:") else tok_spec
+        encoder = build_encoder(tok, p.chat_template, tok_path)
+        return PolicySource(args=args, flavor=matching_flavor(args) or cfg.model.flavor,
+                            vocab_size=None, tokenizer=tok, encoder=encoder, hf_folder=folder,
                             describe=f"Hugging Face folder {folder}")  # fmt: skip
     tok = _tokenizer(p.tokenizer, cfg)
     tok_path = p.tokenizer if not p.tokenizer.startswith("sft:") else None
     encoder = build_encoder(tok, p.chat_template, tok_path)
     if p.kind == "checkpoint":
         path = _newest_step(Path(p.source).expanduser())
+        from tidal.train.checkpoint.hf import matching_flavor
+        from tidal.train.checkpoint.plan import args_from_info
+
         info = json.loads((path / "tidal.json").read_text())
-        model = info.get("model", {})
-        flavor = model.get("flavor")
+        named = info.get("model", {}).get("flavor")
+        saved = args_from_info(info, path)
+        flavor = named
+        if flavor not in FLAVORS and saved is not None:
+            # A run started from a Hugging Face folder records "hf:PATH" as its flavor.
+            flavor = matching_flavor(saved)
         if flavor not in FLAVORS:
-            raise ValueError(f"policy.init: {path}/tidal.json names no known flavor ({flavor!r})")
-        saved = ModelArgs(**{**model["args"], "extra": {}}) if "args" in model else None
+            raise ValueError(
+                f"policy.init: the model of {path}/tidal.json ({named!r}) is no tidal flavor "
+                "(see `tidal models`); the trainer builds a checkpoint's model from its flavor"
+            )
         differs = saved is not None and saved.vocab_size != FLAVORS[flavor].vocab_size
         vocab = saved.vocab_size if saved is not None and differs else None
         args = FLAVORS[flavor]
@@ -191,31 +206,6 @@ def prepare_policy(cfg: RLConfig, *, log: Log = print) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     log(f"warm start: SFT done in {last.get('elapsed_s', 0):.0f}s, loss {last.get('loss', 0):.3f}")
-
-
-def flavor_of(args: ModelArgs, what: str) -> str:
-    """The flavor whose architecture is `args` (up to the vocabulary size).
-
-    Raises:
-        ValueError: none is; the message lists the closest one's differing fields.
-    """
-    best: tuple[int, str, list[str]] | None = None
-    for name, flavor in FLAVORS.items():
-        diff = [
-            f"{f.name}={getattr(args, f.name)!r} (flavor: {getattr(flavor, f.name)!r})"
-            for f in dataclasses.fields(ModelArgs)
-            if f.name not in (*_NOT_ARCH, "vocab_size")
-            and getattr(args, f.name) != getattr(flavor, f.name)
-        ]
-        if not diff:
-            return name
-        if best is None or len(diff) < best[0]:
-            best = (len(diff), name, diff)
-    assert best is not None
-    raise ValueError(
-        f"{what}: the model is no tidal flavor (the trainer builds flavors; see `tidal "
-        f"models`); the closest, {best[1]!r}, differs in {', '.join(best[2][:4])}"
-    )
 
 
 def _tokenizer(spec: str, cfg: RLConfig) -> Tokenizer:

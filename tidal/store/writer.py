@@ -149,9 +149,16 @@ class Writer:
                     reply = conn.receive(ops.PUT_BEGIN)
                 version = reply["version"]
                 fresh.update(reply["fresh"])
+                # A reserved shard that another writer stored first this time is a replica:
+                # the controller took its slot back (copied into already: harmless, the slot
+                # is quarantined), so it is neither written further nor reported as ours.
+                mine = {s for s in reply["slots"] if s is not None}
+                todo = [j for j in todo if j.slot in mine]
+                rest = [j for j in rest if j.slot in mine]
                 prog, send = self._progress(conn, key, version, reply["report"], todo)
-                if reply["report"] and first:
-                    send([j.slot for j in first])
+                written = [j.slot for j in first if j.slot in mine]
+                if reply["report"] and written:
+                    send(written)
                 extra = jobs(reply["slots"], skip=res["slots"])  # rare: a replica moved
                 if cuda is not None:
                     cuda.released(reply["freed"])

@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tidal.models.flavors import FLAVORS
 from tidal.models.transformer import ModelArgs
@@ -157,7 +158,7 @@ def sft_run(cfg: RLConfig):
         sft = apply_overrides(sft, ["--data.cache_dir", cfg.policy.cache_dir, *extra])
     except ValueError as e:
         raise ValueError(f"policy.sft_overrides: {e}") from e
-    described = to_dict(sft)
+    described: dict[str, Any] = dict(to_dict(sft))
     described["job"].pop("output_dir")
     described["job"].pop("device")
     # Bumped when the data a config names changes under it (2: add problems' split follows

@@ -97,8 +97,11 @@ class Stager:
                 if version is not None:
                     with self._cv:
                         self._staged = version
+                        self._cv.notify_all()
         except BaseException as e:  # reported by the next swap, in the generator's thread
-            self.error = e
+            with self._cv:
+                self.error = e
+                self._cv.notify_all()
 
     def _fetch(self, held: int) -> int | None:
         """Read the newest committed version above `held` (or wait a slice for held + 1)
@@ -146,6 +149,14 @@ class Stager:
             self.swaps += 1
             self._cv.notify_all()
         return version
+
+    def wait_staged(self, timeout: float) -> int | None:
+        """Block until a version newer than the held one is staged (at most `timeout` s);
+        returns it, or None. For callers that choose to wait; the async loop never does."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._staged is not None or self.error is not None,
+                              timeout=timeout)  # fmt: skip
+            return self._staged
 
     def at_batch_start(self) -> int | None:
         """Before a batch: count a prefetch hit or miss when a newer version is committed,

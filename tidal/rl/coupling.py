@@ -10,6 +10,8 @@ Keys of a run (one run per store at a time; the trainer clears an earlier run's 
     control/done         plain values, version 0: the trainer finished; generators may exit
     control/taken/<g>    plain values, version k (async): the trainer took rollouts/<g>@k,
                          a slot of g's rollout queue is free
+    control/intake       plain values, version s (async): the (generator, batch) pairs
+                         trainer rank 0 chose for step s; the other ranks read the same
     alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive"
 
 Liveness: each role runs a `Link`, whose background thread puts a heartbeat under
@@ -47,6 +49,7 @@ EVAL = "eval"
 START = "control/start"
 STOP = "control/stop"
 DONE = "control/done"
+INTAKE = "control/intake"
 ALIVE = "alive/"
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import EVAL, POLICY, Link, rollouts_key, taken_key
+from tidal.rl.coupling import EVAL, INTAKE, POLICY, Link, rollouts_key, taken_key
 from tidal.rl.generate import Generator
 from tidal.rl.loss import group_advantages
 from tidal.rl.rollout import RolloutBatch
@@ -317,6 +317,8 @@ class TrainerSide:
     dp_world: int
     seq_len: int | None
     """Fixed T of every trainer batch (pipeline parallel), or None."""
+    is_main: bool = True
+    """Global rank 0: in async mode it chooses the rollouts of each step for every rank."""
     reference: list[torch.Tensor] | None = None
     """The frozen reference weights (a copy of the trainer's parameters at the start) when
     `loss.kl_coef` > 0, else None."""
@@ -334,7 +336,7 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
     schedule = make_schedule(cfg.rl.mode, cfg.rl.steps, cfg.rl.max_staleness)
     loss = PolicyLoss(cfg.loss)
     pending_evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
-    queue = _Intake(link, cfg) if isinstance(schedule, AsyncSchedule) else None
+    queue = _Intake(link, cfg, main=side.is_main) if isinstance(schedule, AsyncSchedule) else None
     start = time.perf_counter()
     t0 = time.perf_counter()
     future = side.publish(first_step)
@@ -348,7 +350,7 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
                 rollouts_key(g), step, f"the rollouts of step {step} from generator {g}"))
                 for g in range(cfg.generator.count)]  # fmt: skip
         else:
-            parts = queue.take(cfg.generator.count)
+            parts = queue.take(cfg.generator.count, step)
         idle_s = time.perf_counter() - step_start
         rollout = RolloutBatch.concat(parts)
         extra: dict[str, Any] = {}
@@ -439,31 +441,46 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
 
 class _Intake:
     """async: the trainer's end of the rollout queue. Generator g puts rollouts/<g>@1, 2, ...;
-    `take` returns the next batches to arrive, from any generators; `mark_taken` (called once
-    the previous version is committed, so that a generator's next batch can start from it)
-    puts control/taken/<g>@k, and g may fill the slot again."""
+    `take` returns the next batches to arrive, from any generators. Trainer rank 0 chooses
+    them and announces its choice under control/intake@step, which the other ranks read, so
+    every rank trains on the same rollouts. `mark_taken` (rank 0, called once the previous
+    version is committed, so that a generator's next batch can start from it) puts
+    control/taken/<g>@k, and g may fill the slot again."""
 
-    def __init__(self, link: Link, cfg: RLConfig) -> None:
-        self.link, self.store, self.count = link, link.store, cfg.generator.count
+    def __init__(self, link: Link, cfg: RLConfig, *, main: bool = True) -> None:
+        self.link, self.store, self.count, self.main = link, link.store, cfg.generator.count, main
         self.next = [1] * self.count
         self.first = 0  # the generator asked first: the one after the last taken
         self.latest: dict[int, dict[str, Any]] = {}  # generator -> meta of its latest batch
         self.unmarked: list[tuple[int, int]] = []  # (generator, batch) taken, not yet marked
 
-    def take(self, n: int) -> list[RolloutBatch]:
-        out: list[RolloutBatch] = []
-        while len(out) < n:
-            g, sd = self.link.wait(f"rollouts from any of {self.count} generator(s)", self._try)
-            k = self.next[g]
-            self.next[g] += 1
-            self.first = (g + 1) % self.count
-            self.unmarked.append((g, k))
+    def take(self, n: int, step: int) -> list[RolloutBatch]:
+        if not self.main:
+            chosen = self.link.wait_version(INTAKE, step, f"trainer rank 0's intake of step {step}")
+            sds = [(g, self.store.get_state_dict(rollouts_key(g), version=k))
+                   for g, k in chosen["batches"]]  # fmt: skip
+        else:
+            sds, taken = [], []
+            while len(sds) < n:
+                g, sd = self.link.wait(f"rollouts from any of {self.count} generator(s)",
+                                       self._try)  # fmt: skip
+                taken.append((g, self.next[g]))
+                self.next[g] += 1
+                self.first = (g + 1) % self.count
+                sds.append((g, sd))
+            self.store.put_state_dict({"batches": [list(x) for x in taken]}, INTAKE,
+                                      version=step)  # fmt: skip
+            self.unmarked += taken
+        out = []
+        for g, sd in sds:
             batch = RolloutBatch.from_state_dict(sd)
             self.latest[g] = batch.meta
             out.append(batch)
         return out
 
     def mark_taken(self) -> None:
+        if not self.main:
+            return
         for g, k in self.unmarked:
             self.store.put_state_dict({"k": k}, taken_key(g), version=k)
         self.unmarked = []

@@ -261,6 +261,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
         side = TrainerSide(
             trainer=trainer, publish=publish, dp_rank=dp_rank, dp_world=trainer.dims.dp,
+            is_main=main,
             seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
             reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
         )  # fmt: skip

@@ -263,3 +263,19 @@ def test_forced_staleness_drops_and_counts_samples(tmp_path):
             assert "is_masked_frac" in s
         else:  # nothing left: no optimizer step, the version still advances
             assert s["tokens_per_s_train"] == 0.0
+
+
+def test_async_with_two_trainer_ranks_and_two_generators(tmp_path):
+    """Two trainer ranks (FSDP over gloo) take the same rollouts each step (rank 0 chooses
+    and announces them), from two generators whose batches arrive in any order."""
+    out = tmp_path / "run"
+    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.mode", "async",
+                 "--loss.tis_cap", "2", "--rl.max_staleness", "3", "--rl.steps", "3",
+                 "--generator.count", "2", "--nproc", "2", "--metrics.plot", "false",
+                 timeout=180)  # fmt: skip
+    assert r.returncode == 0, r.stdout
+    assert "world 2 (dp_shard=2)" in r.stdout
+    steps, _ = records(out)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:
+        assert s["samples_trained"] + s["stale_samples_dropped"] == 32  # 2 batches of 16

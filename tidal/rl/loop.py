@@ -250,8 +250,10 @@ def generate_loop_async(
         evaluated.add(version)
 
     idle_s = load_exactly(first_step)
+    # GPU slots when the versions live in the trainer's GPU memory (read device to device).
+    on_device = gen.device.type == "cuda" and cfg.store.policy_memory == "cuda"
     stager = Stager(store, POLICY, gen.model.state_dict(), held=first_step, last=steps,
-                    slice_s=cfg.rl.heartbeat_s)  # fmt: skip
+                    slice_s=cfg.rl.heartbeat_s, on_device=on_device)  # fmt: skip
     stager.start()
     gen.swap_hook = stager.swap
     try:

@@ -9,11 +9,12 @@ call `stager.at_batch_start()` before each batch (it swaps too, and counts prefe
 `close()` at the end.
 
 Staging memory is a second set of host tensors shaped like the parameters (pinned when the
-parameters are on a GPU). The background thread fills it with the newest committed version
-(or waits for the next one to be written, streaming it as it lands), then waits until the
-generator has swapped it in. A swap is one in-place `copy_` per parameter: no reallocation,
-so captured CUDA graphs stay valid; on a GPU the copies are queued on the current stream
-(non-blocking from pinned memory) and the staging buffer is refilled only after they ran.
+parameters are on a GPU), or of device tensors (`on_device`: GPU slots). The background
+thread fills it with the newest committed version (or waits for the next one to be written,
+streaming it as it lands), then waits until the generator has swapped it in. A swap is one
+in-place `copy_` per parameter: no reallocation, so captured CUDA graphs stay valid; on a
+GPU the copies are queued on the current stream (non-blocking from pinned memory) and the
+staging buffer is refilled only after they ran.
 
 Prefetch hit rate: at the start of each batch, if a version newer than the one held is
 committed in the store, the version was needed; it is a hit when a newer version was
@@ -49,17 +50,21 @@ class Stager:
         last: the last version there will be (the thread stops after staging it).
         slice_s: longest single wait for an unwritten version (the thread rechecks for a
             newer one and for `close()` between waits).
+        on_device: stage in a second set of tensors on the parameters' device (GPU slots:
+            a second copy of the weights in GPU memory, filled device to device when the
+            store keeps versions in GPU memory) instead of host memory.
     """
 
     def __init__(self, store: Any, key: str, params: Mapping[str, torch.Tensor], *, held: int,
-                 last: int, slice_s: float = 0.5) -> None:  # fmt: skip
+                 last: int, slice_s: float = 0.5, on_device: bool = False) -> None:  # fmt: skip
         self.store, self.key, self.params = store, key, dict(params)
         self.last, self.slice_s = last, slice_s
         pin = any(t.is_cuda for t in self.params.values()) and torch.cuda.is_available()
         self.staging = {
-            k: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            k: torch.empty_like(t) if on_device
+            else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             for k, t in self.params.items()
-        }
+        }  # fmt: skip
         self.held = held
         self.hits = self.misses = self.swaps = 0
         self.error: BaseException | None = None

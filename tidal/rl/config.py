@@ -198,10 +198,11 @@ class LoopConfig:
     the trainer takes rollouts from a bounded queue as they arrive, tokens older than
     max_staleness versions are dropped, and the rest are corrected per token by the loss's
     tis_cap or mask band (one of them is required). docs/rl.md, "Asynchronous mode"."""
-    max_staleness: int = 1
+    max_staleness: int = 2
     """async: versions a token may lag the policy it is trained at. The trainer at step s
     holds version s - 1; a sample with any token older than s - 1 - max_staleness is dropped
-    (with its group), counted and reported. 0 keeps only tokens of the current version."""
+    (with its group), counted and reported. 0 keeps only tokens of the current version. The
+    default covers one queue slot per generator plus a prefetch miss (see queue_depth)."""
     queue_depth: int | None = None
     """async: rollout batches that may wait in the store untaken, over all generators; each
     generator gets queue_depth // generator.count of them (at least 1) and idles, counted,

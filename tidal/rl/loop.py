@@ -268,13 +268,14 @@ def generate_loop_async(
             assert version is not None
             maybe_eval(version)
             k += 1
-            swaps = stager.swaps
+            swaps, swap_s = stager.swaps, stager.swap_s
             batch = _sample_batch(policy, task, grader, cfg, index, (cfg.rollout.seed, first_step,
                                   k, index), stop, {"generator": index, "version": version,
-                                  "idle_s": idle_s, "sync_s": 0.0})  # fmt: skip
+                                  "idle_s": idle_s})  # fmt: skip
             now = time.perf_counter()
             batch.meta.update(swaps_in_flight=stager.swaps - swaps, prefetch_hits=stager.hits,
-                              prefetch_misses=stager.misses, wall_s=now - since)  # fmt: skip
+                              prefetch_misses=stager.misses, wall_s=now - since,
+                              sync_s=stager.swap_s - swap_s)  # fmt: skip
             store.put_state_dict(batch.to_state_dict(), key, version=k, keep=slots + 2)
             idle_s, since = 0.0, now
     finally:

@@ -25,6 +25,7 @@ then starts with the old weights: the generator never waits).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +68,8 @@ class Stager:
         }  # fmt: skip
         self.held = held
         self.hits = self.misses = self.swaps = 0
+        self.swap_s = 0.0
+        """Seconds the generator spent in swaps (copying staged weights into its own)."""
         self.error: BaseException | None = None
         self._staged: int | None = None  # version complete in staging, not yet swapped in
         self._copied: Any = None  # CUDA event: the last swap's copies have run
@@ -143,12 +146,14 @@ class Stager:
             version = self._staged
         if version is None:
             return None
+        t0 = time.perf_counter()
         with torch.no_grad():
             for name, dst in self.params.items():
                 dst.copy_(self.staging[name], non_blocking=True)
         if any(t.is_cuda for t in self.params.values()):
             self._copied = torch.cuda.Event()
             self._copied.record()
+        self.swap_s += time.perf_counter() - t0
         with self._cv:
             self.held, self._staged = version, None
             self.swaps += 1

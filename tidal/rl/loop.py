@@ -244,8 +244,14 @@ def generate_loop_async(
     def maybe_eval(version: int) -> None:
         if index != 0 or version not in evals or version in evaluated:
             return
-        result = evaluate(policy, grader, eval_set, max_new_tokens=cfg.rollout.max_new_tokens,
-                          log=log, label=f"eval of policy version {version}")  # fmt: skip
+        hook, gen.swap_hook = gen.swap_hook, None  # an evaluation scores one version only
+        try:
+            result = evaluate(policy, grader, eval_set, log=log,
+                              max_new_tokens=cfg.rollout.max_new_tokens,
+                              label=f"eval of policy version {version}")  # fmt: skip
+        finally:
+            gen.swap_hook = hook
+        assert gen.version == version, (gen.version, version)
         store.put_state_dict(result, EVAL, version=version)
         evaluated.add(version)
 
@@ -263,12 +269,13 @@ def generate_loop_async(
             if not _queue_slot(link, index, k + 1 - slots, steps):
                 break  # the trainer published its last version: no more batches needed
             idle_s += time.perf_counter() - t0
+            swap_s = stager.swap_s
             stager.at_batch_start()
             version = gen.version
             assert version is not None
             maybe_eval(version)
             k += 1
-            swaps, swap_s = stager.swaps, stager.swap_s
+            swaps = stager.swaps
             batch = _sample_batch(policy, task, grader, cfg, index, (cfg.rollout.seed, first_step,
                                   k, index), stop, {"generator": index, "version": version,
                                   "idle_s": idle_s})  # fmt: skip

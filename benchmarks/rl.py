@@ -18,6 +18,7 @@ run (warm-up: first puts, plans, CUDA graphs) is left out of the means.
 
     python benchmarks/rl.py                    # on one GPU (both runs)
     python benchmarks/rl.py --only llama3_1b --steps 20
+    python benchmarks/rl.py --only llama3_1b -- --task.eval_problems 8   # overrides for each run
     python benchmarks/rl.py --smoke            # CPU, tiny sizes, about a minute (tested)
 """
 
@@ -130,6 +131,8 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (checks the script)")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("overrides", nargs="*", help="after --: config overrides for every run "
+                   "(e.g. -- --task.eval_problems 8)")  # fmt: skip
     args = p.parse_args()
 
     steps = ["--rl.steps", str(args.steps)] if args.steps else []
@@ -158,7 +161,7 @@ def main() -> None:
         for name, run_args in runs.items():
             if args.only and name != args.only:
                 continue
-            fig = run(name, run_args, Path(tmp) / name, timeout=args.timeout)
+            fig = run(name, [*run_args, *args.overrides], Path(tmp) / name, timeout=args.timeout)
             report(fig)
             figures.append(fig)
     if args.json:

@@ -86,13 +86,45 @@ def test_generation_is_deterministic_and_splits_never_overlap() -> None:
     assert {p.form for p in train} == {"add", "sub", "mul"}
     digits = {len(str(p.a)) for p in train if p.form == "add"}
     assert digits == {1, 2, 3, 4}
-    assert parse_spec("add:2-5, mul") == [("add", 2, 5), ("mul", 1, 4)]
-    assert parse_spec("") == [("add", 1, 4)]
-    for bad in ("div", "add:5-2", "add:0-3", "add:3"):
+    assert parse_spec("add:2-5, mul") == [("add", 2, 5, 0.0), ("mul", 1, 4, 0.0)]
+    assert parse_spec("") == [("add", 1, 4, 0.0)]
+    assert parse_spec("add:slip=0.5:1-3") == [("add", 1, 3, 0.5)]
+    for bad in ("div", "add:5-2", "add:0-3", "add:3", "add:slip=1.5", "add:slip=x", "sub:slip=0.2"):
         with pytest.raises(ValueError, match="DataConfig.path"):
             parse_spec(bad, where="DataConfig.path")
     tiny = generate("add:1-1", 50, split="val")  # 100 problems, a few held out, repeated
     assert all(split_of(p.key) == "val" for p in tiny) and len({p.key for p in tiny}) < 20
+
+
+def test_add_problems_held_out_are_the_rl_tasks_eval_split() -> None:
+    from tidal.rl.tasks import get_task
+
+    task = get_task("addition", digits=(1, 3))
+    stream = task.problems("train", seed=3)
+    problems = [next(stream) for _ in range(400)] + task.eval_set(100)
+    for p in problems:
+        a, b = map(int, p.prompt.removeprefix("What is ").removesuffix("?").split(" + "))
+        want = "val" if task.split_of(p) == "eval" else "train"
+        assert split_of(f"add:{a}:{b}") == split_of(f"add:{b}:{a}") == want
+
+
+def test_a_slipping_teacher_forgets_carries_and_answers_what_it_worked_out() -> None:
+    perfect = generate("add:2-4", 400, split="train")
+    sloppy = generate("add:2-4:slip=0.5", 400, split="train")
+    carries = [p for p in perfect if ", carry" in p.solution]
+    wrong = [p for p in sloppy if p.answer != p.a + p.b]
+    assert 0.2 < len(wrong) / len(carries) < 0.8
+    for p in wrong:
+        assert parse_answer(p.solution) == p.answer
+        lines = p.solution.splitlines()
+        # Some line after a "carry 1" adds only its two digits.
+        assert any(
+            "carry 1" in prev and line.split(": ")[1].split(" = ")[0].count("+") == 1
+            for prev, line in zip(lines[:-2], lines[1:-1], strict=True)
+        )
+    assert all(p.answer == p.a + p.b for p in generate("add:2-4:slip=0", 100, split="train"))
+    with pytest.raises(ValueError, match="slip"):
+        make_problem("add", 5, 7, slip=0.5)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ record per step, one per evaluation), and calls `finish()` then `close()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +81,17 @@ class Report:
             summary.update(pass1_before=first["eval_pass1"], pass1_after=last["eval_pass1"],
                            version_before=v0, version_after=v1)  # fmt: skip
         if self.steps:
-            summary["reward_first"] = self.steps[0]["reward_mean"]
-            summary["reward_last"] = self.steps[-1]["reward_mean"]
+            # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
+            k = max(1, min(10, len(self.steps) // 2))
+            summary["reward_window"] = k
+            summary["reward_first"] = _mean(r["reward_mean"] for r in self.steps[:k])
+            summary["reward_last"] = _mean(r["reward_mean"] for r in self.steps[-k:])
             summary["elapsed_s"] = self.steps[-1]["elapsed_s"]
         text = summary_line(summary)
         if self.cfg.metrics.plot:
             path = self.dir / "rl.png"
-            plot(self.steps, [r for _, r in evals], path, title=f"{self.cfg.job.name}: {text}")
+            title = f"{self.cfg.job.name}: " + text.replace("; ", "\n")
+            plot(self.steps, [r for _, r in evals], path, title=title)
             summary["plot"] = str(path)
         self.log_line(text)
         if "plot" in summary:
@@ -109,8 +113,10 @@ def summary_line(s: dict[str, Any]) -> str:
                      f"{s['version_before']}) -> {100 * s['pass1_after']:.1f}% (version "
                      f"{s['version_after']}), {d:+.1f} points")  # fmt: skip
     if "reward_first" in s:
-        parts.append(f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} over "
-                     f"{s['steps']} steps in {s['elapsed_s']:.0f}s")  # fmt: skip
+        k, n = s.get("reward_window", 1), s["steps"]
+        ends = f" (means of steps 1-{k} and {n - k + 1}-{n})" if k > 1 else ""
+        parts.append(f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}{ends} over "
+                     f"{n} steps in {s['elapsed_s']:.0f}s")  # fmt: skip
     return "; ".join(parts) or "no steps run"
 
 
@@ -128,8 +134,12 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
         raise ImportError("metrics.plot=true needs matplotlib: pip install 'tidal[plot]' (or "
                           "--metrics.plot false)") from e  # fmt: skip
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="reward (mean)",
-            color="tab:blue")  # fmt: skip
+    x, reward = [r["step"] for r in steps], [r["reward_mean"] for r in steps]
+    ax.plot(x, reward, label="reward (mean of the step)", color="tab:blue", alpha=0.35)
+    if len(steps) >= 5:
+        k = 5
+        smooth = [_mean(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
+        ax.plot(x, smooth, label=f"reward ({k}-step running mean)", color="tab:blue")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_pass1"] for r in evals], "o-",
                 label="held-out pass@1 (greedy)", color="tab:orange")  # fmt: skip
@@ -142,6 +152,11 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _mean(xs: Iterable[float]) -> float:
+    v = list(xs)
+    return sum(v) / len(v)
 
 
 def _num(x: float | None) -> str:

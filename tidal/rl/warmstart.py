@@ -145,6 +145,9 @@ def sft_run(cfg: RLConfig):
     described = to_dict(sft)
     described["job"].pop("output_dir")
     described["job"].pop("device")
+    # Bumped when the data a config names changes under it (2: add problems' split follows
+    # the RL addition task's), so a warm start trained on the old data is not reused.
+    described["warmstart_data_version"] = 2
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:12]
     safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)
     folder = Path(cfg.policy.cache_dir).expanduser() / "warmstart" / f"{safe}-{key}"

@@ -182,3 +182,15 @@ def sft_addition() -> Config:
         metrics=MetricsConfig(log_every=25, val_every=100, val_batches=4),
         sample=SampleConfig(max_new_tokens=0),
     )
+
+
+@register
+def sft_addition_slips() -> Config:
+    """The `make demo` warm start: SFT from scratch on 1-3 digit addition worked by a sloppy
+    teacher, who forgets 55% of the carries (and answers what it worked out). The model
+    learns the slips too; RL on the true sums then beats its teacher (docs/rl.md)."""
+    cfg = sft_addition()
+    cfg.job = JobConfig(name="sft_addition_slips", output_dir="outputs/sft_addition_slips")
+    cfg.data.path = "add:1-3:slip=0.55"
+    cfg.training.steps = 250
+    return cfg

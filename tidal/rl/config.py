@@ -193,9 +193,24 @@ class GeneratorRoleConfig:
 class LoopConfig:
     """The schedule of the roles and how long anyone waits for anyone."""
 
-    mode: Literal["sync"] = "sync"
-    """sync: strictly on-policy; rollouts of step s come from policy version s - 1 (the next
-    issue adds async, a schedule with bounded staleness)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: strictly on-policy; rollouts of step s come from policy version s - 1 and each
+    role waits for the other. async: generators never wait for weights (they prefetch the
+    newest version in the background and switch to it between decode steps, mid-sequence),
+    the trainer takes rollouts from a bounded queue as they arrive, tokens older than
+    max_staleness versions are dropped, and the rest are corrected per token by the loss's
+    tis_cap or mask band (one of them is required). docs/rl.md, "Asynchronous mode"."""
+    max_staleness: int = 2
+    """async: versions a token may lag the policy it is trained at. The trainer at step s
+    holds version s - 1; a sample with any token older than s - 1 - max_staleness is dropped
+    (with its group), counted and reported. 0 keeps only tokens of the current version. The
+    default covers one queue slot per generator plus a prefetch miss (see queue_depth)."""
+    queue_depth: int | None = None
+    """async: rollout batches that may wait in the store untaken, over all generators; each
+    generator gets queue_depth // generator.count of them (at least 1) and idles, counted,
+    when its share is full. None: one per generator. A generator with q slots runs q batches
+    ahead of the trainer, so its tokens lag about q versions (q + 1 when the next version
+    was not yet staged at a batch start): keep max_staleness >= q."""
     steps: int = 20
     """Optimizer steps (policy versions 1..steps are published)."""
     eval_every: int = 5
@@ -210,7 +225,14 @@ class LoopConfig:
     """A role silent for this long is taken for dead: the others stop with an error naming it."""
 
     def __post_init__(self) -> None:
-        _check(self.mode == "sync", f"rl.mode must be sync (async comes next), got {self.mode!r}")
+        _check(self.mode in ("sync", "async"), f"rl.mode must be sync or async, got {self.mode!r}")
+        _check(
+            self.max_staleness >= 0,
+            f"rl.max_staleness must be >= 0 (how many policy versions a token may lag the "
+            f"trainer; 0 keeps only the current version), got {self.max_staleness}",
+        )
+        _check(self.queue_depth is None or self.queue_depth >= 1,
+               f"rl.queue_depth must be None or >= 1, got {self.queue_depth}")  # fmt: skip
         _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
         _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
         for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s"):
@@ -332,6 +354,29 @@ class RLConfig:
             f"rollout.group_size={self.rollout.group_size} exceeds generator.max_batch="
             f"{self.generator.max_batch} (a group is decoded at once)",
         )
+
+        _check(
+            self.rl.mode == "sync" or self.loss.corrects,
+            "rl.mode=async trains on tokens of older policy versions and needs a per-token "
+            "correction: set --loss.tis_cap (truncated IS, e.g. 2) or --loss.mask_low and "
+            "--loss.mask_high (mask tokens whose ratio leaves the band, e.g. 0.5 and 2)",
+        )
+
+    def queue_slots(self) -> int:
+        """async: rollout batches each generator may have waiting in the store."""
+        if self.rl.queue_depth is None:
+            return 1
+        return max(1, self.rl.queue_depth // self.generator.count)
+
+    def queue_warning(self) -> str | None:
+        """A warning when there are more generators than rl.queue_depth can serve."""
+        g, q = self.generator.count, self.rl.queue_depth
+        if self.rl.mode != "async" or q is None or g <= q:
+            return None
+        return (f"rl.queue_depth={q} rollout batches cannot serve generator.count={g} "
+                f"generators (each needs a slot): every generator gets 1, so up to {g} batches "
+                f"wait in the store and the oldest may go stale; raise rl.queue_depth to "
+                f">= {g} or run fewer generators")  # fmt: skip
 
     def prompts_of(self, generator: int) -> int:
         """Prompts generator `generator` samples each step (the remainder goes to the first)."""

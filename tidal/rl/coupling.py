@@ -8,6 +8,10 @@ Keys of a run (one run per store at a time; the trainer clears an earlier run's 
     control/start        plain values, version 0: the trainer's first step and the run's length
     control/stop         plain values: a role asks every other to stop (error or Ctrl-C)
     control/done         plain values, version 0: the trainer finished; generators may exit
+    control/taken/<g>    plain values, version k (async): the trainer took rollouts/<g>@k,
+                         a slot of g's rollout queue is free
+    control/intake       plain values, version s (async): the (generator, batch) pairs
+                         trainer rank 0 chose for step s; the other ranks read the same
     alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive"
 
 Liveness: each role runs a `Link`, whose background thread puts a heartbeat under
@@ -45,12 +49,18 @@ EVAL = "eval"
 START = "control/start"
 STOP = "control/stop"
 DONE = "control/done"
+INTAKE = "control/intake"
 ALIVE = "alive/"
 
 
 def rollouts_key(generator: int) -> str:
     """The key generator `generator` puts its rollout batches under."""
     return f"rollouts/{generator}"
+
+
+def taken_key(generator: int) -> str:
+    """async: the key the trainer marks generator `generator`'s taken batches under."""
+    return f"control/taken/{generator}"
 
 
 def generator_name(index: int) -> str:

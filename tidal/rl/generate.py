@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -98,7 +98,11 @@ class Generator:
         self.device = model.rope.device
         self.vocab_size = args.vocab_size
         self.version: int | None = None
-        """Version of the loaded weights, stamped on every sample (None: unversioned)."""
+        """Version of the loaded weights, stamped on every token (None: unversioned)."""
+        self.swap_hook: Callable[[], int | None] | None = None
+        """Called between decode steps (at each host check): it may copy newer weights into
+        the parameters in place and return their version, or return None. Rows in flight
+        go on with the new weights; their later tokens are stamped with the new version."""
         self.stats = GeneratorStats()
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         cuda = self.device.type == "cuda"
@@ -251,7 +255,22 @@ class Generator:
                 if admitted:
                     self._prefill(admitted)
                 self._decode_and_check(results)
+                self._maybe_swap()
         return [[s for s in group if s is not None] for group in results]
+
+    def _maybe_swap(self) -> None:
+        """Between decode steps: let `swap_hook` switch the weights, and mark where each
+        running row's tokens change version (its count is exact after a host check)."""
+        if self.swap_hook is None:
+            return
+        version = self.swap_hook()
+        if version is None or version == self.version:
+            return
+        self.version = version
+        self.stats.weight_swaps += 1
+        for slot in self._slots:
+            if slot is not None:
+                slot.marks.append((slot.count, version))
 
     # -- validation -----------------------------------------------------------------------
 
@@ -339,7 +358,7 @@ class Generator:
             req = pending.popleft()
             slots, free = free[: req.params.n], free[req.params.n :]
             for j, slot in enumerate(slots):
-                self._slots[slot] = Slot(req, j, count=1)
+                self._slots[slot] = Slot(req, j, count=1, marks=[(0, self.version)])
             admitted.append((req, slots))
         return admitted
 
@@ -636,7 +655,8 @@ class Generator:
             finish_reason=reason,
             logprobs=lps,
             sampling_logprobs=slps,
-            weight_version=self.version,
+            weight_version=slot.marks[0][1] if slot.marks else self.version,
+            versions=slot.versions(len(ids)) if len(slot.marks) > 1 else None,
         )
 
     def _autocast(self):

@@ -80,7 +80,12 @@ class Sample:
     """Per completion token: log-prob under the distribution sampled (after temperature and
     truncation); 0 for greedy decoding."""
     weight_version: int | None
-    """`Generator.version` when the sample was generated (None: unversioned weights)."""
+    """`Generator.version` when the sample's first token was generated (None: unversioned
+    weights); the oldest version in `versions`."""
+    versions: list[int] | None = None
+    """Per completion token: the policy version that produced it (weights swapped in flight
+    through `Generator.swap_hook` change it mid-sequence; -1 for unversioned weights). None:
+    every token is `weight_version`'s."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,6 +98,7 @@ class Sample:
             "logprobs": self.logprobs,
             "sampling_logprobs": self.sampling_logprobs,
             "weight_version": self.weight_version,
+            "versions": self.versions,
         }
 
 
@@ -106,5 +112,7 @@ class GeneratorStats:
     decode_steps: int = 0
     host_checks: int = 0
     graphs_captured: int = 0
+    weight_swaps: int = 0
+    """Versions swapped in between decode steps by `Generator.swap_hook`."""
     decode_seconds: float = 0.0
     """Host time spent in decode steps and checks (device-synchronized at each check)."""

@@ -1,4 +1,4 @@
-"""The synchronous RL loop, as two short loops over library pieces: one per role.
+"""The RL loop, as short loops over library pieces: one per role (and per mode).
 
     trainer (tidal/train Trainer)                     generator g (tidal.rl.Generator)
       put policy@v0                           ---->     wait policy@v0, load it in place
@@ -8,10 +8,20 @@
       ...                                               ...
       wait eval@steps, put control/done                 [g = 0: eval of the last version]
 
-Which version a batch must come from is the schedule's answer (tidal/rl/schedule.py); these
-loops ask it and nothing else, so the asynchronous loop is another schedule. Every wait goes
-through `Link.wait` (tidal/rl/coupling.py): bounded, and stopped early when another role
-stops or dies.
+Which version a batch must come from is the schedule's answer (tidal/rl/schedule.py). In
+async mode (`rl.mode async`) the generator runs `generate_loop_async`: it never waits for
+weights (a `Stager` prefetches them and `Generator.swap_hook` switches them between decode
+steps) and waits only for a free slot of the bounded rollout queue; the trainer takes the
+next `generator.count` batches to arrive, drops samples older than the schedule allows and
+trains on the rest with the loss's per-token correction:
+
+    trainer                                           generator g (async)
+      put policy@v0                           ---->     wait policy@v0 (once), prefetch thread
+      take the next batches, put control/taken/<g> <--  [queue slot free] rollouts/<g>@k
+      drop stale samples, step s, put policy@vs ---->   (swapped in between decode steps)
+
+Every wait goes through `Link.wait` (tidal/rl/coupling.py): bounded, and stopped early when
+another role stops or dies.
 
 Timing reported per step (metrics.jsonl, docs/rl.md): `sync_trainer_s` is the time the
 trainer was blocked publishing (the `put_state_dict_async` call and, before the next
@@ -23,6 +33,7 @@ Waiting for the other role to produce something is idle time, reported apart
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -32,19 +43,21 @@ from typing import Any
 import torch
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import EVAL, POLICY, Link, rollouts_key
+from tidal.rl.coupling import EVAL, INTAKE, POLICY, Link, rollouts_key, taken_key
 from tidal.rl.generate import Generator
 from tidal.rl.loss import group_advantages
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.sampling import SamplingParams
-from tidal.rl.schedule import SyncSchedule
+from tidal.rl.schedule import AsyncSchedule, SyncSchedule, make_schedule
+from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Grade, Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
+from tidal.store.errors import KeyNotFoundError
 
 Log = Callable[[str], None]
 
-TIS_FIELDS = ("tis_weight_mean", "tis_capped_frac")
-"""The step record's truncated importance sampling metrics (with `loss.tis_cap`)."""
+CORRECTION_METRICS = ("tis_weight_mean", "tis_capped_frac", "is_masked_frac")
+"""The loss's per-token correction figures, in a step's record when the correction is on."""
 
 
 def eval_versions(steps: int, eval_every: int) -> list[int]:
@@ -160,25 +173,10 @@ def generate_loop(
         version = schedule.version_for_batch(step)
         idle_s, sync_s = load(version)
         maybe_eval(version)
-        problems = _problems(task, cfg, index, step)
-        prompts = [encode_prompt(policy, p) for p in problems]
-        params = [SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                                 top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                                 stop_token_ids=stop, seed=request_seed(r.seed, step, index, i))
-                  for i in range(len(prompts))]  # fmt: skip
-        t0 = time.perf_counter()
-        groups = gen.generate(prompts, params)
-        gen_s = time.perf_counter() - t0
-        samples = [s for g in groups for s in g]
-        errors_before = grader.errors
-        grades = [grader(s.text, problems[s.prompt_index].reference) for s in samples]
-        meta = {
-            "generator": index, "version": version, "gen_s": gen_s, "idle_s": idle_s,
-            "sync_s": sync_s, "gen_tokens": sum(len(s.completion_ids) for s in samples),
-            "grader_errors": grader.errors - errors_before, "grader_error": grader.first_error,
-        }  # fmt: skip
-        batch = RolloutBatch.from_samples(samples, grades, task=task.name, pad_id=policy.pad_id,
-                                          meta=meta)  # fmt: skip
+        seeds = (r.seed, step, index)
+        batch = _sample_batch(policy, task, grader, cfg, index, seeds, stop,
+                              {"generator": index, "version": version, "idle_s": idle_s,
+                               "sync_s": sync_s})  # fmt: skip
         store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
     if index == 0:
         last = cfg.rl.steps
@@ -187,12 +185,131 @@ def generate_loop(
             maybe_eval(last)
 
 
-def _problems(task: Task, cfg: RLConfig, index: int, step: int) -> list[Problem]:
-    """Generator `index`'s prompts of step `step`: the same for the same seed whatever ran
-    before (a resumed run draws what the uninterrupted one would have)."""
-    stream: Iterator[Problem] = task.problems("train", seed=request_seed(cfg.rollout.seed, step,
-                                                                         index))  # fmt: skip
-    return [next(stream) for _ in range(cfg.prompts_of(index))]
+def _sample_batch(policy: Policy, task: Task, grader: Grader, cfg: RLConfig, index: int,
+                  seeds: tuple[int, ...], stop: tuple[int, ...],
+                  meta: dict[str, Any]) -> RolloutBatch:  # fmt: skip
+    """Generator `index`'s graded samples of one batch; its problems and sampling noise are
+    seeded by `seeds` (the same whatever ran before: a resumed run draws what the
+    uninterrupted one would have)."""
+    r, gen = cfg.rollout, policy.generator
+    stream: Iterator[Problem] = task.problems("train", seed=request_seed(*seeds))
+    problems = [next(stream) for _ in range(cfg.prompts_of(index))]
+    prompts = [encode_prompt(policy, p) for p in problems]
+    params = [SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                             top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                             stop_token_ids=stop, seed=request_seed(*seeds, i))
+              for i in range(len(prompts))]  # fmt: skip
+    t0 = time.perf_counter()
+    groups = gen.generate(prompts, params)
+    gen_s = time.perf_counter() - t0
+    samples = [s for g in groups for s in g]
+    errors_before = grader.errors
+    grades = [grader(s.text, problems[s.prompt_index].reference) for s in samples]
+    meta = {**meta, "gen_s": gen_s, "gen_tokens": sum(len(s.completion_ids) for s in samples),
+            "grader_errors": grader.errors - errors_before,
+            "grader_error": grader.first_error}  # fmt: skip
+    return RolloutBatch.from_samples(samples, grades, task=task.name, pad_id=policy.pad_id,
+                                     meta=meta)  # fmt: skip
+
+
+def generate_loop_async(
+    policy: Policy,
+    task: Task,
+    link: Link,
+    cfg: RLConfig,
+    *,
+    index: int,
+    first_step: int,
+    log: Log,
+) -> None:
+    """Generator `index`'s side of the async loop: batches 1, 2, ... until the trainer has
+    published its last version, each started with the newest version staged and switched to
+    newer ones between decode steps; it waits only for a free slot of the rollout queue (and
+    for the very first version). Generator 0 evaluates the eval versions it holds at a batch
+    start, and the last version at the end."""
+    store, gen, steps = link.store, policy.generator, cfg.rl.steps
+    grader = Grader(task)
+    eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
+    evals, evaluated = set(eval_versions(steps, cfg.rl.eval_every)), set()
+    stop = tuple(sorted(policy.encoder.stop_ids))
+    slots, key = cfg.queue_slots(), rollouts_key(index)
+
+    def load_exactly(version: int) -> float:
+        t0 = time.perf_counter()
+        link.wait_version(POLICY, version, f"policy version {version}", into={})
+        store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
+        gen.version = version
+        return time.perf_counter() - t0
+
+    def maybe_eval(version: int) -> None:
+        if index != 0 or version not in evals or version in evaluated:
+            return
+        hook, gen.swap_hook = gen.swap_hook, None  # an evaluation scores one version only
+        try:
+            result = evaluate(policy, grader, eval_set, log=log,
+                              max_new_tokens=cfg.rollout.max_new_tokens,
+                              label=f"eval of policy version {version}")  # fmt: skip
+        finally:
+            gen.swap_hook = hook
+        assert gen.version == version, (gen.version, version)
+        store.put_state_dict(result, EVAL, version=version)
+        evaluated.add(version)
+
+    idle_s = load_exactly(first_step)
+    # GPU slots when the versions live in the trainer's GPU memory (read device to device).
+    on_device = gen.device.type == "cuda" and cfg.store.policy_memory == "cuda"
+    stager = Stager(store, POLICY, gen.model.state_dict(), held=first_step, last=steps,
+                    slice_s=cfg.rl.heartbeat_s, on_device=on_device)  # fmt: skip
+    stager.start()
+    gen.swap_hook = stager.swap
+    try:
+        k, since = 0, time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            if not _queue_slot(link, index, k + 1 - slots, steps):
+                break  # the trainer published its last version: no more batches needed
+            idle_s += time.perf_counter() - t0
+            swap_s = stager.swap_s
+            stager.at_batch_start()
+            version = gen.version
+            assert version is not None
+            maybe_eval(version)
+            k += 1
+            swaps = stager.swaps
+            batch = _sample_batch(policy, task, grader, cfg, index, (cfg.rollout.seed, first_step,
+                                  k, index), stop, {"generator": index, "version": version,
+                                  "idle_s": idle_s})  # fmt: skip
+            now = time.perf_counter()
+            batch.meta.update(swaps_in_flight=stager.swaps - swaps, prefetch_hits=stager.hits,
+                              prefetch_misses=stager.misses, wall_s=now - since,
+                              sync_s=stager.swap_s - swap_s)  # fmt: skip
+            store.put_state_dict(batch.to_state_dict(), key, version=k, keep=slots + 2)
+            idle_s, since = 0.0, now
+    finally:
+        gen.swap_hook = None
+        stager.close()
+    if index == 0 and steps in evals and steps not in evaluated:
+        load_exactly(steps)
+        maybe_eval(steps)
+
+
+def _queue_slot(link: Link, index: int, taken: int, steps: int) -> bool:
+    """Wait until the trainer has taken batch `taken` of generator `index` (its queue has a
+    free slot); False when the trainer has published its last version instead."""
+    store = link.store
+
+    def attempt(seconds: float) -> bool:
+        if store.exists(POLICY, steps):
+            return False
+        if taken <= 0 or store.exists(taken_key(index), taken):
+            return True
+        with contextlib.suppress(KeyNotFoundError, IndexError):
+            if store.versions(taken_key(index))[-1] >= taken:
+                return True
+        store.get_state_dict(taken_key(index), into={}, version=taken, wait=seconds)
+        return True
+
+    return link.wait(f"a free slot of generator {index}'s rollout queue", attempt)
 
 
 # -- trainer side ----------------------------------------------------------------------------
@@ -210,6 +327,8 @@ class TrainerSide:
     dp_world: int
     seq_len: int | None
     """Fixed T of every trainer batch (pipeline parallel), or None."""
+    is_main: bool = True
+    """Global rank 0: in async mode it chooses the rollouts of each step for every rank."""
     reference: list[torch.Tensor] | None = None
     """The frozen reference weights (a copy of the trainer's parameters at the start) when
     `loss.kl_coef` > 0, else None."""
@@ -217,42 +336,60 @@ class TrainerSide:
 
 def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
                log_record: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
-    """The trainer's side of the sync loop: steps first_step + 1 .. rl.steps, publishing each
+    """The trainer's side of the loop: steps first_step + 1 .. rl.steps, publishing each
     version, then waiting for the last evaluation. `log_record` gets one record per step and
-    one per evaluation (rank 0 writes them)."""
+    one per evaluation (rank 0 writes them). In async mode each step takes the next
+    `generator.count` rollout batches to arrive and drops the samples that are too stale."""
     from tidal.train.optim import set_lr, wsd_multiplier
 
     trainer, store = side.trainer, link.store
-    schedule = SyncSchedule(cfg.rl.steps)
+    schedule = make_schedule(cfg.rl.mode, cfg.rl.steps, cfg.rl.max_staleness)
     loss = PolicyLoss(cfg.loss)
     pending_evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
+    queue = _Intake(link, cfg, main=side.is_main) if isinstance(schedule, AsyncSchedule) else None
     start = time.perf_counter()
     t0 = time.perf_counter()
     future = side.publish(first_step)
     sync_s = time.perf_counter() - t0
     lr_start = trainer.checkpoint.lr_start
+    dropped_total, step_end = 0, time.perf_counter()
     for step in range(first_step + 1, cfg.rl.steps + 1):
         step_start = time.perf_counter()
-        parts = [RolloutBatch.from_state_dict(link.wait_version(
-            rollouts_key(g), step, f"the rollouts of step {step} from generator {g}"))
-            for g in range(cfg.generator.count)]  # fmt: skip
+        if queue is None:
+            parts = [RolloutBatch.from_state_dict(link.wait_version(
+                rollouts_key(g), step, f"the rollouts of step {step} from generator {g}"))
+                for g in range(cfg.generator.count)]  # fmt: skip
+        else:
+            parts = queue.take(cfg.generator.count, step)
         idle_s = time.perf_counter() - step_start
         rollout = RolloutBatch.concat(parts)
-        stale = schedule.stale_tokens(rollout.versions, rollout.completion_mask, step)
-        if stale:
-            raise RuntimeError(
-                f"step {step}: {stale} rollout tokens come from another policy version than "
-                f"{schedule.version_for_batch(step)}; sync mode trains only on-policy tokens"
-            )
-        adv = group_advantages(rollout.rewards, rollout.group_ids, cfg.loss)
+        extra: dict[str, Any] = {}
+        if isinstance(schedule, AsyncSchedule):
+            trained, extra = _drop_stale(rollout, schedule, step)
+            dropped_total += extra["stale_samples_dropped"]
+            extra["stale_samples_dropped_total"] = dropped_total
+            extra |= queue.stats(parts) if queue is not None else {}
+        else:
+            trained = rollout
+            stale = schedule.stale_tokens(rollout.versions, rollout.completion_mask, step)
+            if stale:
+                raise RuntimeError(
+                    f"step {step}: {stale} rollout tokens come from another policy version than "
+                    f"{schedule.version_for_batch(step)}; sync mode trains only on-policy tokens"
+                )
+        adv = None if trained is None else group_advantages(trained.rewards, trained.group_ids,
+                                                            cfg.loss)  # fmt: skip
         t0 = time.perf_counter()
         future.result()  # the last put read the weights: the optimizer may change them now
         sync_s += time.perf_counter() - t0
+        if queue is not None:  # now, so that the generators' next batches start from it
+            queue.mark_taken()
         lr = cfg.optimizer.lr * wsd_multiplier(step - lr_start, cfg.rl.steps - lr_start,
                                                cfg.lr_scheduler)  # fmt: skip
         set_lr(trainer.optimizer, lr)
         train_start = time.perf_counter()
-        metrics, tokens, positions = _train_step(side, rollout, adv, loss, cfg)
+        metrics, tokens, positions = ({}, 0, 0) if trained is None or adv is None else (
+            _train_step(side, trained, adv, loss, cfg))  # fmt: skip
         train_s = time.perf_counter() - train_start
         trainer.step = step
         t0 = time.perf_counter()
@@ -262,6 +399,7 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
         meta = [p.meta for p in parts]
         gen_s = max(m["gen_s"] for m in meta)
         lens = rollout.completion_mask.sum(1).float()
+        now = time.perf_counter()
         record: dict[str, Any] = {
             "step": step,
             "reward_mean": float(rollout.rewards.mean()),
@@ -269,14 +407,14 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
             "response_len_mean": float(lens.mean()),
             "entropy": metrics.get("entropy"),
             **({"kl": metrics.get("kl")} if cfg.loss.kl_coef > 0 else {}),
-            **({k: metrics.get(k) for k in TIS_FIELDS} if cfg.loss.tis_cap is not None else {}),
             "clip_frac": metrics.get("clip_frac"),
             "ratio_max": metrics.get("ratio_max"),
             "ratio_min": metrics.get("ratio_min"),
             "ratio_mean": metrics.get("ratio_mean"),
+            **{k: v for k, v in metrics.items() if k in CORRECTION_METRICS},
             "loss": metrics.get("loss"),
-            "groups_dropped": adv.dropped_groups,
-            "groups": adv.groups,
+            "groups_dropped": adv.dropped_groups if adv is not None else 0,
+            "groups": adv.groups if adv is not None else 0,
             "samples": rollout.num_samples,
             "samples_per_generator": [p.num_samples for p in parts],
             "format_ok_rate": float(rollout.format_ok.float().mean()),
@@ -288,12 +426,15 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
             "sync_trainer_s": sync_s,
             "sync_generator_s": max(m["sync_s"] for m in meta),
             "trainer_idle_s": idle_s,
+            "trainer_idle_frac": idle_s / max(now - step_end, 1e-9),
             "generator_idle_s": max(m["idle_s"] for m in meta),
             "gen_s": gen_s,
             "train_s": train_s,
             "lr": lr,
-            "elapsed_s": time.perf_counter() - start,
+            "elapsed_s": now - start,
+            **extra,
         }
+        step_end = now
         errors = [m["grader_error"] for m in meta if m["grader_error"]]
         if record["grader_errors"]:
             record["grader_error"] = errors[0] if errors else ""
@@ -302,10 +443,103 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
         pending_evals = _log_evals(store, pending_evals, step, log_record)
     future.result()
     trainer.checkpoint.finish()
+    if queue is not None:  # async: generator 0 scores the eval versions it happened to hold
+        pending_evals = _log_evals(store, pending_evals, cfg.rl.steps, log_record)
+        pending_evals = [v for v in pending_evals if v == cfg.rl.steps]
     for v in pending_evals:  # the last version's evaluation, and any not yet seen
         result = link.wait_version(EVAL, v, f"the evaluation of policy version {v}")
         log_record({"step": v, "eval_pass1": result["pass1"], "eval_correct": result["correct"],
                     "eval_total": result["total"], "eval_s": result["seconds"]})  # fmt: skip
+
+
+class _Intake:
+    """async: the trainer's end of the rollout queue. Generator g puts rollouts/<g>@1, 2, ...;
+    `take` returns the next batches to arrive, from any generators. Trainer rank 0 chooses
+    them and announces its choice under control/intake@step, which the other ranks read, so
+    every rank trains on the same rollouts. `mark_taken` (rank 0, called once the previous
+    version is committed, so that a generator's next batch can start from it) puts
+    control/taken/<g>@k, and g may fill the slot again."""
+
+    def __init__(self, link: Link, cfg: RLConfig, *, main: bool = True) -> None:
+        self.link, self.store, self.count, self.main = link, link.store, cfg.generator.count, main
+        self.next = [1] * self.count
+        self.first = 0  # the generator asked first: the one after the last taken
+        self.latest: dict[int, dict[str, Any]] = {}  # generator -> meta of its latest batch
+        self.unmarked: list[tuple[int, int]] = []  # (generator, batch) taken, not yet marked
+
+    def take(self, n: int, step: int) -> list[RolloutBatch]:
+        if not self.main:
+            chosen = self.link.wait_version(INTAKE, step, f"trainer rank 0's intake of step {step}")
+            sds = [(g, self.store.get_state_dict(rollouts_key(g), version=k))
+                   for g, k in chosen["batches"]]  # fmt: skip
+        else:
+            sds, taken = [], []
+            while len(sds) < n:
+                g, sd = self.link.wait(f"rollouts from any of {self.count} generator(s)",
+                                       self._try)  # fmt: skip
+                taken.append((g, self.next[g]))
+                self.next[g] += 1
+                self.first = (g + 1) % self.count
+                sds.append((g, sd))
+            self.store.put_state_dict({"batches": [list(x) for x in taken]}, INTAKE,
+                                      version=step)  # fmt: skip
+            self.unmarked += taken
+        out = []
+        for g, sd in sds:
+            batch = RolloutBatch.from_state_dict(sd)
+            self.latest[g] = batch.meta
+            out.append(batch)
+        return out
+
+    def mark_taken(self) -> None:
+        if not self.main:
+            return
+        for g, k in self.unmarked:
+            self.store.put_state_dict({"k": k}, taken_key(g), version=k)
+        self.unmarked = []
+
+    def _try(self, seconds: float) -> tuple[int, dict]:
+        order = [(self.first + j) % self.count for j in range(self.count)]
+        for g in order:
+            if self.store.exists(rollouts_key(g), self.next[g]):
+                return g, self.store.get_state_dict(rollouts_key(g), version=self.next[g])
+        g = order[0]  # none is there: wait a little for the first in turn, then ask all again
+        wait = seconds if self.count == 1 else min(seconds, 0.05)
+        return g, self.store.get_state_dict(rollouts_key(g), version=self.next[g], wait=wait)
+
+    def stats(self, parts: list[RolloutBatch]) -> dict[str, Any]:
+        """Generator-side figures of a step: idle share, in-flight swaps, prefetch hits."""
+        idle = [p.meta["idle_s"] / max(p.meta["wall_s"], 1e-9) for p in parts]
+        hits = sum(m["prefetch_hits"] for m in self.latest.values())
+        misses = sum(m["prefetch_misses"] for m in self.latest.values())
+        return {
+            "generator_idle_frac": sum(idle) / len(idle),
+            "weight_swaps_in_flight": sum(p.meta["swaps_in_flight"] for p in parts),
+            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "prefetch_needed": hits + misses,
+        }
+
+
+def _drop_stale(rollout: RolloutBatch, schedule: AsyncSchedule,
+                step: int) -> tuple[RolloutBatch | None, dict[str, Any]]:  # fmt: skip
+    """The samples step `step` may train on (every token new enough; a group with a stale
+    sample goes whole, its baseline needs all of them), and the staleness figures."""
+    versions, mask = rollout.versions, rollout.completion_mask
+    stale_N = schedule.stale_samples(versions, mask, step)
+    drop_N = torch.isin(rollout.group_ids, rollout.group_ids[stale_N])
+    keep_N = ~drop_N
+    kept_v = versions[keep_N][mask[keep_N]]
+    info = {
+        "stale_samples_dropped": int(drop_N.sum()),
+        "stale_dropped_frac": float(drop_N.float().mean()),
+        "staleness_hist": schedule.histogram(versions[keep_N], mask[keep_N], step),
+        "version_min": int(kept_v.min()) if kept_v.numel() else None,
+        "version_max": int(kept_v.max()) if kept_v.numel() else None,
+        "samples_trained": int(keep_N.sum()),
+    }
+    if not bool(keep_N.any()):
+        return None, info
+    return (rollout if not bool(drop_N.any()) else rollout.select(keep_N)), info
 
 
 def _log_evals(store: Any, pending: list[int], step: int, log_record) -> list[int]:
@@ -335,7 +569,7 @@ def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
     if not batches:
         return {}, 0, 0
     batches = [b.to(trainer.device) for b in batches]
-    if cfg.loss.tis_cap is not None:  # the PPO ratio against the trainer's own old log-probs
+    if cfg.loss.corrects:  # the PPO ratio against the trainer's own old log-probs
         for b in batches:
             b.extras["old_logprobs"] = trainer.logprobs(b)
     if side.reference is not None:  # the KL term's frozen reference, in the same layout

@@ -9,6 +9,7 @@ Per sequence i, with advantage A_i, and per completion token t:
                    = exp(mean_t' (logp_new - logp_old))  for all t   ("sequence", GSPO)
     surrogate  pg_it = -min(r_it A_i, clip(r_it, 1 - clip_low, 1 + clip_high) A_i)
     TIS        w_it = min(exp(logp_old - logp_gen), tis_cap)        (detached; 1 without it)
+    or mask    w_it = 1 if mask_low <= exp(logp_old - logp_gen) <= mask_high, else 0
     KL (k3)    kl_it = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1
     loss = aggregate(w * pg) + kl_coef * aggregate(kl)
 
@@ -47,6 +48,11 @@ Where this departs from the papers, and why:
   against the trainer's recomputed old log-probs and each token's surrogate is weighted by
   min(pi_old_trainer / pi_gen, tis_cap), as in the paper. With the "sequence" ratio the
   weight is sequence-level too: min(exp(mean_t (logp_old - logp_gen)), tis_cap).
+- Masking (the alternative correction, `mask_low` / `mask_high`, as in IcePop and
+  MiniMax-M1's token masking): instead of down-weighting, a token whose importance ratio
+  pi_old_trainer / pi_gen falls outside [mask_low, mask_high] gets weight 0 (no gradient);
+  it still counts in the token-mean normalizer, so masking never inflates other tokens'
+  weight. With the "sequence" ratio the test is on the sequence's mean log-ratio.
 - Log-ratios (new - old, ref - new) are clamped to [-20, 20] before exp, as verl does, so a
   diverged token gives a large finite loss instead of inf (its gradient there is zero).
 
@@ -108,6 +114,11 @@ class LossConfig:
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token by min(exp(logp_old - logp_gen),
     tis_cap), with `gen_logprobs` the generator's. None is off."""
+    mask_low: float | None = None
+    """The other correction (exclusive with tis_cap): mask tokens whose importance ratio
+    exp(logp_old - logp_gen) is below this (in (0, 1]); set with mask_high. None is off."""
+    mask_high: float | None = None
+    """Mask tokens whose importance ratio is above this (>= 1); set with mask_low."""
     std_normalize: bool = True
     """Divide advantages by their group's standard deviation (GRPO, DAPO; not Dr. GRPO)."""
     drop_equal_groups: bool = True
@@ -140,6 +151,29 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not self.tis_cap >= 1.0:
             raise ValueError(f"LossConfig.tis_cap must be None or >= 1, got {self.tis_cap}")
+        if (self.mask_low is None) != (self.mask_high is None):
+            raise ValueError(
+                "LossConfig.mask_low and mask_high are set together (the band of importance "
+                f"ratios kept), got mask_low={self.mask_low}, mask_high={self.mask_high}"
+            )
+        if self.mask_low is not None:
+            assert self.mask_high is not None
+            if not 0.0 < self.mask_low <= 1.0 or not self.mask_high >= 1.0:
+                raise ValueError(
+                    "LossConfig.mask_low must be in (0, 1] and mask_high >= 1, got "
+                    f"mask_low={self.mask_low}, mask_high={self.mask_high}"
+                )
+            if self.tis_cap is not None:
+                raise ValueError(
+                    "LossConfig.tis_cap and mask_low/mask_high are two corrections of the same "
+                    "thing; set one (tis_cap: truncated IS, mask_*: masking)"
+                )
+
+    @property
+    def corrects(self) -> bool:
+        """An importance-sampling correction (tis_cap or the mask band) is on: the loss needs
+        the generator's log-probs, and the PPO ratio is taken against the trainer's own."""
+        return self.tis_cap is not None or self.mask_low is not None
 
 
 def grpo() -> LossConfig:
@@ -266,7 +300,8 @@ def policy_loss(
             tensors are ignored, NaN and inf included.
         cfg: the loss variant.
         ref_logprobs: [B, T] under the frozen reference model; needed when cfg.kl_coef > 0.
-        gen_logprobs: [B, T] the generator's; needed when cfg.tis_cap is set.
+        gen_logprobs: [B, T] the generator's; needed when cfg.tis_cap or the mask band is
+            set.
         entropy: [B, T] per-token entropies of the policy, for the metric only; without
             them the metric is the sampled tokens' mean -logp_new (an estimate of it).
         num_tokens: the normalizer of "token-mean" (default: this call's masked tokens).
@@ -278,7 +313,8 @@ def policy_loss(
         0-dim detached tensors (no host sync): "loss", "pg_loss", "kl" (masked token mean
         of k3; with ref_logprobs), "clip_frac", "clip_low_frac", "clip_high_frac" (masked
         tokens whose gradient the clip removes), "ratio_mean", "ratio_max", "ratio_min",
-        "tis_weight_mean" and "tis_capped_frac" (with TIS), "entropy", "num_tokens".
+        "tis_weight_mean" and "tis_capped_frac" (with TIS), "is_masked_frac" (with the mask
+        band), "entropy", "num_tokens".
 
     Raises:
         ValueError: a shape mismatch, or a tensor the config needs is missing.
@@ -297,12 +333,14 @@ def policy_loss(
     _check("advantages", advantages, (B,))
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} needs ref_logprobs")
-    if cfg.tis_cap is not None and gen_logprobs is None:
-        raise ValueError(f"LossConfig.tis_cap={cfg.tis_cap} needs gen_logprobs (the generator's)")
+    if cfg.corrects and gen_logprobs is None:
+        what = f"tis_cap={cfg.tis_cap}" if cfg.tis_cap is not None else "mask_low/mask_high"
+        raise ValueError(f"LossConfig.{what} needs gen_logprobs (the generator's)")
     if cfg.kl_coef == 0 and ref_logprobs is not None:
         warnings.warn("ref_logprobs is ignored with LossConfig.kl_coef=0", stacklevel=2)
-    if cfg.tis_cap is None and gen_logprobs is not None:
-        warnings.warn("gen_logprobs is ignored with LossConfig.tis_cap=None", stacklevel=2)
+    if not cfg.corrects and gen_logprobs is not None:
+        warnings.warn("gen_logprobs is ignored with LossConfig.tis_cap=None (and no mask band)",
+                      stacklevel=2)  # fmt: skip
 
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
     m_BT = mask != 0
@@ -341,6 +379,14 @@ def policy_loss(
         pg_BT = pg_BT * w_BT
         metrics["tis_weight_mean"] = (w_BT * mf_BT).sum() / denom
         metrics["tis_capped_frac"] = ((lw_BT >= math.log(cfg.tis_cap)) & m_BT).sum() / denom
+    elif cfg.mask_low is not None:
+        assert gen_logprobs is not None and cfg.mask_high is not None
+        lw_BT = old_BT - masked(gen_logprobs.detach())
+        if cfg.ratio == "sequence":
+            lw_BT = per_sequence(lw_BT)
+        inside_BT = (lw_BT >= math.log(cfg.mask_low)) & (lw_BT <= math.log(cfg.mask_high))
+        pg_BT = pg_BT * inside_BT.to(dtype)
+        metrics["is_masked_frac"] = (~inside_BT & m_BT).sum() / denom
 
     def aggregate(x_BT: torch.Tensor) -> torch.Tensor:
         x_BT = x_BT * mf_BT

@@ -23,6 +23,12 @@ STEP_FIELDS = ("step", "reward_mean", "reward_std", "response_len_mean", "entrop
                "sync_generator_s")  # fmt: skip
 """Fields of every step record (and "kl" when loss.kl_coef > 0, "tis_weight_mean" and
 "tis_capped_frac" with loss.tis_cap)."""
+ASYNC_FIELDS = ("staleness_hist", "stale_samples_dropped", "stale_dropped_frac",
+                "stale_samples_dropped_total", "version_min", "version_max", "samples_trained",
+                "trainer_idle_frac", "generator_idle_frac", "weight_swaps_in_flight",
+                "prefetch_hit_rate", "prefetch_needed")  # fmt: skip
+"""Fields a step record of async mode adds (with the loss's correction figures:
+"tis_weight_mean" and "tis_capped_frac", or "is_masked_frac")."""
 
 
 class Report:
@@ -57,6 +63,12 @@ class Report:
                 f"{record['tokens_per_s_train']:,.0f} tok/s sync "
                 f"{1000 * record['sync_trainer_s']:.0f}/{1000 * record['sync_generator_s']:.0f}ms"
             )
+            if "staleness_hist" in record:
+                hit = record["prefetch_hit_rate"]
+                line += (f" | stale dropped {record['stale_samples_dropped']} lag "
+                         f"{record['staleness_hist']} idle {record['trainer_idle_frac']:.2f}/"
+                         f"{record['generator_idle_frac']:.2f} prefetch hit "
+                         f"{'-' if hit is None else f'{hit:.2f}'}")  # fmt: skip
             if record.get("grader_errors"):
                 line += (f" | grader raised {record['grader_errors']}x: "
                          f"{record.get('grader_error', '')}")  # fmt: skip

@@ -112,6 +112,8 @@ def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
         ValueError, FileNotFoundError: naming the field at fault.
     """
     task = make_task(cfg)
+    if (warning := cfg.queue_warning()) is not None:
+        log(f"tidal rl: warning: {warning}")
     if cfg.policy.kind == "sft":
         try:
             src = resolve_policy(cfg, log=log)
@@ -269,6 +271,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
         side = TrainerSide(
             trainer=trainer, publish=publish, dp_rank=dp_rank, dp_world=trainer.dims.dp,
+            is_main=main,
             seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
             reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
         )  # fmt: skip
@@ -277,7 +280,9 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             store.put_state_dict({"step": first, "steps": cfg.rl.steps}, START, version=0)
             log(f"trainer: {src.describe}; steps {first + 1}..{cfg.rl.steps}, "
                 f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
-                f"step over {cfg.generator.count} generator(s)")  # fmt: skip
+                f"step over {cfg.generator.count} generator(s), {cfg.rl.mode} mode"
+                + (f" (max_staleness {cfg.rl.max_staleness}, queue {cfg.queue_slots()} "
+                   f"batch(es) per generator)" if cfg.rl.mode == "async" else ""))  # fmt: skip
         train_loop(side, link, cfg, first_step=first,
                    log_record=report.log if report else lambda r: None)  # fmt: skip
         summary = report.finish() if report else {}
@@ -331,7 +336,7 @@ def build_generator(cfg: RLConfig, src: PolicySource):
 
 def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) -> None:
     """Generator `index`'s role: until the trainer is done."""
-    from tidal.rl.loop import Policy, generate_loop
+    from tidal.rl.loop import Policy, generate_loop, generate_loop_async
 
     if not 0 <= index < cfg.generator.count:
         raise ValueError(f"--index must be in 0..{cfg.generator.count - 1} (generator.count="
@@ -349,7 +354,8 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) ->
         start = link.wait_version(START, 0, "the trainer's start")
         log(f"{name}: on {gen.device} ({generator_dtype(cfg)}), steps {start['step'] + 1}.."
             f"{cfg.rl.steps}, {cfg.prompts_of(index)} prompts a step")  # fmt: skip
-        generate_loop(policy, task, link, cfg, index=index, first_step=start["step"], log=log)
+        loop = generate_loop_async if cfg.rl.mode == "async" else generate_loop
+        loop(policy, task, link, cfg, index=index, first_step=start["step"], log=log)
         link.wait_version(DONE, 0, "the trainer to finish")
     except BaseException as e:
         link.stop(_why(e, name))

@@ -11,8 +11,9 @@ several with `RolloutBatch.concat`, computes advantages from `rewards` and `grou
 (tidal/rl/loss.py), and scores `token_ids()` with its own forward.
 
 Versions: every completion token carries the policy version that produced it
-(`versions`); today the Generator reports one version per sample (`Sample.weight_version`),
-so all tokens of a sample share it; -1 stands for padding and unversioned weights.
+(`versions`, from `Sample.versions`, or `Sample.weight_version` for every token when the
+weights did not change during the sample); in async mode one sample may span versions. -1
+stands for padding and unversioned weights.
 """
 
 from __future__ import annotations
@@ -156,7 +157,12 @@ class RolloutBatch:
             mask[i, :c] = True
             logprobs[i, :c] = torch.tensor(s.logprobs)
             sampling_logprobs[i, :c] = torch.tensor(s.sampling_logprobs)
-            if s.weight_version is not None:
+            if s.versions is not None:
+                if len(s.versions) != c:
+                    raise ValueError(f"sample {i}: {c} completion tokens but {len(s.versions)} "
+                                     "versions")  # fmt: skip
+                versions[i, :c] = torch.tensor(s.versions, dtype=torch.int64)
+            elif s.weight_version is not None:
                 versions[i, :c] = s.weight_version
         return cls(
             prompt_ids=prompt_ids,

@@ -4,7 +4,7 @@ batch sizes (tidal/rl/generate.py uses them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,19 @@ class Slot:
     sample_index: int
     count: int  # tokens generated if the row is still running (exact until it finishes)
     checked: int = 0  # tokens already searched for stop strings
+    marks: list[tuple[int, int | None]] = field(default_factory=list)
+    """(first token index, policy version) each time the weights changed under this row:
+    tokens from that index on were produced by that version."""
+
+    def versions(self, n: int) -> list[int] | None:
+        """The policy version of each of the first `n` tokens (None: unversioned weights)."""
+        if not self.marks or all(v is None for _, v in self.marks):
+            return None
+        out: list[int] = []
+        for k, (_, v) in enumerate(self.marks):
+            end = self.marks[k + 1][0] if k + 1 < len(self.marks) else n
+            out += [-1 if v is None else v] * max(0, min(end, n) - len(out))
+        return out[:n]
 
 
 class Rows:

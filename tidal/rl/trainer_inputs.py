@@ -41,7 +41,7 @@ from tidal.train.data import Batch
 from tidal.train.loss import IGNORE_INDEX, StepNorms
 
 _TOKEN_MEANS = ("kl", "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy",
-                "tis_weight_mean", "tis_capped_frac")  # fmt: skip
+                "tis_weight_mean", "tis_capped_frac", "is_masked_frac")  # fmt: skip
 """policy_loss metrics that are means over the micro-batch's tokens."""
 
 
@@ -156,12 +156,13 @@ class PolicyLoss:
 
     Reads the batch's extras "advantages", "old_logprobs", "mask" (default: labels !=
     IGNORE_INDEX), "ref_logprobs" (when `cfg.kl_coef` > 0) and "gen_logprobs" (when
-    `cfg.tis_cap` is set), as `rollout_batches` builds them.
+    `cfg.tis_cap` or the mask band is set), as `rollout_batches` builds them.
 
     Metrics (`StepResult.metrics`, reduced over the step): policy_loss's, as step values:
     "loss", "pg_loss", "num_tokens" (sums), "ratio_max" (max), "ratio_min" (min) and the
     token means ("kl", "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean",
-    "entropy", and with TIS "tis_weight_mean", "tis_capped_frac") over all the step's tokens.
+    "entropy", with TIS "tis_weight_mean", "tis_capped_frac", with the mask band
+    "is_masked_frac") over all the step's tokens.
 
     Example::
 
@@ -184,7 +185,7 @@ class PolicyLoss:
         x = batch.extras
         need = ["advantages", "old_logprobs"]
         need += ["ref_logprobs"] if self.cfg.kl_coef > 0 else []
-        need += ["gen_logprobs"] if self.cfg.tis_cap is not None else []
+        need += ["gen_logprobs"] if self.cfg.corrects else []
         missing = [k for k in need if k not in x]
         if missing:
             raise KeyError(
@@ -199,7 +200,7 @@ class PolicyLoss:
             mask,
             self.cfg,
             ref_logprobs=x["ref_logprobs"] if self.cfg.kl_coef > 0 else None,
-            gen_logprobs=x["gen_logprobs"] if self.cfg.tis_cap is not None else None,
+            gen_logprobs=x["gen_logprobs"] if self.cfg.corrects else None,
             entropy=entropy,
             num_tokens=norms.tokens,
             num_sequences=norms.sequences,

@@ -1,0 +1,185 @@
+"""Weight prefetch for asynchronous generators: the next policy version is read from the
+store into staging memory in the background, then copied into the live parameters between
+decode steps, without draining the batch.
+
+Lifecycle (in a generator process): build `Stager(store, "policy", gen.model.state_dict(),
+held=v)` once the generator holds version v; `start()` its thread; set
+`gen.swap_hook = stager.swap` so that `Generator.generate` calls it between decode steps;
+call `stager.at_batch_start()` before each batch (it swaps too, and counts prefetch hits);
+`close()` at the end.
+
+Staging memory is a second set of host tensors shaped like the parameters (pinned when the
+parameters are on a GPU), or of device tensors (`on_device`: GPU slots). The background
+thread fills it with the newest committed version (or waits for the next one to be written,
+streaming it as it lands), then waits until the generator has swapped it in. A swap is one
+in-place `copy_` per parameter: no reallocation, so captured CUDA graphs stay valid; on a
+GPU the copies are queued on the current stream (non-blocking from pinned memory) and the
+staging buffer is refilled only after they ran.
+
+Prefetch hit rate: at the start of each batch, if a version newer than the one held is
+committed in the store, the version was needed; it is a hit when a newer version was
+already staged (and is swapped in at once), a miss when it was still being read (the batch
+then starts with the old weights: the generator never waits).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tidal.store.errors import (
+    KeyNotFoundError,
+    StoreError,
+    VersionNotFoundError,
+    WaitExpiredError,
+)
+
+
+class Stager:
+    """Background prefetch of policy versions into staging tensors (see the module
+    docstring).
+
+    Args:
+        store: this process's `tidal.store.Store`.
+        key: the policy's key ("policy").
+        params: the live state dict (`model.state_dict()`), plain tensors; swaps copy into it.
+        held: the version the live parameters hold now.
+        last: the last version there will be (the thread stops after staging it).
+        slice_s: longest single wait for an unwritten version (the thread rechecks for a
+            newer one and for `close()` between waits).
+        on_device: stage in a second set of tensors on the parameters' device (GPU slots:
+            a second copy of the weights in GPU memory, filled device to device when the
+            store keeps versions in GPU memory) instead of host memory.
+    """
+
+    def __init__(self, store: Any, key: str, params: Mapping[str, torch.Tensor], *, held: int,
+                 last: int, slice_s: float = 0.5, on_device: bool = False) -> None:  # fmt: skip
+        self.store, self.key, self.params = store, key, dict(params)
+        self.last, self.slice_s = last, slice_s
+        pin = any(t.is_cuda for t in self.params.values()) and torch.cuda.is_available()
+        self.staging = {
+            k: torch.empty_like(t) if on_device
+            else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            for k, t in self.params.items()
+        }  # fmt: skip
+        self.held = held
+        self.hits = self.misses = self.swaps = 0
+        self.swap_s = 0.0
+        """Seconds the generator spent in swaps (copying staged weights into its own)."""
+        self.error: BaseException | None = None
+        self._staged: int | None = None  # version complete in staging, not yet swapped in
+        self._copied: Any = None  # CUDA event: the last swap's copies have run
+        self._cv = threading.Condition()
+        self._halt = False
+        self._thread = threading.Thread(target=self._run, name="tidal-rl-prefetch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cv:
+            self._halt = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10 * self.slice_s + 10)
+
+    # -- the background thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while self._staged is not None and not self._halt:
+                        self._cv.wait()
+                    if self._halt:
+                        return
+                    held = self.held
+                if held >= self.last:
+                    return
+                if self._copied is not None:
+                    self._copied.synchronize()  # the last swap has read the staging buffer
+                version = self._fetch(held)
+                if version is not None:
+                    with self._cv:
+                        self._staged = version
+                        self._cv.notify_all()
+        except BaseException as e:  # reported by the next swap, in the generator's thread
+            with self._cv:
+                self.error = e
+                self._cv.notify_all()
+
+    def _fetch(self, held: int) -> int | None:
+        """Read the newest committed version above `held` (or wait a slice for held + 1)
+        into staging; returns it, or None when nothing new came."""
+        try:
+            newest = self.store.versions(self.key)[-1]
+        except (KeyNotFoundError, IndexError):
+            newest = -1
+        try:
+            if newest > held:
+                self.store.get_state_dict(self.key, into=self.staging, version=newest)
+                return newest
+            self.store.get_state_dict(self.key, into=self.staging, version=held + 1,
+                                      wait=self.slice_s)  # fmt: skip
+            return held + 1
+        except (VersionNotFoundError, KeyNotFoundError, WaitExpiredError):
+            return None  # not written yet, or dropped by the store's keep: ask again
+
+    # -- the generator's side ---------------------------------------------------------------
+
+    def swap(self) -> int | None:
+        """If a version newer than the held one is staged, copy it into the live parameters
+        in place and return it; else None. Called between decode steps.
+
+        Raises:
+            StoreError: the background read failed (the store is gone).
+        """
+        if self.error is not None:
+            err, self.error = self.error, None
+            if isinstance(err, StoreError | OSError):
+                raise StoreError(f"prefetching policy versions failed: {err}") from err
+            raise err
+        with self._cv:
+            version = self._staged
+        if version is None:
+            return None
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, dst in self.params.items():
+                dst.copy_(self.staging[name], non_blocking=True)
+        if any(t.is_cuda for t in self.params.values()):
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.swap_s += time.perf_counter() - t0
+        with self._cv:
+            self.held, self._staged = version, None
+            self.swaps += 1
+            self._cv.notify_all()
+        return version
+
+    def wait_staged(self, timeout: float) -> int | None:
+        """Block until a version newer than the held one is staged (at most `timeout` s);
+        returns it, or None. For callers that choose to wait; the async loop never does."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._staged is not None or self.error is not None,
+                              timeout=timeout)  # fmt: skip
+            return self._staged
+
+    def at_batch_start(self) -> int | None:
+        """Before a batch: count a prefetch hit or miss when a newer version is committed,
+        and swap in a staged one. Returns the version swapped in, or None."""
+        try:
+            newest = self.store.versions(self.key)[-1]
+        except (KeyNotFoundError, IndexError):
+            newest = -1
+        with self._cv:
+            staged = self._staged
+        if newest > self.held:
+            if staged is not None:
+                self.hits += 1
+            else:
+                self.misses += 1
+        return self.swap()

@@ -192,5 +192,5 @@ def sft_addition_slips() -> Config:
     cfg = sft_addition()
     cfg.job = JobConfig(name="sft_addition_slips", output_dir="outputs/sft_addition_slips")
     cfg.data.path = "add:1-3:slip=0.55"
-    cfg.training.steps = 250
+    cfg.training.steps = 300
     return cfg

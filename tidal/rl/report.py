@@ -8,8 +8,9 @@ record per step, one per evaluation), and calls `finish()` then `close()`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from tidal.rl.config import RLConfig
@@ -86,8 +87,8 @@ class Report:
             # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
             k = max(1, min(10, len(self.steps) // 2))
             summary["reward_window"] = k
-            summary["reward_first"] = _mean(r["reward_mean"] for r in self.steps[:k])
-            summary["reward_last"] = _mean(r["reward_mean"] for r in self.steps[-k:])
+            summary["reward_first"] = fmean(r["reward_mean"] for r in self.steps[:k])
+            summary["reward_last"] = fmean(r["reward_mean"] for r in self.steps[-k:])
             summary["elapsed_s"] = self.steps[-1]["elapsed_s"]
         text = summary_line(summary)
         if self.cfg.metrics.plot:
@@ -140,7 +141,7 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
     ax.plot(x, reward, label="reward (mean of the step)", color="tab:blue", alpha=0.35)
     if len(steps) >= 5:
         k = 5
-        smooth = [_mean(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
+        smooth = [fmean(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
         ax.plot(x, smooth, label=f"reward ({k}-step running mean)", color="tab:blue")
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_pass1"] for r in evals], "o-",
@@ -154,11 +155,6 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _mean(xs: Iterable[float]) -> float:
-    v = list(xs)
-    return sum(v) / len(v)
 
 
 def _num(x: float | None) -> str:

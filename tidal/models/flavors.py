@@ -77,6 +77,20 @@ FLAVORS: dict[str, ModelArgs] = {
         tie_embeddings=True,
         max_seq_len=2048,
     ),
+    # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M-Instruct: 134.5M parameters with its
+    # 49,152 vocabulary, tied output); the RL peer benchmark trains it with a small vocabulary.
+    "smollm2_135m": _llama3(
+        dim=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        ffn_dim=1536,
+        vocab_size=49152,
+        rope_theta=100_000.0,
+        max_seq_len=8192,
+        tie_embeddings=True,
+        extra={"published_params": 134_515_008},
+    ),
     # torchtitan's "1B" Llama 3 shape (untied output: 1.50B parameters with the 128k vocab).
     "llama3_1b": _llama3(
         dim=2048,

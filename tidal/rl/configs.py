@@ -97,3 +97,21 @@ def rl_llama3_1b() -> RLConfig:
         rl=LoopConfig(steps=10, eval_every=0),
         checkpoint=RLCheckpointConfig(enable=False),
     )
+
+
+@register
+def rl_addition_135m() -> RLConfig:
+    """The RL peer benchmark (benchmarks/rl_peer.py, one GPU): `rl_addition`'s task and batch
+    (16 prompts x 8 samples x up to 128 new tokens) on a SmolLM2-135M-shaped model, warm-started
+    by the same sloppy-teacher SFT at that size, so TRL's GRPOTrainer can run the same model."""
+    cfg = rl_addition()
+    cfg.job = JobConfig(name="rl_addition_135m", output_dir="outputs/rl_addition_135m")
+    cfg.policy = PolicyConfig(
+        init="sft:sft_addition_slips",
+        sft_overrides="model.flavor=smollm2_135m optimizer.lr=1e-3 training.steps=400",
+    )
+    cfg.optimizer = OptimizerConfig(lr=3e-5, weight_decay=0.0)
+    cfg.trainer = TrainerConfig(micro_batch_size=128)
+    cfg.rl = LoopConfig(steps=30, eval_every=10)
+    cfg.checkpoint = RLCheckpointConfig(enable=False)
+    return cfg

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -113,9 +113,25 @@ def _chunk_eager(
     return loss
 
 
+class _Compiled:
+    """A chunk kernel compiled twice: with static shapes for full chunks of `rows` rows (the
+    fastest code) and with a dynamic row count for any shorter one. A row count that changes
+    from call to call (an RL step's longest rollout sets its sequence length) then costs one
+    compile in all, not one per length (dynamo stops recompiling after its limit of 8 and
+    runs the rest eagerly)."""
+
+    def __init__(self, fn: Callable, rows: int) -> None:
+        self.rows = rows
+        self.full = torch.compile(fn, dynamic=False)
+        self.part = torch.compile(fn, dynamic=True)
+
+    def __call__(self, x_CV: torch.Tensor, *args: Any) -> Any:
+        return (self.full if x_CV.shape[0] == self.rows else self.part)(x_CV, *args)
+
+
 @functools.cache
-def _compiled_chunk():
-    return torch.compile(_chunk_loss_and_grad, dynamic=False)
+def _compiled_chunk(rows: int) -> _Compiled:
+    return _Compiled(_chunk_loss_and_grad, rows)
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -123,7 +139,7 @@ class _CrossEntropySum(torch.autograd.Function):
     def forward(ctx, logits_NV, labels_N, chunk, weights_N):
         N = logits_NV.shape[0]
         want_grad = logits_NV.requires_grad
-        chunk_fn = _compiled_chunk() if logits_NV.is_cuda else _chunk_eager
+        chunk_fn = _compiled_chunk(chunk) if logits_NV.is_cuda else _chunk_eager
         loss = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
         grad_NV = torch.empty_like(logits_NV) if want_grad else None
         for start in range(0, N, chunk):
@@ -254,8 +270,8 @@ def _chunk_logprobs_sharded(x_CV, labels_C, grad_CV, entropy: bool, group, offse
 
 
 @functools.cache
-def _compiled_logprobs():
-    return torch.compile(_chunk_logprobs, dynamic=False)
+def _compiled_logprobs(rows: int) -> _Compiled:
+    return _Compiled(_chunk_logprobs, rows)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -355,7 +371,7 @@ def token_logprobs(
                 )
             fn = _chunk_logprobs_bi
         else:
-            fn = _compiled_logprobs() if logits_BTV.is_cuda else _chunk_logprobs_eager
+            fn = _compiled_logprobs(chunk_rows) if logits_BTV.is_cuda else _chunk_logprobs_eager
     logp_N, ent_N = _TokenLogprobs.apply(logits_NV, labels_N, chunk_rows, entropy, fn)
     return logp_N.view(B, T), (ent_N.view(B, T) if entropy else None)
 

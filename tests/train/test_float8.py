@@ -191,6 +191,35 @@ def test_float8_tp_plan_swaps_styles_of_float8_layers_only():
     assert plan["attention.wo"].output_layouts == tp_plan_block()["attention.wo"].output_layouts
 
 
+@needs_torchao
+@pytest.mark.parametrize("min_dim", [16, 64], ids=["all_float8", "kv_in_high_precision"])
+def test_float8_tp_styles_apply_and_run_on_a_fake_process_group(min_dim):
+    """torchao's float8 TP styles (CUDA only in training: gloo has no float8 dtype) applied to
+    a real mesh of 2 fake ranks, then forward and backward: the plan's names, layouts and
+    submodule references hold (values are meaningless: fake collectives move no data)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tidal.parallel.parallelize import apply_tp
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = meta_model()
+        cfg = QuantizeConfig(float8="tensorwise", float8_min_dim=min_dim)
+        convert(model, cfg, device=torch.device("cpu"), fsdp=False)
+        apply_tp(model, init_device_mesh("cpu", (2,)), loss_parallel=False, float8=True)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        logits = model(torch.randint(0, VOCAB, (2, 32)))
+        logits.float().sum().backward()
+        assert logits.shape == (2, 32, VOCAB)
+        wq = model.layers["0"].attention.wq.weight
+        assert wq.grad is not None and wq.grad.to_local().shape == (32, 64)  # heads split
+    finally:
+        dist.destroy_process_group()
+
+
 # -- training ---------------------------------------------------------------------------------
 
 

@@ -126,7 +126,7 @@ def float8_tp_plan(module: nn.Module, plan: dict) -> dict:
                 out[name] = PrepareFloat8ModuleInput(
                     input_layouts=style.input_layouts,
                     desired_input_layouts=style.desired_input_layouts,
-                    fwd_config_submodule_fqn=f"{name}.{linears[0]}",
+                    fwd_config_submodule_fqn=linears[0],  # relative to the module
                 )
     return out
 

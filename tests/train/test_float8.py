@@ -257,6 +257,56 @@ def test_float8_on_two_ranks_matches_one_process(tmp_path, layout):
     np.testing.assert_allclose(losses, ref, rtol=2e-3)
 
 
+def train_run(rank, world, cfg):
+    """Trainer.train() as a job runs it: (the step it started from, the last loss)."""
+    from tidal.parallel.launch import DistInfo
+    from tidal.train.trainer import Trainer
+
+    trainer = Trainer(cfg, data=data_for(), dist_info=DistInfo.from_env(), log=lambda *a: None)
+    try:
+        start = trainer.step
+        return start, trainer.train()["loss"]
+    finally:
+        trainer.close()
+
+
+LOAD_WITHOUT_TORCHAO = """
+import sys
+sys.modules["torchao"] = None  # the reader of a checkpoint need not have torchao
+import torch, torch.distributed.checkpoint as dcp
+path = sys.argv[1]
+md = dcp.FileSystemReader(path).read_metadata()
+sd = {k: torch.empty(m.size, dtype=m.properties.dtype)
+      for k, m in md.state_dict_metadata.items()
+      if hasattr(m, "size") and (k.endswith("weight") or ".exp_avg" in k)}
+dcp.load(sd, checkpoint_id=path, no_dist=True)
+assert all(type(v) is torch.Tensor and torch.isfinite(v).all() for v in sd.values())
+print("loaded", len(sd))
+"""
+
+
+@needs_torchao
+def test_fsdp_float8_checkpoints_are_plain_and_resume(tmp_path):
+    """Under FSDP's float8 all-gather the weights (and AdamW states made like them) are
+    torchao tensor subclasses; checkpoints hold them as plain fp32 tensors, which a process
+    without torchao reads, and a float8 run resumes from them."""
+    import subprocess
+
+    ckpt = ["--quantize.float8", "tensorwise", "--parallelism.dp_shard", "2",
+            "--training.batch_size", "4", "--checkpoint.enable", "true",
+            "--checkpoint.interval", "3", "--metrics.log_every", "3"]  # fmt: skip
+    first = run_ranks(2, train_run, make_config(tmp_path, *ckpt, "--training.steps", "3"),
+                      tmp_path=tmp_path)  # fmt: skip
+    step3 = tmp_path / "out" / "checkpoint" / "step-3"
+    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TORCHAO, str(step3)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
+    resumed = run_ranks(2, train_run, make_config(tmp_path, *ckpt, "--training.steps", "6"),
+                        tmp_path=tmp_path)  # fmt: skip
+    assert first[0][0] == 0 and resumed[0][0] == 3  # resumed at step 3
+    assert math.isfinite(resumed[0][1]) and resumed[0][1] < first[0][1]
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 

@@ -236,6 +236,19 @@ def test_emulated_float8_trains_close_to_the_unquantized_model(tmp_path):
         assert got != ref  # the casts ran: float8 rounding changes the numbers
 
 
+@pytest.mark.slow
+@needs_torchao
+def test_compiled_float8_matches_eager_float8_on_cpu(tmp_path):
+    """Conversion before compile: the float8 casts are traced into each block's graph and
+    the losses are eager float8's (inductor reorders sums; about 90 s on 2 cores)."""
+    eager, _ = train_losses(0, 1, make_config(tmp_path / "e", "--quantize.float8", "tensorwise"))
+    compiled, kinds = train_losses(0, 1, make_config(
+        tmp_path / "c", "--quantize.float8", "tensorwise", "--training.compile", "true"
+    ))  # fmt: skip
+    assert kinds["wq"] == "Float8Linear"
+    np.testing.assert_allclose(compiled, eager, rtol=2e-3)
+
+
 @needs_torchao
 @pytest.mark.parametrize(
     "layout",

@@ -25,7 +25,7 @@ filter_fqns output` when the output stays bf16). It then prints tidal float8 / t
 float8, tidal float8 / tidal bf16 and torchtitan float8 / torchtitan bf16. torchao 0.18.0 must
 be importable (the wheel that prepare.sh packs into .anchors/wheels):
 
-    pip install --no-deps --target /tmp/ao .anchors/wheels/torchao-0.18.0-*.whl
+    pip install --no-index --no-deps --target /tmp/ao .anchors/wheels/torchao-0.18.0-*.whl
     PYTHONPATH=/tmp/ao:$PWD python benchmarks/train_throughput.py --modes compile \
         --float8 tensorwise --torchtitan .anchors --json float8.json
     PYTHONPATH=/tmp/ao:$PWD python benchmarks/train_throughput.py --device cpu --flavor tiny \

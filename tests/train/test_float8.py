@@ -165,6 +165,10 @@ def test_convert_swaps_modules_and_keeps_state_dict_keys():
         log=notes.append,
     )
     assert none is not None and none.converted == [[]] and "nothing converted" in notes[0]
+    cfg = QuantizeConfig(float8="tensorwise", float8_fsdp_all_gather=True)
+    state = convert(meta_model(), cfg, device=torch.device("cpu"), fsdp=False, log=notes.append)
+    assert state is not None and not state.fsdp_all_gather
+    assert "float8_fsdp_all_gather is ignored" in notes[-1]
 
 
 @needs_torchao

@@ -169,7 +169,8 @@ def convert(
         device: the training device: CPU selects the emulated path.
         fsdp: whether FSDP2 will shard the model (float8 all-gather then applies).
         state: the Float8 of an earlier stage of the same job, to record this one in.
-        log: receives a note when the filter selects no layer at all.
+        log: receives a note when the filter selects no layer at all, or when
+            float8_fsdp_all_gather is set without FSDP.
 
     Returns:
         The job's Float8 (`state` when given), or None when quantize.float8 is none.
@@ -189,6 +190,8 @@ def convert(
     gather = (cfg.float8 == "tensorwise") if gather is None else gather
     if state is None:
         state = Float8(recipe=cfg.float8, emulate=device.type == "cpu", fsdp_all_gather=False)
+        if cfg.float8_fsdp_all_gather and not fsdp:
+            log("warning: quantize.float8_fsdp_all_gather is ignored: this layout has no FSDP")
     state.fsdp_all_gather = bool(gather and fsdp)
     config = dataclasses.replace(
         float8.Float8LinearConfig.from_recipe_name(cfg.float8),

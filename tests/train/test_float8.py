@@ -372,3 +372,26 @@ def test_compiled_float8_on_gpu_tracks_bf16(tmp_path):
         assert kinds["wq"] == "Float8Linear" and "emulated" not in kinds["float8"]
         assert all(math.isfinite(x) for x in got)
         assert max(abs(a - b) / b for a, b in zip(got, ref, strict=True)) < 0.03, (got, ref)
+
+
+@pytest.mark.gpu
+@needs_torchao
+@pytest.mark.skipif(
+    not _float8_gpu() or torch.cuda.device_count() < 2, reason="needs 2 GPUs with float8"
+)
+@pytest.mark.parametrize(
+    "layout",
+    [["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
+     ["--parallelism.dp_shard", "2", "--training.batch_size", "4"]],
+    ids=["tp2_float8_styles", "fsdp2_float8_all_gather"],
+)  # fmt: skip
+def test_float8_on_two_gpus_matches_one(tmp_path, layout):
+    """NCCL moves float8: TP's float8 styles all-gather float8 activations, FSDP float8
+    weights; losses match one GPU's float8 run."""
+    base = ["--job.device", "cuda", "--training.mixed_precision", "bf16",
+            "--quantize.float8", "tensorwise", "--quantize.float8_min_dim", "16"]  # fmt: skip
+    ref, _ = train_losses(0, 1, make_config(tmp_path / "one", *base))
+    (losses, kinds), _ = run_ranks(2, train_losses, make_config(tmp_path / "two", *base, *layout),
+                                   tmp_path=tmp_path)  # fmt: skip
+    assert kinds["wq"] == "Float8Linear"
+    np.testing.assert_allclose(losses, ref, rtol=2e-2)

@@ -36,6 +36,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# gsm_symbolic's generators need none of reasoning-gym's dependencies (tidal reads them by path)
 	$(BIN)/python -m pip install -q --no-deps reasoning-gym==0.1.25
+	# float8 training (quantize.float8) is optional; its CPU tests run torchao's emulated path
+	$(BIN)/python -m pip install -q --no-deps torchao==0.18.0
 	touch $(STAMP)
 
 demo: setup

@@ -16,6 +16,24 @@ Figures are the mean over the log windows after `--warmup` steps (torchtitan: it
 for the same steps). `--ranks N` runs each mode on N ranks through torchrun (tokens/s are then
 global, with a per-device figure), and `--set section.field=value` passes any tidal config
 override, e.g. `--ranks 8 --set parallelism.tp=2` for FSDP 4 x TP 2.
+
+Float8: `--float8 tensorwise` (or rowwise) adds, for each mode, a float8 run of tidal
+(`quantize.float8`, the output layer in bf16 unless `--float8-output`) and, with
+`--torchtitan`, torchtitan's own float8 on the same shapes (`--model.converters
+quantize.linear.float8 --quantize.linear.float8.recipe_name R`, with `--quantize.linear.float8.
+filter_fqns output` when the output stays bf16). It then prints tidal float8 / torchtitan
+float8, tidal float8 / tidal bf16 and torchtitan float8 / torchtitan bf16. torchao 0.18.0 must
+be importable (the wheel that prepare.sh packs into .anchors/wheels):
+
+    pip install --no-index --no-deps --target /tmp/ao .anchors/wheels/torchao-0.18.0-*.whl
+    PYTHONPATH=/tmp/ao:$PWD python benchmarks/train_throughput.py --modes compile \
+        --float8 tensorwise --torchtitan .anchors --json float8.json
+    PYTHONPATH=/tmp/ao:$PWD python benchmarks/train_throughput.py --device cpu --flavor tiny \
+        --batch 2 --seq 64 --steps 4 --warmup 1 --log-every 1 --modes eager \
+        --float8 tensorwise                                              # smoke test on CPU
+
+Other float8 settings go through `--set`, e.g. `--set quantize.float8_min_dim=1024` to keep
+the small K/V projections of llama3_1b (2048 -> 512) in bf16.
 """
 
 from __future__ import annotations
@@ -40,6 +58,7 @@ def run_tidal(args, mode: str) -> dict | None:
         JobConfig,
         MetricsConfig,
         ModelConfig,
+        QuantizeConfig,
         SampleConfig,
         SchedulerConfig,
         TrainingConfig,
@@ -48,7 +67,8 @@ def run_tidal(args, mode: str) -> dict | None:
     from tidal.train.data import DataBundle, PackedLoader
     from tidal.train.trainer import Trainer
 
-    out = tempfile.mkdtemp(prefix=f"tidal_bench_{mode}_")
+    out = tempfile.mkdtemp(prefix=f"tidal_bench_{mode.replace('+', '_')}_")
+    base, float8 = split_mode(mode)
     cfg = Config(
         job=JobConfig(name=f"bench_{mode}", output_dir=out, device=args.device),
         model=ModelConfig(flavor=args.flavor),
@@ -56,8 +76,11 @@ def run_tidal(args, mode: str) -> dict | None:
             steps=args.steps,
             batch_size=args.batch,
             seq_len=args.seq,
-            compile=mode == "compile",
+            compile=base == "compile",
             max_norm=1.0,
+        ),
+        quantize=QuantizeConfig(
+            float8=args.float8 if float8 else "none", float8_output=args.float8_output
         ),
         lr_scheduler=SchedulerConfig(warmup_steps=5),
         metrics=MetricsConfig(log_every=args.log_every, val_every=0),
@@ -127,16 +150,41 @@ def parse_torchtitan(log: str, warmup: int) -> dict | None:
     }
 
 
+FLOAT8 = "+float8"
+"""Suffix of a mode run with float8 linear layers (`--float8`): "compile+float8"."""
+
+
+def split_mode(mode: str) -> tuple[str, bool]:
+    """ "compile+float8" -> ("compile", True); "eager" -> ("eager", False)."""
+    return mode.removesuffix(FLOAT8), mode.endswith(FLOAT8)
+
+
+def all_modes(args) -> list[str]:
+    """The runs of each system: every mode in bf16, then (with --float8) in float8."""
+    return args.modes + ([m + FLOAT8 for m in args.modes] if args.float8 else [])
+
+
+def torchtitan_float8_flags(args) -> str:
+    """torchtitan's converter flags for the same float8 recipe and output-layer choice."""
+    flags = "--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name "
+    flags += args.float8
+    if not args.float8_output:
+        flags += " --quantize.linear.float8.filter_fqns output"
+    return flags
+
+
 def run_torchtitan(args) -> list[dict]:
-    runs = {"eager": "--model.flavor 1B", "compile": "--model.flavor 1B --compile.enable"}
-    runs = {m: f"{r} {args.torchtitan_args}".strip() for m, r in runs.items()}
-    env = dict(
-        os.environ, RUNS="\n".join(runs[m] for m in args.modes), TAILN="40", NGPU=str(args.ranks)
-    )
+    flags = {"eager": "--model.flavor 1B", "compile": "--model.flavor 1B --compile.enable"}
+    runs = {}
+    for mode in all_modes(args):
+        base, float8 = split_mode(mode)
+        extra = torchtitan_float8_flags(args) if float8 else ""
+        runs[mode] = " ".join(x for x in (flags[base], extra, args.torchtitan_args) if x)
+    env = dict(os.environ, RUNS="\n".join(runs.values()), TAILN="40", NGPU=str(args.ranks))
     script = Path(args.torchtitan) / "torchtitan_baseline.sh"
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     results = []
-    for i, mode in enumerate(args.modes, start=1):
+    for i, mode in enumerate(runs, start=1):
         log_path = Path(f"/tmp/torchtitan_run_{i}.log")
         log = log_path.read_text() if log_path.exists() else ""
         parsed = parse_torchtitan(log, args.warmup)
@@ -164,14 +212,49 @@ def worker_args(argv: list[str]) -> list[str]:
 
 def fmt(r: dict) -> str:
     if "error" in r:
-        return f"{r['system']:10s} {r['mode']:8s} error: {r['error']}"
+        return f"{r['system']:10s} {r['mode']:14s} error: {r['error']}"
     mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "  n/a"
     if r.get("ranks", 1) > 1:
         mfu += f"  ({r['tokens_per_s_per_device']:,.0f} tok/s per device, {r['ranks']} ranks)"
     return (
-        f"{r['system']:10s} {r['mode']:8s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {mfu}  "
+        f"{r['system']:10s} {r['mode']:14s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {mfu}  "
         f"peak {r['peak_memory_gib']:6.2f} GiB  final loss {r['final_loss']:.3f}"
     )
+
+
+def per_device(r: dict) -> float:
+    """tokens/s per device: torchtitan logs that ("tps"); tidal's per-device figure is the
+    global one over the world size, the same quantity."""
+    return r.get("tokens_per_s_per_device") or r["tokens_per_s"]
+
+
+def print_ratios(args, results: list[dict]) -> None:
+    """tidal / torchtitan per mode, and with --float8 each system's float8 / its bf16."""
+    by = {(r["system"], r["mode"]): r for r in results if "error" not in r}
+
+    def ratio(label: str, a: dict | None, b: dict | None) -> None:
+        if a and b:
+            print(
+                f"  {label:34s} tokens/s {per_device(a) / per_device(b):.3f}x   "
+                f"peak memory {a['peak_memory_gib'] / b['peak_memory_gib']:.3f}x"
+            )
+
+    if args.torchtitan:
+        print("\nratios tidal / torchtitan per device (throughput higher is better, memory "
+              "lower is better):")  # fmt: skip
+        for mode in all_modes(args):
+            ratio(mode, by.get(("tidal", mode)), by.get(("torchtitan", mode)))
+    if args.float8:
+        print(
+            f"\nfloat8 ({args.float8}) against the same system and mode without it (bf16 on a GPU):"
+        )
+        for system in ("tidal", "torchtitan") if args.torchtitan else ("tidal",):
+            for mode in args.modes:
+                ratio(
+                    f"{system} {mode}{FLOAT8} / {mode}",
+                    by.get((system, mode + FLOAT8)),
+                    by.get((system, mode)),
+                )
 
 
 def main() -> None:
@@ -193,6 +276,17 @@ def main() -> None:
         default=[],
         metavar="SECTION.FIELD=VALUE",
         help="extra tidal config override, e.g. --set parallelism.tp=2",
+    )
+    p.add_argument(
+        "--float8",
+        default=None,
+        choices=("tensorwise", "rowwise"),
+        help="also run every mode with float8 linear layers (tidal and torchtitan)",
+    )
+    p.add_argument(
+        "--float8-output",
+        action="store_true",
+        help="with --float8: the output layer in float8 too (default: kept in bf16)",
     )
     p.add_argument("--torchtitan", default=None, help="the .anchors folder; omit to skip")
     p.add_argument(
@@ -216,7 +310,7 @@ def main() -> None:
         return
 
     results = []
-    for mode in args.modes:
+    for mode in all_modes(args):
         launcher = [sys.executable]
         if args.ranks > 1:
             launcher += ["-m", "torch.distributed.run", "--standalone",
@@ -234,19 +328,7 @@ def main() -> None:
         for r in run_torchtitan(args):
             results.append(r)
             print(fmt(r), flush=True)
-        # torchtitan logs tokens/s per device ("tps"); tidal's per-device figure is the
-        # global one over the world size, the same quantity.
-        print("\nratios tidal / torchtitan per device (throughput higher is better, memory "
-              "lower is better):")  # fmt: skip
-        by = {(r["system"], r["mode"]): r for r in results}
-        for mode in args.modes:
-            a, b = by.get(("tidal", mode)), by.get(("torchtitan", mode))
-            if a and b and "error" not in a and "error" not in b:
-                tps = a["tokens_per_s_per_device"] or a["tokens_per_s"]
-                print(
-                    f"  {mode:8s} tokens/s {tps / b['tokens_per_s']:.3f}x   "
-                    f"peak memory {a['peak_memory_gib'] / b['peak_memory_gib']:.3f}x"
-                )
+    print_ratios(args, results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

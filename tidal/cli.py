@@ -143,7 +143,7 @@ def _train_command(argv: list[str]) -> int:
                 world_size=args.nproc,
                 device=resolve_device(cfg.job.device),
             )
-        except (ValueError, FileNotFoundError) as e:
+        except (ValueError, FileNotFoundError, ImportError) as e:
             return fail(e)
         return _launch(args.nproc, argv)
 

@@ -3,13 +3,15 @@
 `parallelize(model, mesh, dims, ...)` applies, in this order:
 
 1. tensor parallel with sequence parallel (declarative plans below; loss-parallel output when
-   asked), on the `tp` mesh dimension;
+   asked), on the `tp` mesh dimension; with `float8_tp`, torchao's float8 styles for the
+   layers already converted to float8 (`float8_tp_plan`);
 2. activation checkpointing (none, full, per-op selective, or every N blocks);
 3. per-block `torch.compile`;
 4. FSDP2 `fully_shard` per block and at the root over `dp_shard_cp` (HSDP when
    `dp_replicate > 1`: a 2-D (dp_replicate, dp_shard_cp) mesh), with a MixedPrecisionPolicy.
 
-It works on a meta-device model: call it before `to_empty` and `init_weights`. Context
+It works on a meta-device model: call it before `to_empty` and `init_weights`, and after any
+float8 conversion (tidal/train/float8.py), which must see plain `nn.Linear`s. Context
 parallelism is applied per step around forward and backward (tidal/parallel/context.py), and
 pipeline stages are cut before this runs (tidal/parallel/pipeline.py).
 """
@@ -17,6 +19,7 @@ pipeline stages are cut before this runs (tidal/parallel/pipeline.py).
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -85,17 +88,68 @@ def tp_plan_block(sequence_parallel: bool = True) -> dict:
     }
 
 
+def float8_tp_plan(module: nn.Module, plan: dict) -> dict:
+    """`plan` with torchao's float8 styles (tensorwise scaling, dynamic) for the linear
+    layers of `module` that are Float8Linear: their inputs are cast to float8 before the
+    sequence-parallel all-gather, so it moves half the bytes. A PrepareModuleInput in front
+    of attention or the MLP becomes the float8 one only when every linear fed by that input
+    is float8 (it hands them an already-cast tensor, which a plain linear cannot take).
+    Layers left in high precision keep their plain styles."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def is_float8(name: str) -> bool:
+        return isinstance(module.get_submodule(name), Float8Linear)
+
+    out = dict(plan)
+    for name, style in plan.items():
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and is_float8(name):
+            cls = (
+                Float8ColwiseParallel
+                if isinstance(style, ColwiseParallel)
+                else Float8RowwiseParallel
+            )
+            out[name] = cls(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+    fed = {"attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
+    for name, style in plan.items():
+        linears = fed.get(name)
+        if isinstance(style, PrepareModuleInput) and linears:
+            if all(is_float8(f"{name}.{x}") for x in linears):
+                out[name] = PrepareFloat8ModuleInput(
+                    input_layouts=style.input_layouts,
+                    desired_input_layouts=style.desired_input_layouts,
+                    fwd_config_submodule_fqn=linears[0],  # relative to the module
+                )
+    return out
+
+
 def apply_tp(
-    model: Transformer, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool = True
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    sequence_parallel: bool = True,
+    *,
+    float8: bool = False,
 ) -> None:
     root = tp_plan_root(loss_parallel, sequence_parallel)
     root = {k: v for k, v in root.items() if getattr(model, k) is not None}
     # The embedding is sharded row-wise and the output column-wise: they cannot share a
     # weight. check_layout rejects such layouts before any process group exists.
     assert not model.args.tie_embeddings, "tensor parallel needs untied embeddings"
+    # The root keeps plain styles under float8 too (as torchtitan's): an output layer in
+    # float8 is fed gathered, replicated activations and its logits go to the loss as they are.
     parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, tp_plan_block(sequence_parallel))
+        plan = tp_plan_block(sequence_parallel)
+        parallelize_module(block, tp_mesh, float8_tp_plan(block, plan) if float8 else plan)
 
 
 def apply_ac(model: Transformer, cfg: ActivationCheckpointConfig) -> None:
@@ -174,13 +228,15 @@ def parallelize(
     *,
     compile: bool,
     param_dtype: torch.dtype | None,
+    float8_tp: bool = False,
 ) -> Transformer:
     """Apply TP/SP, activation checkpointing, compile and FSDP2 to `model` in place. `mesh`
-    is None only in a single process, where every degree is 1."""
+    is None only in a single process, where every degree is 1. `float8_tp`: give the float8
+    layers (converted beforehand) torchao's float8 TP styles (`float8_tp_plan`)."""
     sharded = dims.tp > 1 or dims.fsdp_enabled
     assert mesh is not None or not sharded, "a sharded layout needs a device mesh"
     if dims.tp > 1 and mesh is not None:
-        apply_tp(model, mesh["tp"], cfg.loss_parallel)
+        apply_tp(model, mesh["tp"], cfg.loss_parallel, float8=float8_tp)
     apply_ac(model, ac)
     if compile:
         apply_compile(model)

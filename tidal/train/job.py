@@ -16,6 +16,7 @@ from tidal.models.transformer import ModelArgs
 from tidal.parallel.dims import ParallelDims, check_layout
 from tidal.train.config import Config
 from tidal.train.data import Tokenizer
+from tidal.train.float8 import check_float8
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -45,12 +46,14 @@ def check_job(
 ) -> ParallelDims:
     """The checks of a job a user can fail that need no data, model or process group: the
     parallel layout on `world_size` ranks, `job.output_dir` (created here), flex attention on
-    a CPU, and (with `data`, the configured pipeline) the tokenizer's vocabulary against the
-    model's. Run by `Trainer.__init__` on every rank and by `tidal train --nproc` before it
-    launches them. Returns the layout's `ParallelDims`.
+    a CPU, float8 (torchao installed, a GPU with float8 matmuls), and (with `data`, the
+    configured pipeline) the tokenizer's vocabulary against the model's. Run by
+    `Trainer.__init__` on every rank and by `tidal train --nproc` before it launches them.
+    Returns the layout's `ParallelDims`.
 
     Raises:
         ValueError: naming the field to change.
+        ImportError: quantize.float8 without torchao installed.
         FileNotFoundError: the tokenizer file does not exist.
     """
     dims = check_layout(
@@ -87,6 +90,7 @@ def check_job(
                 "orders cover causal sdpa attention on plain (not tensor-sharded) weights in "
                 "eager mode"
             )
+    check_float8(cfg.quantize, device, batch_invariant=t.batch_invariant)
     if args.attention == "flex" and device.type == "cpu":
         raise ValueError(
             "model.attention=flex needs a CUDA device: flex attention has no backward on CPU; "

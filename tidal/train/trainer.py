@@ -50,6 +50,8 @@ from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
 from tidal.train.data import Batch, DataBundle, Tokenizer, build_data
+from tidal.train.float8 import Float8
+from tidal.train.float8 import convert as convert_float8
 from tidal.train.job import check_job, model_args_for, resolve_device, seed_everything
 from tidal.train.loss import IGNORE_INDEX, TokenLoss
 from tidal.train.metrics import (
@@ -187,6 +189,14 @@ class Trainer:
             self.modules: list[Transformer] = stages.modules
         else:
             self.modules = [full]
+        # Float8 swaps plain linear layers for torchao's, so it comes before TP plans, compile
+        # and FSDP wrap them (tidal/train/float8.py).
+        self.float8: Float8 | None = None
+        for module in self.modules:
+            self.float8 = convert_float8(
+                module, cfg.quantize, device=self.device, fsdp=fsdp, state=self.float8,
+                log=self.log,
+            )  # fmt: skip
         for module in self.modules:
             parallelize(
                 module,
@@ -196,6 +206,7 @@ class Trainer:
                 cfg.activation_checkpoint,
                 compile=t.compile,
                 param_dtype=torch.bfloat16 if bf16 else None,
+                float8_tp=self.float8 is not None and self.float8.tp_styles,
             )
             module.to_empty(device=self.device)
             module.init_weights(seed=t.seed)
@@ -235,6 +246,7 @@ class Trainer:
             f"vocab {self.args.vocab_size}, device {self.device}, precision {precision}, "
             f"compile {t.compile}, world {self.dist.world_size} ({layout})"
             + (", batch-invariant" if t.batch_invariant else "")
+            + (f", {self.float8.describe()}" if self.float8 is not None else "")
         )
         self.checkpoint = Checkpointer(
             cfg.checkpoint,
@@ -367,6 +379,8 @@ class Trainer:
         )
         self.checkpoint.wait_before_update()  # a staged save must have copied the weights
         self.optimizer.step()
+        if self.float8 is not None:
+            self.float8.after_optimizer_step(self.modules)  # FSDP float8 weight scales
         self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepResult(total, grad_norm, tokens, metrics)

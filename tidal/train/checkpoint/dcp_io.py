@@ -38,6 +38,28 @@ def read_metadata(path: Path) -> Metadata:
         ) from None
 
 
+def plain_tensor(value: Any) -> Any:
+    """`value` with a wrapper tensor subclass around one data tensor replaced by that tensor
+    (the same storage), inside a DTensor too; anything else as it is. FSDP's float8
+    all-gather (tidal/train/float8.py) keeps weights, and the AdamW states made like them, as
+    torchao's WeightWithDynamicFloat8CastTensor: saved as such, the files would unpickle only
+    where torchao is imported. Saved plain, a float8 run's checkpoint is an ordinary fp32
+    one; loading into the plain view fills the wrapped storage in place."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    inner = getattr(local, "_tensor", None)
+    if not (is_traceable_wrapper_subclass(local) and isinstance(inner, torch.Tensor)):
+        return value
+    if not isinstance(value, DTensor):
+        return inner
+    return DTensor.from_local(
+        inner, value.device_mesh, value.placements, run_check=False,
+        shape=value.size(), stride=value.stride(),
+    )  # fmt: skip
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -57,6 +57,7 @@ from tidal.train.checkpoint.dcp_io import (
     begin_partial,
     load_flat,
     mismatch_message,
+    plain_tensor,
     read_metadata,
     save_flat,
     shape_diff,
@@ -175,6 +176,7 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
             flat = dict(model_sd)
             flat.update({f"optimizer.{k}": v for k, v in optim_sd.items()})
+        flat = {k: plain_tensor(v) for k, v in flat.items()}  # float8 FSDP weights: fp32
         if model_only:
             return flat
         if "lr_scheduler" in keep:

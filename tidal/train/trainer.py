@@ -44,7 +44,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from tidal.models.transformer import Transformer
 from tidal.parallel.context import ContextParallel
 from tidal.parallel.grad_norm import clip_grad_norm
-from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
+from tidal.parallel.launch import (
+    DistInfo,
+    destroy_process_group,
+    enable_flight_recorder,
+    init_process_group,
+)
 from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
@@ -60,6 +65,7 @@ from tidal.train.metrics import (
     peak_memory_gib,
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
+from tidal.train.profiling import RunProfiler, run_path
 from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 from tidal.train.step import StepPath, StepResult
 
@@ -132,6 +138,8 @@ class Trainer:
             self._build(data)
         except BaseException:
             self._release_locks()  # a run that never started leaves the folder free
+            if getattr(self, "profiler", None) is not None:
+                self.profiler.close()
             raise
 
     def _build(self, data) -> None:
@@ -139,6 +147,19 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
+        # Before the model exists: the allocator's history then covers its memory too.
+        self.profiler = RunProfiler(
+            cfg.profiler,
+            cfg.job.output_dir,
+            rank=self.dist.rank,
+            device=self.device,
+            total_steps=t.steps,
+            log=self.log,
+        )
+        if cfg.debug.flight_recorder and self.device.type == "cuda" and self.dist.world_size > 1:
+            folder = run_path(cfg.debug.flight_recorder_folder, cfg.job.output_dir)
+            enable_flight_recorder(folder, cfg.debug.flight_recorder_entries)
+            self.log(f"flight recorder: on; NCCL timeouts dump to {folder}/rank_<R>")
         init_process_group(self.dist, self.device)
         seed_everything(t.seed, t.deterministic)
         self.mesh = self.dims.build_mesh(self.device.type) if self.dist.world_size > 1 else None
@@ -359,15 +380,16 @@ class Trainer:
             ValueError: an injected loss under context parallelism, or batches the pipeline
                 cannot split.
         """
-        total, metrics = self.path.backward(batches, n_tokens, loss)
-        max_norm = self.cfg.training.max_norm
-        pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
-        grad_norm = clip_grad_norm(
-            self.params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
-        )
-        self.checkpoint.wait_before_update()  # a staged save must have copied the weights
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.profiler.oom_guard():  # an allocator snapshot on OOM (profiler section)
+            total, metrics = self.path.backward(batches, n_tokens, loss)
+            max_norm = self.cfg.training.max_norm
+            pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
+            grad_norm = clip_grad_norm(
+                self.params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
+            )
+            self.checkpoint.wait_before_update()  # a staged save must have copied the weights
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepResult(total, grad_norm, tokens, metrics)
 
@@ -486,6 +508,7 @@ class Trainer:
         stop = StopOnInterrupt(self._stop_group, announce=self.dist.is_main)
         try:
             stop.install()
+            self.profiler.start(self.step + 1)
             while self.step < total_steps:
                 self.step += 1
                 lr = cfg.optimizer.lr * wsd_multiplier(
@@ -505,6 +528,7 @@ class Trainer:
                 if m.val_every and (self.step % m.val_every == 0 or self.step == total_steps):
                     self._log_validation(logger)
                 self.checkpoint.maybe_save(self.step, total_steps)
+                self.profiler.step_done(self.step)
                 if stop.requested():
                     interrupted = True
                     break
@@ -516,7 +540,11 @@ class Trainer:
                 if self.checkpoint.saves_enabled and self.checkpoint.last_saved_step != self.step:
                     self.checkpoint.save(self.step)
             self.checkpoint.finish()
+        except torch.OutOfMemoryError:  # in validation or a save (train_step has its own)
+            self.profiler.on_oom()
+            raise
         finally:
+            self.profiler.stop()
             stop.uninstall()
             if logger is not None:
                 logger.close()
@@ -592,8 +620,10 @@ class Trainer:
             self.checkpoint.close()
         finally:
             self._release_locks()
+            if getattr(self, "profiler", None) is not None:
+                self.profiler.close()
             for name in ("model", "modules", "params", "optimizer", "pipeline", "path", "mesh",
-                         "cp", "checkpoint", "train_iter"):  # fmt: skip
+                         "cp", "checkpoint", "train_iter", "profiler"):  # fmt: skip
                 if hasattr(self, name):
                     setattr(self, name, None)
             destroy_process_group()

@@ -2,9 +2,12 @@
 (a stand-in allocator module on CPU, the real one under the gpu marker), and the Flight
 Recorder environment set before a process group starts."""
 
+import io
 import json
 import os
 import pickle
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -175,3 +178,68 @@ def test_a_cpu_run_sets_no_flight_recorder_variables(tmp_path, monkeypatch):
     tiny_trainer(tmp_path, "--training.steps", "1").close()  # gloo (or no group): not NCCL
     assert "TORCH_FR_BUFFER_SIZE" not in os.environ
     assert not (tmp_path / "flight_recorder").exists()
+
+
+# -- Weights & Biases (a stand-in `wandb` module: the package is optional) -----------------
+
+
+class FakeRun:
+    def __init__(self, kwargs):
+        self.kwargs, self.logged, self.finished = kwargs, [], False
+
+    def log(self, data, step):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished = True
+
+
+class FakeWandb(types.ModuleType):
+    def __init__(self):
+        super().__init__("wandb")
+        self.runs: list[FakeRun] = []
+
+    def init(self, **kwargs):
+        self.runs.append(FakeRun(kwargs))
+        return self.runs[-1]
+
+
+def test_wandb_gets_the_records_next_to_metrics_jsonl(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    trainer = tiny_trainer(tmp_path, "--training.steps", "4", "--metrics.log_every", "2",
+                           "--metrics.wandb", "true",
+                           "--metrics.wandb_project", "proj")  # fmt: skip
+    trainer.train()
+    trainer.close()
+    (run,) = fake.runs
+    kw = run.kwargs
+    assert kw["project"] == "proj" and kw["entity"] is None and kw["name"] == "debug"
+    assert kw["dir"] == str(tmp_path / "wandb") and kw["resume"] == "allow"
+    assert kw["id"] == (tmp_path / "wandb_id.txt").read_text().strip()
+    assert kw["config"]["training"]["steps"] == 4 and kw["config"]["run"]["world_size"] == 1
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [step for step, _ in run.logged] == [r["step"] for r in records] == [2, 4]
+    assert run.logged[-1][1]["loss"] == records[-1]["loss"]
+    assert "step" not in run.logged[-1][1] and "mfu" not in run.logged[-1][1]  # None: skipped
+    assert run.finished
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    from tidal.train.metrics import MetricsLogger
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    first = MetricsLogger(tmp_path, wandb={"project": "p"}, stream=io.StringIO())
+    first.log({"step": 1, "loss": 2.0, "interrupted": True})
+    first.close()
+    MetricsLogger(tmp_path, wandb={"project": "p"}, resume_step=1, stream=io.StringIO()).close()
+    assert fake.runs[0].kwargs["id"] == fake.runs[1].kwargs["id"]
+    assert fake.runs[0].logged == [(1, {"loss": 2.0})]  # booleans are not metrics
+
+
+def test_wandb_enabled_but_missing_fails_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ValueError, match=r"metrics.wandb=true needs the wandb package"):
+        tiny_trainer(tmp_path, "--metrics.wandb", "true")
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -54,6 +54,7 @@ from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
+from tidal.train.config_parse import to_dict
 from tidal.train.data import Batch, DataBundle, Tokenizer, build_data
 from tidal.train.job import check_job, model_args_for, resolve_device, seed_everything
 from tidal.train.loss import IGNORE_INDEX, TokenLoss
@@ -493,6 +494,7 @@ class Trainer:
                 cfg.job.output_dir,
                 tensorboard=m.tensorboard,
                 resume_step=self.step if resumed else None,
+                wandb=self._wandb_init(),
             )
             if self.dist.is_main
             else None
@@ -567,6 +569,20 @@ class Trainer:
                 if logger is not None:
                     (logger.dir / "sample.txt").write_text(text + "\n")
         return last
+
+    def _wandb_init(self) -> dict | None:
+        """`wandb.init`'s arguments for `metrics.wandb`, or None when it is off."""
+        m = self.cfg.metrics
+        if not m.wandb:
+            return None
+        config = to_dict(self.cfg)
+        config["run"] = {"world_size": self.dist.world_size, "n_params": self.n_params}
+        return {
+            "project": m.wandb_project,
+            "entity": m.wandb_entity,
+            "name": m.wandb_name or self.cfg.job.name,
+            "config": config,
+        }
 
     def _log_step(self, logger, result: StepResult, lr, tokens, steps, watch, start) -> dict:
         loss = float(result.loss)  # syncs the device: timing below covers all queued work

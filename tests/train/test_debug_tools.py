@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tidal.parallel.launch import enable_flight_recorder
-from tidal.train.config import ProfilerConfig
-from tidal.train.profiling import RunProfiler, step_action
+from tidal.train.config import DebugConfig, ProfilerConfig
+from tidal.train.profiling import RunProfiler, setup_flight_recorder, step_action
 
 from .test_trainer import tiny_trainer
 
@@ -168,6 +168,24 @@ def test_flight_recorder_keeps_what_the_user_set(tmp_path):
     assert set(set_here) == {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "0" and "TORCH_FR_BUFFER_SIZE" not in env
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+
+
+@pytest.mark.parametrize(
+    "device, world, on, expected",
+    [("cuda", 2, True, True), ("cuda", 1, True, False), ("cpu", 4, True, False),
+     ("cuda", 8, False, False)],
+    ids=["nccl", "one-rank", "gloo", "turned-off"],
+)  # fmt: skip
+def test_the_trainer_turns_it_on_for_nccl_jobs_only(tmp_path, device, world, on, expected):
+    env: dict[str, str] = {}
+    cfg = DebugConfig(flight_recorder=on, flight_recorder_folder="fr")
+    folder = setup_flight_recorder(
+        cfg, tmp_path, device=torch.device(device), world_size=world, environ=env
+    )
+    assert (folder == tmp_path / "fr") if expected else folder is None
+    assert bool(env) == expected
+    if expected:
+        assert env["TORCH_FR_DUMP_TEMP_FILE"] == os.path.join(str(tmp_path / "fr"), "rank_")
 
 
 def test_a_cpu_run_sets_no_flight_recorder_variables(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""The profiler trace of chosen steps and CUDA memory snapshots of a training run.
+"""The profiler trace of chosen steps and CUDA memory snapshots of a training run, and the
+Flight Recorder's set-up for NCCL jobs (docs/debugging.md).
 
 Lifecycle (every rank, in its own process): `Trainer._build` makes a `RunProfiler` from
 `cfg.profiler` right after the device is set and before the model is materialized, so the
@@ -25,14 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from tidal.train.config import ProfilerConfig
+from tidal.parallel.launch import enable_flight_recorder
+from tidal.train.config import DebugConfig, ProfilerConfig
 
 TOP_OPS = 40  # rows of the operator table next to each trace
 
@@ -42,6 +44,24 @@ def run_path(path: str, output_dir: str | Path) -> Path:
     the run's folder unless absolute."""
     folder = Path(path).expanduser()
     return folder if folder.is_absolute() else Path(output_dir).expanduser() / folder
+
+
+def setup_flight_recorder(
+    cfg: DebugConfig,
+    output_dir: str | Path,
+    *,
+    device: torch.device,
+    world_size: int,
+    environ: MutableMapping[str, str] | None = None,
+) -> Path | None:
+    """Turn on the NCCL Flight Recorder for this job if it is an NCCL one (CUDA, several
+    ranks) and `debug.flight_recorder` is on; returns the dump folder, or None. Called by
+    `Trainer._build` before `init_process_group` (see `enable_flight_recorder`)."""
+    if not cfg.flight_recorder or device.type != "cuda" or world_size < 2:
+        return None
+    folder = run_path(cfg.flight_recorder_folder, output_dir)
+    enable_flight_recorder(folder, cfg.flight_recorder_entries, environ)
+    return folder
 
 
 def step_action(step: int, start: int, end: int) -> ProfilerAction:

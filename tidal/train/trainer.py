@@ -44,12 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tidal.models.transformer import Transformer
 from tidal.parallel.context import ContextParallel
 from tidal.parallel.grad_norm import clip_grad_norm
-from tidal.parallel.launch import (
-    DistInfo,
-    destroy_process_group,
-    enable_flight_recorder,
-    init_process_group,
-)
+from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
 from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
@@ -66,7 +61,7 @@ from tidal.train.metrics import (
     peak_memory_gib,
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
-from tidal.train.profiling import RunProfiler, run_path
+from tidal.train.profiling import RunProfiler, setup_flight_recorder
 from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 from tidal.train.step import StepPath, StepResult
 
@@ -157,10 +152,11 @@ class Trainer:
             total_steps=t.steps,
             log=self.log,
         )
-        if cfg.debug.flight_recorder and self.device.type == "cuda" and self.dist.world_size > 1:
-            folder = run_path(cfg.debug.flight_recorder_folder, cfg.job.output_dir)
-            enable_flight_recorder(folder, cfg.debug.flight_recorder_entries)
-            self.log(f"flight recorder: on; NCCL timeouts dump to {folder}/rank_<R>")
+        fr_folder = setup_flight_recorder(
+            cfg.debug, cfg.job.output_dir, device=self.device, world_size=self.dist.world_size
+        )
+        if fr_folder is not None:
+            self.log(f"flight recorder: on; NCCL timeouts dump to {fr_folder}/rank_<R>")
         init_process_group(self.dist, self.device)
         seed_everything(t.seed, t.deterministic)
         self.mesh = self.dims.build_mesh(self.device.type) if self.dist.world_size > 1 else None

@@ -20,10 +20,10 @@ from tidal.train.profiling import RunProfiler, setup_flight_recorder, step_actio
 from .test_trainer import tiny_trainer
 
 
-def _profiler_steps(trace: Path) -> list[str]:
-    """Names of the per-step spans the profiler puts in a Chrome trace."""
+def _spans(trace: Path, prefix: str) -> list[str]:
+    """Names of the spans in a Chrome trace that start with `prefix`."""
     events = json.loads(trace.read_text())["traceEvents"]
-    return sorted(e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#"))
+    return sorted(e["name"] for e in events if str(e.get("name", "")).startswith(prefix))
 
 
 def test_trace_covers_the_chosen_steps_only(tmp_path):
@@ -34,8 +34,10 @@ def test_trace_covers_the_chosen_steps_only(tmp_path):
     folder = tmp_path / "profile"
     assert sorted(p.name for p in folder.iterdir()) == ["rank0_step3-4.json", "rank0_step3-4.txt"]
     # Two recorded steps (the warm-up step 2 and steps 1, 5, 6 are not in the trace); the
-    # profiler numbers its steps from 0 at the run's first step, so steps 3 and 4 are #2, #3.
-    assert _profiler_steps(folder / "rank0_step3-4.json") == ["ProfilerStep#2", "ProfilerStep#3"]
+    # profiler numbers its own steps from 0 at the run's first step: steps 3 and 4 are #2, #3.
+    trace = folder / "rank0_step3-4.json"
+    assert _spans(trace, "train_step") == ["train_step 3", "train_step 4"]
+    assert _spans(trace, "ProfilerStep#") == ["ProfilerStep#2", "ProfilerStep#3"]
     table = (folder / "rank0_step3-4.txt").read_text()
     assert "aten::mm" in table or "aten::addmm" in table  # the model's matmuls were traced
 
@@ -47,10 +49,7 @@ def test_a_run_stopped_inside_the_window_writes_what_it_traced(tmp_path):
     trainer.train()
     trainer.close()
     trace = tmp_path / "elsewhere" / "rank0_step2-3.json"
-    # Steps 2 and 3 (#1, #2), not the warm-up step 1 (#0); a #3 span may hold the work after
-    # the loop up to the profiler's stop.
-    assert _profiler_steps(trace)[:2] == ["ProfilerStep#1", "ProfilerStep#2"]
-    assert "ProfilerStep#0" not in _profiler_steps(trace)
+    assert _spans(trace, "train_step") == ["train_step 2", "train_step 3"]  # not warm-up 1
 
 
 def test_the_schedule_maps_training_steps():
@@ -144,6 +143,12 @@ def test_real_cuda_memory_snapshot(tmp_path):
     trainer.close()
     snapshot = pickle.loads((tmp_path / "profile" / "memory" / "rank0_step2.pickle").read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"]
+    memory = FakeCudaMemory()  # the OOM path on a real OOM, with a stand-in writer
+    prof = RunProfiler(ProfilerConfig(memory_snapshot=True), tmp_path / "oom", rank=0,
+                       device=torch.device("cuda"), total_steps=1, memory=memory)  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError), prof.oom_guard():
+        torch.empty(2**50, dtype=torch.uint8, device="cuda")  # a petabyte
+    assert ("dump", "rank0_oom.pickle") in memory.calls
 
 
 # -- Flight Recorder ----------------------------------------------------------------------

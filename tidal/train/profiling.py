@@ -4,14 +4,16 @@ Flight Recorder's set-up for NCCL jobs (docs/debugging.md).
 Lifecycle (every rank, in its own process): `Trainer._build` makes a `RunProfiler` from
 `cfg.profiler` right after the device is set and before the model is materialized, so the
 CUDA allocator's history (`profiler.memory_snapshot`) covers the parameters and optimizer
-states too. `Trainer.train` calls `start(first_step)` before its loop, `step_done(step)` after
-each optimizer step, runs each step inside `oom_guard()`, and calls `stop()` in its `finally`;
-`Trainer.close` calls `close()`, which ends the allocator's recording.
+states too. `Trainer.train` calls `start(first_step)` before its loop, `step_begin(step)` and
+`step_done(step)` around each optimizer step (its logging, validation and save included), runs
+it inside `oom_guard()`, and calls `stop()` in its `finally`; `Trainer.close` calls `close()`,
+which ends the allocator's recording.
 
 Files, under `profiler.folder` (relative to `job.output_dir`):
 
 - `rank<R>_step<N>-<M>.json`: a Chrome trace of steps N..M (open in https://ui.perfetto.dev
-  or chrome://tracing), and `rank<R>_step<N>-<M>.txt`, its operators by self time;
+  or chrome://tracing), each step a `train_step <step>` span, and `rank<R>_step<N>-<M>.txt`,
+  its operators by self time;
 - `memory/rank<R>_step<N>.pickle` after each step of `profiler.memory_snapshot_steps`, and
   `memory/rank<R>_oom.pickle` at a CUDA out-of-memory error (open in
   https://pytorch.org/memory_viz).
@@ -104,6 +106,7 @@ class RunProfiler:
         self.folder = run_path(cfg.folder, output_dir)
         self.memory = memory if memory is not None else torch.cuda.memory
         self._prof: torch.profiler.profile | None = None
+        self._span: Any = None  # the open `train_step N` record_function
         self._first_step = 1
         self._oom_dumped = False
         self.recording_memory = False
@@ -150,8 +153,22 @@ class RunProfiler:
         )
         self._prof.start()
 
+    def step_begin(self, step: int) -> None:
+        """Before training step `step`: inside the window, open a `train_step <step>` span
+        (named by the training step, unlike the profiler's own ProfilerStep#k)."""
+        cfg = self.cfg
+        if self._prof is not None and cfg.start_step <= step <= cfg.end_step:
+            self._span = torch.profiler.record_function(f"train_step {step}")
+            self._span.__enter__()
+
+    def _close_span(self) -> None:
+        if self._span is not None:
+            span, self._span = self._span, None
+            span.__exit__(None, None, None)
+
     def step_done(self, step: int) -> None:
         """After optimizer step `step`: advance the trace, write a memory snapshot if asked."""
+        self._close_span()
         if self._prof is not None:
             self._prof.step()
             if step >= self.cfg.end_step:  # written by on_trace_ready inside step()
@@ -162,6 +179,7 @@ class RunProfiler:
 
     def stop(self) -> None:
         """End a trace still open (the run ended inside the window); writes what it has."""
+        self._close_span()
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()

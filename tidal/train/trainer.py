@@ -513,6 +513,7 @@ class Trainer:
                     self.step - lr_start, total_steps - lr_start, cfg.lr_scheduler
                 )
                 set_lr(self.optimizer, lr)
+                self.profiler.step_begin(self.step)
                 batches, n_tokens, wait = self.next_batches()
                 watch.add("data_wait", wait)
                 result = self.train_step(batches, n_tokens)

@@ -13,7 +13,9 @@ optimizer exists. `train()` runs the remaining optimizer steps up to `training.s
 over `grad_accum_steps` micro-batches, logging every `metrics.log_every` steps (rank 0 only),
 validating every `metrics.val_every` and saving checkpoints every `checkpoint.interval`;
 Ctrl-C ends the loop after the current step on every rank, saves a checkpoint (when enabled)
-and still logs the step.
+and still logs the step. The debugging tools (`profiler.*`, `debug.*`: tidal/train/profiling.py,
+docs/debugging.md) start before the process group (the Flight Recorder's environment) and the
+model (the CUDA allocator's history), and the trace follows the loop's steps.
 
 Loss normalization: each step's loss is the sum of token losses over every micro-batch,
 data-parallel rank and context-parallel shard, divided by the global number of valid labels.

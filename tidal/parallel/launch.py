@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,36 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+# Flight Recorder settings: each group holds the names one setting has had across torch
+# versions (torch 2.13 reads both the TORCH_FR_ and the older TORCH_NCCL_ names). A user who
+# set any name of a group keeps it: tidal sets none of that group.
+_FR_BUFFER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_FR_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+_FR_DUMP = ("TORCH_NCCL_DUMP_ON_TIMEOUT",)
+
+
+def enable_flight_recorder(
+    folder: str | os.PathLike, entries: int, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """Turn on PyTorch's NCCL Flight Recorder for the process groups made after this call:
+    a ring buffer of the last `entries` collectives per rank, written to `folder`/rank_<R>
+    when the watchdog sees a timeout or an error. Sets the variables in `environ`
+    (os.environ by default) unless the user set them, creates `folder`, and returns what it
+    set. ProcessGroupNCCL reads them when a group is created, so call it before
+    `init_process_group`; they mean nothing to gloo."""
+    env: MutableMapping[str, str] = os.environ if environ is None else environ
+    path = os.path.abspath(os.fspath(folder))
+    os.makedirs(path, exist_ok=True)
+    wanted = {_FR_BUFFER: str(entries), _FR_FILE: os.path.join(path, "rank_"), _FR_DUMP: "1"}
+    set_here = {}
+    for names, value in wanted.items():
+        if any(name in env for name in names):
+            continue
+        for name in names:
+            env[name] = set_here[name] = value
+    return set_here
 
 
 def init_process_group(info: DistInfo, device: torch.device) -> None:

@@ -199,6 +199,17 @@ class MetricsConfig:
     """Validation micro-batches per evaluation."""
     tensorboard: bool = False
     """Also write TensorBoard events to <output_dir>/tb (needs the tensorboard package)."""
+    wandb: bool = False
+    """Also log every record to Weights & Biases (needs the wandb package: pip install
+    tidal[wandb]); rank 0 only. The run's files go to <output_dir>/wandb, its id to
+    <output_dir>/wandb_id.txt so a resumed run continues the same W&B run; offline clusters
+    set WANDB_MODE=offline as usual."""
+    wandb_project: str = "tidal"
+    """W&B project of the run."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team); None takes wandb's default."""
+    wandb_name: str | None = None
+    """W&B run name; None takes job.name."""
 
     def __post_init__(self) -> None:
         _check(self.log_every > 0, f"metrics.log_every must be positive, got {self.log_every}")
@@ -412,6 +423,91 @@ class QuantizeConfig:
         return [s.strip() for s in self.float8_skip.split(",") if s.strip()]
 
 
+# -- debugging tools (tidal/train/profiling.py, tidal/parallel/launch.py; docs/debugging.md) --
+
+
+@dataclass(kw_only=True, slots=True)
+class ProfilerConfig:
+    """The torch profiler trace of chosen steps and CUDA memory snapshots
+    (tidal/train/profiling.py). Off by default; `Trainer.train` only (not `tidal rl`)."""
+
+    enable: bool = False
+    """Trace steps start_step..end_step with torch.profiler (CPU, and CUDA kernels on a GPU)
+    and write, per rank, a Chrome/Perfetto trace <folder>/rank<R>_step<N>-<M>.json and the
+    top operators by self time, rank<R>_step<N>-<M>.txt. The step before start_step runs as
+    the profiler's warm-up, not recorded."""
+    start_step: int = 5
+    """First traced step (steps count from 1)."""
+    end_step: int = 6
+    """Last traced step, inclusive."""
+    folder: str = "profile"
+    """Folder of traces and memory snapshots, relative to job.output_dir (or absolute)."""
+    record_shapes: bool = True
+    """Record the input shapes of each operator in the trace."""
+    with_stack: bool = False
+    """Record the Python stack of each operator (larger traces)."""
+    memory_snapshot: bool = False
+    """Record the CUDA caching allocator's history from the model build on, and write
+    snapshots <folder>/memory/rank<R>_step<N>.pickle after each of memory_snapshot_steps and
+    rank<R>_oom.pickle when a CUDA out-of-memory error ends the step (the error is raised
+    again). Open them at https://pytorch.org/memory_viz. CUDA only: on a CPU run it is
+    ignored with a warning."""
+    memory_snapshot_steps: str = "1,2"
+    """Comma list of steps after which a memory snapshot is written (the first step holds the
+    optimizer states' allocation, the second a steady step); empty: on OOM only."""
+    memory_snapshot_entries: int = 100_000
+    """Allocator events kept in the history (a ring buffer): more shows further back."""
+
+    def __post_init__(self) -> None:
+        _check(self.start_step >= 1, f"profiler.start_step must be >= 1, got {self.start_step}")
+        _check(
+            self.end_step >= self.start_step,
+            f"profiler.end_step={self.end_step} must be >= profiler.start_step={self.start_step}",
+        )
+        _check(bool(self.folder), "profiler.folder must be a non-empty path")
+        _check(
+            self.memory_snapshot_entries > 0,
+            f"profiler.memory_snapshot_entries must be positive, got "
+            f"{self.memory_snapshot_entries}",
+        )
+        for item in self.memory_snapshot_steps.split(","):
+            _check(
+                not item.strip() or (item.strip().isdigit() and int(item) >= 1),
+                f"profiler.memory_snapshot_steps must be a comma list of steps >= 1, got "
+                f"{self.memory_snapshot_steps!r}",
+            )
+
+    @property
+    def snapshot_steps(self) -> frozenset[int]:
+        """memory_snapshot_steps as a set of steps."""
+        return frozenset(int(s) for s in self.memory_snapshot_steps.split(",") if s.strip())
+
+
+@dataclass(kw_only=True, slots=True)
+class DebugConfig:
+    """Distributed debugging: PyTorch's NCCL Flight Recorder (tidal/parallel/launch.py)."""
+
+    flight_recorder: bool = True
+    """On NCCL jobs (CUDA, more than one rank) keep each rank's last collectives in a ring
+    buffer and write it to flight_recorder_folder when the NCCL watchdog sees a timeout or an
+    error: tidal sets TORCH_FR_BUFFER_SIZE (and its older name TORCH_NCCL_TRACE_BUFFER_SIZE),
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 and TORCH_FR_DUMP_TEMP_FILE (and
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE) before the process group starts. A variable the user set
+    is left alone. Read the dumps with `torchfrtrace <folder> --prefix rank_`."""
+    flight_recorder_folder: str = "flight_recorder"
+    """Folder of the Flight Recorder dumps (rank_<R>), relative to job.output_dir (or
+    absolute)."""
+    flight_recorder_entries: int = 2000
+    """Collectives kept per rank in the ring buffer."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.flight_recorder_folder), "debug.flight_recorder_folder must be a path")
+        _check(
+            self.flight_recorder_entries > 0,
+            f"debug.flight_recorder_entries must be positive, got {self.flight_recorder_entries}",
+        )
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     """A whole training job."""
@@ -430,6 +526,8 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self) -> None:
         hf = self.checkpoint.initial_load_hf

@@ -17,6 +17,7 @@ from tidal.parallel.dims import ParallelDims, check_layout
 from tidal.train.config import Config
 from tidal.train.data import Tokenizer
 from tidal.train.float8 import check_float8
+from tidal.train.metrics import WANDB_MISSING, has_module
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -45,11 +46,11 @@ def check_job(
     cfg: Config, args: ModelArgs, *, world_size: int, device: torch.device, data: bool = True
 ) -> ParallelDims:
     """The checks of a job a user can fail that need no data, model or process group: the
-    parallel layout on `world_size` ranks, `job.output_dir` (created here), flex attention on
-    a CPU, float8 (torchao installed, a GPU with float8 matmuls), and (with `data`, the
-    configured pipeline) the tokenizer's vocabulary against the model's. Run by
-    `Trainer.__init__` on every rank and by `tidal train --nproc` before it launches them.
-    Returns the layout's `ParallelDims`.
+    parallel layout on `world_size` ranks, `job.output_dir` (created here), the wandb package
+    for `metrics.wandb`, flex attention on a CPU, float8 (torchao installed, a GPU with float8
+    matmuls), and (with `data`, the configured pipeline) the tokenizer's vocabulary against the
+    model's. Run by `Trainer.__init__` on every rank and by `tidal train --nproc` before it
+    launches them. Returns the layout's `ParallelDims`.
 
     Raises:
         ValueError: naming the field to change.
@@ -91,6 +92,8 @@ def check_job(
                 "eager mode"
             )
     check_float8(cfg.quantize, device, batch_invariant=t.batch_invariant)
+    if cfg.metrics.wandb and not has_module("wandb"):
+        raise ValueError(WANDB_MISSING)
     if args.attention == "flex" and device.type == "cpu":
         raise ValueError(
             "model.attention=flex needs a CUDA device: flex attention has no backward on CPU; "

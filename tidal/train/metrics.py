@@ -1,4 +1,5 @@
-"""Throughput, FLOPs, MFU and memory, and where metrics go (console, JSONL, TensorBoard).
+"""Throughput, FLOPs, MFU and memory, and where metrics go (console, JSONL, TensorBoard,
+Weights & Biases).
 
 FLOPs per token follow the convention of torchtitan and the PaLM paper so numbers are
 comparable: 6 x (parameters excluding the embedding table) for the matmuls of forward and
@@ -8,11 +9,14 @@ backward, plus 12 x layers x heads x head_dim x seq_len for attention scores and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
+import secrets
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,14 +66,65 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss_kib / 2**20
 
 
+def has_module(name: str) -> bool:
+    """Whether `name` can be imported (without importing it)."""
+    if sys.modules.get(name) is not None:  # imported already, or a stand-in (tests)
+        return True
+    return importlib.util.find_spec(name) is not None
+
+
+WANDB_MISSING = "metrics.wandb=true needs the wandb package (pip install 'tidal[wandb]')"
+
+
+class WandbSink:
+    """Mirrors each record's numbers to a Weights & Biases run, at the record's step.
+
+    The wandb package is imported here, only when `metrics.wandb` is on. The run's id is kept
+    in <output_dir>/wandb_id.txt: a resumed tidal run (`resume`) continues the same W&B run
+    (W&B drops the re-logged steps at or before its last one, with a warning of its own).
+
+    Args:
+        output_dir: the run's folder (wandb writes its files under <output_dir>/wandb).
+        init: keyword arguments of `wandb.init` (project, entity, name, config).
+        resume: this tidal run resumes an earlier one in the same folder.
+    """
+
+    def __init__(self, output_dir: Path, init: dict[str, Any], *, resume: bool):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(WANDB_MISSING) from e
+        id_file = output_dir / "wandb_id.txt"
+        if resume and id_file.exists():
+            run_id = id_file.read_text().strip()
+        else:
+            run_id = secrets.token_hex(8)
+            id_file.write_text(run_id + "\n")
+        (output_dir / "wandb").mkdir(exist_ok=True)
+        self.run = wandb.init(id=run_id, resume="allow", dir=str(output_dir / "wandb"), **init)
+
+    def log(self, record: dict) -> None:
+        numbers = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if numbers and "step" in record:
+            self.run.log(numbers, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsLogger:
     """Appends one JSON object per line to <output_dir>/metrics.jsonl, prints a line per
-    record, and optionally mirrors scalars to TensorBoard. Only the process that owns output
-    (rank 0) should create one, and only one run at a time (tidal/train/run_folder.py).
+    record, and optionally mirrors scalars to TensorBoard and to Weights & Biases. Only the
+    process that owns output (rank 0) should create one, and only one run at a time
+    (tidal/train/run_folder.py).
 
     `resume_step`: this run resumes an earlier one after that step; a `{"event": "resume",
     "step": N}` record goes first, and records after it supersede earlier ones of the same
-    steps."""
+    steps. `wandb`: the keyword arguments of `wandb.init` (see WandbSink), None for no W&B."""
 
     def __init__(
         self,
@@ -78,6 +133,7 @@ class MetricsLogger:
         tensorboard: bool = False,
         stream=None,
         resume_step: int | None = None,
+        wandb: dict[str, Any] | None = None,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -102,6 +158,9 @@ class MetricsLogger:
                     "(pip install tidal[tensorboard])"
                 ) from e
             self.tb = SummaryWriter(str(self.dir / "tb"))
+        self.wandb = None
+        if wandb is not None:
+            self.wandb = WandbSink(self.dir, wandb, resume=resume_step is not None)
 
     def log(self, record: dict, line: str | None = None) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -112,11 +171,15 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, int | float) and v is not None:
                     self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 class Stopwatch:

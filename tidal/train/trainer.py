@@ -13,7 +13,9 @@ optimizer exists. `train()` runs the remaining optimizer steps up to `training.s
 over `grad_accum_steps` micro-batches, logging every `metrics.log_every` steps (rank 0 only),
 validating every `metrics.val_every` and saving checkpoints every `checkpoint.interval`;
 Ctrl-C ends the loop after the current step on every rank, saves a checkpoint (when enabled)
-and still logs the step.
+and still logs the step. The debugging tools (`profiler.*`, `debug.*`: tidal/train/profiling.py,
+docs/debugging.md) start before the process group (the Flight Recorder's environment) and the
+model (the CUDA allocator's history), and the trace follows the loop's steps.
 
 Loss normalization: each step's loss is the sum of token losses over every micro-batch,
 data-parallel rank and context-parallel shard, divided by the global number of valid labels.
@@ -49,6 +51,7 @@ from tidal.parallel.parallelize import parallelize
 from tidal.parallel.pipeline import PipelineRunner, build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
+from tidal.train.config_parse import to_dict
 from tidal.train.data import Batch, DataBundle, Tokenizer, build_data
 from tidal.train.float8 import Float8
 from tidal.train.float8 import convert as convert_float8
@@ -62,6 +65,7 @@ from tidal.train.metrics import (
     peak_memory_gib,
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
+from tidal.train.profiling import RunProfiler, setup_flight_recorder
 from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 from tidal.train.step import StepPath, StepResult
 
@@ -134,6 +138,8 @@ class Trainer:
             self._build(data)
         except BaseException:
             self._release_locks()  # a run that never started leaves the folder free
+            if getattr(self, "profiler", None) is not None:
+                self.profiler.close()
             raise
 
     def _build(self, data) -> None:
@@ -141,6 +147,20 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
+        # Before the model exists: the allocator's history then covers its memory too.
+        self.profiler = RunProfiler(
+            cfg.profiler,
+            cfg.job.output_dir,
+            rank=self.dist.rank,
+            device=self.device,
+            total_steps=t.steps,
+            log=self.log,
+        )
+        fr_folder = setup_flight_recorder(
+            cfg.debug, cfg.job.output_dir, device=self.device, world_size=self.dist.world_size
+        )
+        if fr_folder is not None:
+            self.log(f"flight recorder: on; NCCL timeouts dump to {fr_folder}/rank_<R>")
         init_process_group(self.dist, self.device)
         seed_everything(t.seed, t.deterministic)
         self.mesh = self.dims.build_mesh(self.device.type) if self.dist.world_size > 1 else None
@@ -371,17 +391,18 @@ class Trainer:
             ValueError: an injected loss under context parallelism, or batches the pipeline
                 cannot split.
         """
-        total, metrics = self.path.backward(batches, n_tokens, loss)
-        max_norm = self.cfg.training.max_norm
-        pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
-        grad_norm = clip_grad_norm(
-            self.params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
-        )
-        self.checkpoint.wait_before_update()  # a staged save must have copied the weights
-        self.optimizer.step()
-        if self.float8 is not None:
-            self.float8.after_optimizer_step(self.modules)  # FSDP float8 weight scales
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.profiler.oom_guard():  # an allocator snapshot on OOM (profiler section)
+            total, metrics = self.path.backward(batches, n_tokens, loss)
+            max_norm = self.cfg.training.max_norm
+            pp_group = self._dim("pp").get_group() if self.dims.pp > 1 else None
+            grad_norm = clip_grad_norm(
+                self.params, max_norm if max_norm > 0 else math.inf, pp_group=pp_group
+            )
+            self.checkpoint.wait_before_update()  # a staged save must have copied the weights
+            self.optimizer.step()
+            if self.float8 is not None:
+                self.float8.after_optimizer_step(self.modules)  # FSDP float8 weight scales
+            self.optimizer.zero_grad(set_to_none=True)
         tokens = sum(b.input_ids.numel() for b in batches) * self.dims.dp
         return StepResult(total, grad_norm, tokens, metrics)
 
@@ -485,6 +506,7 @@ class Trainer:
                 cfg.job.output_dir,
                 tensorboard=m.tensorboard,
                 resume_step=self.step if resumed else None,
+                wandb=self._wandb_init(),
             )
             if self.dist.is_main
             else None
@@ -500,12 +522,14 @@ class Trainer:
         stop = StopOnInterrupt(self._stop_group, announce=self.dist.is_main)
         try:
             stop.install()
+            self.profiler.start(self.step + 1)
             while self.step < total_steps:
                 self.step += 1
                 lr = cfg.optimizer.lr * wsd_multiplier(
                     self.step - lr_start, total_steps - lr_start, cfg.lr_scheduler
                 )
                 set_lr(self.optimizer, lr)
+                self.profiler.step_begin(self.step)
                 batches, n_tokens, wait = self.next_batches()
                 watch.add("data_wait", wait)
                 result = self.train_step(batches, n_tokens)
@@ -519,6 +543,7 @@ class Trainer:
                 if m.val_every and (self.step % m.val_every == 0 or self.step == total_steps):
                     self._log_validation(logger)
                 self.checkpoint.maybe_save(self.step, total_steps)
+                self.profiler.step_done(self.step)
                 if stop.requested():
                     interrupted = True
                     break
@@ -530,7 +555,11 @@ class Trainer:
                 if self.checkpoint.saves_enabled and self.checkpoint.last_saved_step != self.step:
                     self.checkpoint.save(self.step)
             self.checkpoint.finish()
+        except torch.OutOfMemoryError:  # in validation or a save (train_step has its own)
+            self.profiler.on_oom()
+            raise
         finally:
+            self.profiler.stop()
             stop.uninstall()
             if logger is not None:
                 logger.close()
@@ -553,6 +582,20 @@ class Trainer:
                 if logger is not None:
                     (logger.dir / "sample.txt").write_text(text + "\n")
         return last
+
+    def _wandb_init(self) -> dict | None:
+        """`wandb.init`'s arguments for `metrics.wandb`, or None when it is off."""
+        m = self.cfg.metrics
+        if not m.wandb:
+            return None
+        config = to_dict(self.cfg)
+        config["run"] = {"world_size": self.dist.world_size, "n_params": self.n_params}
+        return {
+            "project": m.wandb_project,
+            "entity": m.wandb_entity,
+            "name": m.wandb_name or self.cfg.job.name,
+            "config": config,
+        }
 
     def _log_step(self, logger, result: StepResult, lr, tokens, steps, watch, start) -> dict:
         loss = float(result.loss)  # syncs the device: timing below covers all queued work
@@ -606,8 +649,10 @@ class Trainer:
             self.checkpoint.close()
         finally:
             self._release_locks()
+            if getattr(self, "profiler", None) is not None:
+                self.profiler.close()
             for name in ("model", "modules", "params", "optimizer", "pipeline", "path", "mesh",
-                         "cp", "checkpoint", "train_iter"):  # fmt: skip
+                         "cp", "checkpoint", "train_iter", "profiler"):  # fmt: skip
                 if hasattr(self, name):
                     setattr(self, name, None)
             destroy_process_group()

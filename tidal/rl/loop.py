@@ -143,9 +143,11 @@ def generate_loop(
     index: int,
     first_step: int,
     log: Log,
+    main: bool = True,
 ) -> None:
     """Generator `index`'s side of the sync loop, from rollout batch `first_step + 1` to the
-    end (and the final evaluation when `index` is 0)."""
+    end (and the final evaluation when `index` is 0). A tensor-parallel generator runs it on
+    every rank in lockstep; only its `main` rank puts the rollouts and evaluations."""
     store, gen, r = link.store, policy.generator, cfg.rollout
     schedule = SyncSchedule(cfg.rl.steps)
     grader = Grader(task)
@@ -167,7 +169,8 @@ def generate_loop(
             return
         result = evaluate(policy, grader, eval_set, max_new_tokens=r.max_new_tokens, log=log,
                           label=f"eval of policy version {version}")  # fmt: skip
-        store.put_state_dict(result, EVAL, version=version)
+        if main:
+            store.put_state_dict(result, EVAL, version=version)
 
     for step in range(first_step + 1, cfg.rl.steps + 1):
         version = schedule.version_for_batch(step)
@@ -177,7 +180,8 @@ def generate_loop(
         batch = _sample_batch(policy, task, grader, cfg, index, seeds, stop,
                               {"generator": index, "version": version, "idle_s": idle_s,
                                "sync_s": sync_s})  # fmt: skip
-        store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
+        if main:
+            store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
     if index == 0:
         last = cfg.rl.steps
         if last in evals and gen.version != last:

@@ -19,7 +19,10 @@ Lifecycle:
   `shard_model` applies the generation TP plan (no sequence parallel) to the meta-device
   model. Every rank then runs the same loop in lockstep (same prompts, same seeds, so the
   same tokens from the replicated logits); only rank 0 beats, puts rollouts and
-  evaluations. `leave_generator_group` frees the group at the end.
+  evaluations. In async mode the ranks' Stagers agree on every weight switch
+  (tidal/rl/staging.py) and `follow_main` gives every rank rank 0's answer to a question
+  asked of the store (is a queue slot free). `leave_generator_group` frees the group at
+  the end.
 """
 
 from __future__ import annotations
@@ -77,12 +80,6 @@ def check_generator_layouts(cfg: RLConfig, args: ModelArgs, *, where: str = "the
                 f"{who} cannot hold {where}: it ties its embeddings, and tensor parallel "
                 "splits the embedding by rows and the output projection by columns; run "
                 "this generator on one rank (generator.tp 1)"
-            )
-        if cfg.rl.mode == "async":
-            raise ValueError(
-                f"{who}: tensor-parallel generators run in rl.mode sync only for now (their "
-                "ranks would have to agree on each in-flight weight switch); use rl.mode "
-                "sync, or generator.tp 1 with more generators"
             )
         if cuda_devices is not None and tp > cuda_devices:
             raise ValueError(
@@ -150,3 +147,20 @@ def shard_model(model: Transformer, mesh: Any) -> None:
     from tidal.parallel.parallelize import apply_tp
 
     apply_tp(model, mesh, loss_parallel=False, sequence_parallel=False)
+
+
+def follow_main(value: bool, model: Transformer) -> bool:
+    """Rank 0's `value`, on every rank of a tensor-parallel `model`'s mesh (a broadcast:
+    every rank calls it at the same point); `value` itself for a model on one rank. The
+    ranks of a generator take each decision that depends on the store (is a queue slot
+    free, is the run over) from rank 0, so that they never part ways."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or mesh.size() == 1:
+        return value
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(value)], device=model.rope.device)
+    dist.broadcast(flag, group_src=0, group=mesh.get_group())
+    return bool(flag.item())

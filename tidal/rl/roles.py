@@ -400,7 +400,7 @@ def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, i
             f"{cfg.rl.steps}, {cfg.prompts_of(index)} prompts a step")  # fmt: skip
         if cfg.rl.mode == "async":
             generate_loop_async(policy, task, link, cfg, index=index, first_step=start["step"],
-                                log=log)  # fmt: skip
+                                log=log, main=main)  # fmt: skip
         else:
             generate_loop(policy, task, link, cfg, index=index, first_step=start["step"],
                           log=log, main=main)  # fmt: skip

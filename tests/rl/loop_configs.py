@@ -104,9 +104,12 @@ def layouts(out: str = "outputs/rl_test") -> RLConfig:
 
     cfg = tiny(out)
     generator = GeneratorRoleConfig(count=2, tp=(2, 1), max_batch=16, device="cpu", dtype="bf16")
+    # Seven processes on a loaded 2-core machine: no role is taken for dead while it waits
+    # for a core (this test is about weights, not faults).
+    loop = dataclasses.replace(cfg.rl, wait_timeout_s=240, dead_after_s=60)
     if os.environ.get("TIDAL_TEST_WEIGHTS"):
         _write_weights(os.environ["TIDAL_TEST_WEIGHTS"])
-    return dataclasses.replace(cfg, generator=generator)
+    return dataclasses.replace(cfg, generator=generator, rl=loop)
 
 
 def _write_weights(folder: str) -> None:

@@ -104,7 +104,8 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
     steps = 2 if mode == "sync" else 3
     extra = ["--rl.mode", "async", "--loss.tis_cap", "2"] if mode == "async" else []
     r = tidal_rl("--config", LAYOUTS, "--job.output_dir", str(out), "--nproc", "2",
-                 "--rl.steps", str(steps), "--metrics.plot", "false", *extra)  # fmt: skip
+                 "--rl.steps", str(steps), "--metrics.plot", "false", *extra,
+                 timeout=400)  # fmt: skip
     assert r.returncode == 0, r.stdout
     assert "world 2 (dp_shard=2)" in r.stdout
     assert "generator 0: on 2 ranks (tp) on cpu (torch.bfloat16)" in r.stdout

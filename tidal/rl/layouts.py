@@ -65,8 +65,8 @@ def check_generator_layouts(cfg: RLConfig, args: ModelArgs, *, where: str = "the
     for tp, which in sorted(by_degree.items()):
         if tp == 1:
             continue
-        who = f"generator.tp={tp} (generator{'s' if len(which) > 1 else ''} " + \
-            f"{', '.join(map(str, which))})"  # fmt: skip
+        plural = "s" if len(which) > 1 else ""
+        who = f"generator.tp={tp} (generator{plural} {', '.join(map(str, which))})"
         bad = {name: n for name, n in sizes.items() if n % tp}
         if bad:
             raise ValueError(

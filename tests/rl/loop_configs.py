@@ -91,3 +91,74 @@ def publish_fails(out: str = "outputs/rl_test") -> RLConfig:
 
     tidal.store.client.Store.put_state_dict_async = put_state_dict_async  # type: ignore[method-assign]
     return tiny(out)
+
+
+def layouts(out: str = "outputs/rl_test") -> RLConfig:
+    """`tiny` with two generators in layouts of their own: generator 0 tensor parallel on 2
+    ranks, generator 1 on one, both in bf16 (the fp32 trainer publishes bf16); run it with
+    `--nproc 2` for an FSDP trainer. With TIDAL_TEST_WEIGHTS naming a folder, every role
+    process writes there the full parameters of each policy version it holds (the layouts
+    test compares them)."""
+    import dataclasses
+    import os
+
+    cfg = tiny(out)
+    generator = GeneratorRoleConfig(count=2, tp=(2, 1), max_batch=16, device="cpu", dtype="bf16")
+    # Seven processes on a loaded 2-core machine: no role is taken for dead while it waits
+    # for a core (this test is about weights, not faults).
+    loop = dataclasses.replace(cfg.rl, wait_timeout_s=240, dead_after_s=60)
+    if os.environ.get("TIDAL_TEST_WEIGHTS"):
+        _write_weights(os.environ["TIDAL_TEST_WEIGHTS"])
+    return dataclasses.replace(cfg, generator=generator, rl=loop)
+
+
+def _write_weights(folder: str) -> None:
+    """Patch the trainer's publish and the Generator's generate (in this process) to save the
+    full parameters of each version: the trainer's cast to bf16 (the generators' dtype) from
+    its rank 0, each generator rank's gathered from its shards."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import tidal.rl.generate
+    import tidal.store.client
+
+    def full(sd: dict) -> dict:
+        return {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                for k, t in sd.items()}  # fmt: skip
+
+    def rank() -> tuple[int, int]:
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    put = tidal.store.client.Store.put_state_dict_async
+
+    def put_state_dict_async(self, state_dict, key, **kwargs):
+        if key == "policy":  # every trainer rank publishes together: the gathers match up
+            params = {k: t.to(torch.bfloat16) for k, t in full(state_dict).items()}
+            if rank()[0] == 0:
+                v = kwargs["version"]
+                torch.save({"version": v, "params": params}, Path(folder) / f"trainer-v{v}.pt")
+        return put(self, state_dict, key, **kwargs)
+
+    generate = tidal.rl.generate.Generator.generate
+    written: set[int] = set()
+
+    def generate_and_write(self, prompts, params=None):
+        v = self.version
+        if v is not None and v not in written:  # every rank of a generator generates together
+            written.add(v)
+            sd = self.model.state_dict()
+            local = sum(
+                (t.to_local() if isinstance(t, DTensor) else t).numel() for t in sd.values()
+            )
+            r, world = rank()
+            index = sys.argv[sys.argv.index("--index") + 1]
+            torch.save({"version": v, "params": full(sd), "local_numel": local, "world": world},
+                       Path(folder) / f"generator{index}-rank{r}-v{v}.pt")  # fmt: skip
+        return generate(self, prompts, params)
+
+    tidal.store.client.Store.put_state_dict_async = put_state_dict_async  # type: ignore[method-assign]
+    tidal.rl.generate.Generator.generate = generate_and_write  # type: ignore[method-assign]

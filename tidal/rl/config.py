@@ -167,8 +167,13 @@ class GeneratorRoleConfig:
     """The generator role: processes running tidal.rl.Generator and the task's grader."""
 
     count: int = 1
-    """Generator processes (`tidal rl` starts them; on a cluster, one `tidal rl generator
-    --index i` each)."""
+    """Generators (`tidal rl` starts them; on a cluster, one `tidal rl generator --index i`
+    command each, under torchrun for a generator of several ranks)."""
+    tp: int | tuple[int, ...] = 1
+    """Each generator's layout: its tensor-parallel degree, the ranks it runs on (heads, kv
+    heads, MLP columns and vocabulary split over them; weights read shard by shard from the
+    store). One int for every generator, or one per generator ("2,1": generator 0 on 2
+    ranks, generator 1 on one). docs/rl.md, "Generator layouts"."""
     max_batch: int = 128
     """KV-cache rows of each generator: samples decoded at once."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -182,11 +187,23 @@ class GeneratorRoleConfig:
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
+        degrees = (self.tp,) if isinstance(self.tp, int) else tuple(self.tp)
+        _check(
+            isinstance(self.tp, int) or len(degrees) == self.count,
+            f"generator.tp lists {len(degrees)} degree(s) {','.join(map(str, degrees))} for "
+            f"generator.count={self.count} generators: give one int for all, or one per generator",
+        )
+        _check(all(isinstance(d, int) and d >= 1 for d in degrees),
+               f"generator.tp degrees must be integers >= 1, got {self.tp!r}")  # fmt: skip
         _check(self.max_batch >= 1, f"generator.max_batch must be >= 1, got {self.max_batch}")
         _check(self.dtype in ("auto", "fp32", "bf16"),
                f"generator.dtype must be one of auto, fp32, bf16; got {self.dtype!r}")  # fmt: skip
         _check(self.device in ("auto", "cpu", "cuda"),
                f"generator.device must be one of auto, cpu, cuda; got {self.device!r}")  # fmt: skip
+
+    def tp_of(self, index: int) -> int:
+        """The tensor-parallel degree (ranks) of generator `index`."""
+        return self.tp if isinstance(self.tp, int) else self.tp[index]
 
 
 @dataclass(kw_only=True, slots=True)

@@ -45,6 +45,7 @@ import torch
 from tidal.rl.config import RLConfig
 from tidal.rl.coupling import EVAL, INTAKE, POLICY, Link, rollouts_key, taken_key
 from tidal.rl.generate import Generator
+from tidal.rl.layouts import follow_main
 from tidal.rl.loss import group_advantages
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.sampling import SamplingParams
@@ -143,9 +144,11 @@ def generate_loop(
     index: int,
     first_step: int,
     log: Log,
+    main: bool = True,
 ) -> None:
     """Generator `index`'s side of the sync loop, from rollout batch `first_step + 1` to the
-    end (and the final evaluation when `index` is 0)."""
+    end (and the final evaluation when `index` is 0). A tensor-parallel generator runs it on
+    every rank in lockstep; only its `main` rank puts the rollouts and evaluations."""
     store, gen, r = link.store, policy.generator, cfg.rollout
     schedule = SyncSchedule(cfg.rl.steps)
     grader = Grader(task)
@@ -167,7 +170,8 @@ def generate_loop(
             return
         result = evaluate(policy, grader, eval_set, max_new_tokens=r.max_new_tokens, log=log,
                           label=f"eval of policy version {version}")  # fmt: skip
-        store.put_state_dict(result, EVAL, version=version)
+        if main:
+            store.put_state_dict(result, EVAL, version=version)
 
     for step in range(first_step + 1, cfg.rl.steps + 1):
         version = schedule.version_for_batch(step)
@@ -177,7 +181,8 @@ def generate_loop(
         batch = _sample_batch(policy, task, grader, cfg, index, seeds, stop,
                               {"generator": index, "version": version, "idle_s": idle_s,
                                "sync_s": sync_s})  # fmt: skip
-        store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
+        if main:
+            store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
     if index == 0:
         last = cfg.rl.steps
         if last in evals and gen.version != last:
@@ -221,12 +226,15 @@ def generate_loop_async(
     index: int,
     first_step: int,
     log: Log,
+    main: bool = True,
 ) -> None:
     """Generator `index`'s side of the async loop: batches 1, 2, ... until the trainer has
     published its last version, each started with the newest version staged and switched to
     newer ones between decode steps; it waits only for a free slot of the rollout queue (and
     for the very first version). Generator 0 evaluates the eval versions it holds at a batch
-    start, and the last version at the end."""
+    start, and the last version at the end. A tensor-parallel generator runs it on every
+    rank in lockstep: the `main` rank waits for the queue and tells the others (the Stager
+    agrees on the swaps), and only it puts the rollouts and evaluations."""
     store, gen, steps = link.store, policy.generator, cfg.rl.steps
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
@@ -252,7 +260,8 @@ def generate_loop_async(
         finally:
             gen.swap_hook = hook
         assert gen.version == version, (gen.version, version)
-        store.put_state_dict(result, EVAL, version=version)
+        if main:
+            store.put_state_dict(result, EVAL, version=version)
         evaluated.add(version)
 
     idle_s = load_exactly(first_step)
@@ -266,11 +275,14 @@ def generate_loop_async(
         k, since = 0, time.perf_counter()
         while True:
             t0 = time.perf_counter()
-            if not _queue_slot(link, index, k + 1 - slots, steps):
+            free = _queue_slot(link, index, k + 1 - slots, steps) if main else True
+            if not follow_main(free, gen.model):
                 break  # the trainer published its last version: no more batches needed
             idle_s += time.perf_counter() - t0
             swap_s = stager.swap_s
-            stager.at_batch_start()
+            swapped = stager.at_batch_start()
+            if swapped is not None:
+                gen.version = swapped
             version = gen.version
             assert version is not None
             maybe_eval(version)
@@ -283,7 +295,8 @@ def generate_loop_async(
             batch.meta.update(swaps_in_flight=stager.swaps - swaps, prefetch_hits=stager.hits,
                               prefetch_misses=stager.misses, wall_s=now - since,
                               sync_s=stager.swap_s - swap_s)  # fmt: skip
-            store.put_state_dict(batch.to_state_dict(), key, version=k, keep=slots + 2)
+            if main:
+                store.put_state_dict(batch.to_state_dict(), key, version=k, keep=slots + 2)
             idle_s, since = 0.0, now
     finally:
         gen.swap_hook = None

@@ -115,7 +115,7 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
         if role == "trainer":
             roles.run_trainer(cfg, store, dist_info=dist_info)
         else:
-            roles.run_generator(cfg, store, index=args.index)
+            roles.run_generator(cfg, store, index=args.index, dist_info=dist_info)
     finally:
         store.close()
     return 0

@@ -11,8 +11,10 @@ Lifecycle:
 - `run_trainer` (every trainer rank): builds the tidal Trainer (no data pipeline, the warm
   start loaded through the checkpoint code), clears an earlier run's keys, announces the first
   step (`control/start`), publishes version 0 and runs `train_loop`; rank 0 logs.
-- `run_generator` (each generator process): builds the model from the policy's architecture
-  (its weights come from the store only), waits for `control/start` and runs `generate_loop`.
+- `run_generator` (each generator process, or each rank of a tensor-parallel generator:
+  tidal/rl/layouts.py): builds the model from the policy's architecture in the generator's
+  layout (its weights come from the store only, each rank reading its own shards), waits
+  for `control/start` and runs `generate_loop`; rank 0 alone beats and puts rollouts.
 The roles share nothing but the store (tidal/rl/coupling.py); each also runs alone against a
 store address (`tidal store serve`) on a cluster.
 """
@@ -33,6 +35,13 @@ import torch
 
 from tidal.rl.config import RLConfig
 from tidal.rl.coupling import DONE, POLICY, START, STOP, Link, generator_name
+from tidal.rl.layouts import (
+    check_generator_layouts,
+    generator_command,
+    join_generator_group,
+    leave_generator_group,
+    shard_model,
+)
 from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
 
 Log = Callable[[str], None]
@@ -105,8 +114,9 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
 
 def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
     """Every check a user can fail that needs no trained warm start: the task, the policy's
-    files and, for policies that need no SFT, the tokenizer's cover of the task's text.
-    Returns the resolved policy (None for an SFT warm start not trained yet).
+    files, every generator's layout against the policy's architecture and, for policies
+    that need no SFT, the tokenizer's cover of the task's text. Returns the resolved policy
+    (None for an SFT warm start not trained yet).
 
     Raises:
         ValueError, FileNotFoundError: naming the field at fault.
@@ -114,15 +124,27 @@ def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
     task = make_task(cfg)
     if (warning := cfg.queue_warning()) is not None:
         log(f"tidal rl: warning: {warning}")
+    gpus = torch.cuda.device_count() if generator_device(cfg).type == "cuda" else None
     if cfg.policy.kind == "sft":
         try:
             src = resolve_policy(cfg, log=log)
-        except FileNotFoundError:
-            return None  # trained by prepare_policy; checked after it
+        except FileNotFoundError:  # trained by prepare_policy; its text checked after it
+            from tidal.rl.warmstart import sft_run
+            from tidal.train.trainer import model_args_for
+
+            sft = sft_run(cfg)[0]
+            where = f"the SFT warm start's model {sft.model.flavor!r}"
+            check_generator_layouts(cfg, model_args_for(sft), cuda_devices=gpus, where=where)
+            return None
     else:
         src = resolve_policy(cfg, log=log)
+    check_generator_layouts(cfg, src.args, cuda_devices=gpus, where=_model_name(src))
     check_task_text(cfg, src, task)
     return src
+
+
+def _model_name(src: PolicySource) -> str:
+    return f"the policy's model ({src.describe})" if src.describe else "the policy's model"
 
 
 def connect_store(address: str, cfg: RLConfig, *, token: str | None = None):
@@ -316,15 +338,16 @@ def _why(e: BaseException, role: str) -> str:
 # -- a generator ---------------------------------------------------------------------------
 
 
-def build_generator(cfg: RLConfig, src: PolicySource):
+def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local_rank: int = 0):
     """The generator's model (its own copy, on its device and dtype; weights from the store)
-    wrapped in a tidal.rl.Generator."""
+    wrapped in a tidal.rl.Generator; with a `tp` `mesh`, this rank's shard of it."""
     from tidal.models.transformer import Transformer
     from tidal.rl.generate import Generator, GeneratorConfig
 
-    device, dtype = generator_device(cfg), generator_dtype(cfg)
+    device, dtype = generator_device(cfg, local_rank), generator_dtype(cfg)
     with torch.device("meta"):
         model = Transformer(src.args)
+    shard_model(model, mesh)
     model.to_empty(device=device)
     model.init_weights(seed=cfg.trainer.seed)
     model.to(dtype)
@@ -334,34 +357,64 @@ def build_generator(cfg: RLConfig, src: PolicySource):
     return Generator(model, tokenizer=src.tokenizer, config=config)
 
 
-def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) -> None:
-    """Generator `index`'s role: until the trainer is done."""
-    from tidal.rl.loop import Policy, generate_loop, generate_loop_async
+def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
+                  log: Log = print) -> None:  # fmt: skip
+    """Generator `index`'s role (in each of its ranks; `dist_info`: torchrun's, for a
+    tensor-parallel generator): until the trainer is done."""
+    from tidal.parallel.launch import DistInfo
 
     if not 0 <= index < cfg.generator.count:
         raise ValueError(f"--index must be in 0..{cfg.generator.count - 1} (generator.count="
                          f"{cfg.generator.count}), got {index}")  # fmt: skip
+    info = dist_info or DistInfo()
+    log = log if info.is_main else _quiet
     task = make_task(cfg)
     src = resolve_policy(cfg, log=log)
-    name = generator_name(index)
-    link = Link(store, name, watch=["trainer"], loop=cfg.rl)
+    device = generator_device(cfg, info.local_rank)
+    gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    check_generator_layouts(cfg, src.args, cuda_devices=gpus, where=_model_name(src))
+    mesh = join_generator_group(cfg, index, info, device)
+    try:
+        _generate_role(cfg, store, src, task, index=index, info=info, mesh=mesh, log=log)
+    finally:
+        if mesh is not None:  # the model is gone with _generate_role's frame
+            del mesh
+            leave_generator_group()
+
+
+def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, index: int,
+                   info: Any, mesh: Any, log: Log) -> None:  # fmt: skip
+    from tidal.rl.loop import Policy, generate_loop, generate_loop_async
+
+    name, main = generator_name(index), info.is_main
+    link = Link(store, name, watch=["trainer"], loop=cfg.rl, beat=main)
     link.start()
     try:
-        gen = build_generator(cfg, src)
+        gen = build_generator(cfg, src, mesh=mesh, local_rank=info.local_rank)
         pad = src.tokenizer.eos_id
         policy = Policy(generator=gen, encoder=src.encoder, pad_id=pad,
                         max_prompt_tokens=cfg.rollout.max_prompt_tokens)  # fmt: skip
         start = link.wait_version(START, 0, "the trainer's start")
-        log(f"{name}: on {gen.device} ({generator_dtype(cfg)}), steps {start['step'] + 1}.."
+        where = str(gen.device) if mesh is None else f"{info.world_size} ranks (tp) on {gen.device}"
+        log(f"{name}: on {where} ({generator_dtype(cfg)}), steps {start['step'] + 1}.."
             f"{cfg.rl.steps}, {cfg.prompts_of(index)} prompts a step")  # fmt: skip
-        loop = generate_loop_async if cfg.rl.mode == "async" else generate_loop
-        loop(policy, task, link, cfg, index=index, first_step=start["step"], log=log)
+        if cfg.rl.mode == "async":
+            generate_loop_async(policy, task, link, cfg, index=index, first_step=start["step"],
+                                log=log, main=main)  # fmt: skip
+        else:
+            generate_loop(policy, task, link, cfg, index=index, first_step=start["step"],
+                          log=log, main=main)  # fmt: skip
         link.wait_version(DONE, 0, "the trainer to finish")
     except BaseException as e:
-        link.stop(_why(e, name))
+        rank = f" (rank {info.rank})" if info.world_size > 1 else ""
+        link.stop(_why(e, name + rank))
         raise
     finally:
         link.close()
+
+
+def _quiet(line: str) -> None:
+    """The log of a generator's ranks past the first (rank 0 prints for the generator)."""
 
 
 # -- the local launcher ----------------------------------------------------------------------
@@ -422,9 +475,7 @@ def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log:
     common = ["--store", store.address, *role_argv, "--store.policy_memory", memory]
     procs: dict[str, subprocess.Popen] = {}
     for i in range(cfg.generator.count):
-        procs[generator_name(i)] = subprocess.Popen(
-            [sys.executable, "-m", "tidal", "rl", "generator", "--index", str(i), *common], env=env
-        )
+        procs[generator_name(i)] = subprocess.Popen(generator_command(cfg, i, common), env=env)
     trainer_cmd = [sys.executable, "-m", "tidal", "rl", "trainer", *common]
     if nproc > 1:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",

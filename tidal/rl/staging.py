@@ -16,6 +16,14 @@ in-place `copy_` per parameter: no reallocation, so captured CUDA graphs stay va
 GPU the copies are queued on the current stream (non-blocking from pinned memory) and the
 staging buffer is refilled only after they ran.
 
+Tensor-parallel generators: over DTensor parameters the staging tensors are DTensors of the
+same layout (each rank reads only its own shards), and the ranks of the parameters' mesh
+agree on every swap: each swap point is one small all-reduce of the version each rank has
+staged. They swap when they all hold the same version; when they differ, nobody swaps and
+the ranks behind drop theirs and fetch the newest one offered, so they agree at a later
+point. Every rank of the generator calls `swap` and `at_batch_start` at the same points
+(they run the same loop in lockstep).
+
 Prefetch hit rate: at the start of each batch, if a version newer than the one held is
 committed in the store, the version was needed; it is a hit when a newer version was
 already staged (and is swapped in at once), a miss when it was still being read (the batch
@@ -30,6 +38,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tidal.store.errors import (
     KeyNotFoundError,
@@ -46,7 +56,8 @@ class Stager:
     Args:
         store: this process's `tidal.store.Store`.
         key: the policy's key ("policy").
-        params: the live state dict (`model.state_dict()`), plain tensors; swaps copy into it.
+        params: the live state dict (`model.state_dict()`), plain tensors or DTensors (a
+            tensor-parallel generator: see the module docstring); swaps copy into it.
         held: the version the live parameters hold now.
         last: the last version there will be (the thread stops after staging it).
         slice_s: longest single wait for an unwritten version (the thread rechecks for a
@@ -61,11 +72,11 @@ class Stager:
         self.store, self.key, self.params = store, key, dict(params)
         self.last, self.slice_s = last, slice_s
         pin = any(t.is_cuda for t in self.params.values()) and torch.cuda.is_available()
-        self.staging = {
-            k: torch.empty_like(t) if on_device
-            else torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            for k, t in self.params.items()
-        }  # fmt: skip
+        self.staging = {k: _staging_like(t, on_device, pin) for k, t in self.params.items()}
+        mesh = next((t.device_mesh for t in self.params.values() if isinstance(t, DTensor)), None)
+        self._group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+        self._device = next(iter(self.params.values())).device
+        self._target: int | None = None  # TP: the version the other ranks hold staged
         self.held = held
         self.hits = self.misses = self.swaps = 0
         self.swap_s = 0.0
@@ -118,7 +129,12 @@ class Stager:
             newest = self.store.versions(self.key)[-1]
         except (KeyNotFoundError, IndexError):
             newest = -1
+        with self._cv:
+            target, self._target = self._target, None
         try:
+            if target is not None and target > held:
+                self.store.get_state_dict(self.key, into=self.staging, version=target)
+                return target
             if newest > held:
                 self.store.get_state_dict(self.key, into=self.staging, version=newest)
                 return newest
@@ -143,13 +159,13 @@ class Stager:
                 raise StoreError(f"prefetching policy versions failed: {err}") from err
             raise err
         with self._cv:
-            version = self._staged
+            version = self._agreed(self._staged)
         if version is None:
             return None
         t0 = time.perf_counter()
         with torch.no_grad():
             for name, dst in self.params.items():
-                dst.copy_(self.staging[name], non_blocking=True)
+                _local(dst).copy_(_local(self.staging[name]), non_blocking=True)
         if any(t.is_cuda for t in self.params.values()):
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -159,6 +175,23 @@ class Stager:
             self.swaps += 1
             self._cv.notify_all()
         return version
+
+    def _agreed(self, staged: int | None) -> int | None:
+        """The version to swap in now: the staged one with one rank; under tensor
+        parallelism the one every rank has staged, else None (the ranks behind the newest
+        staged version drop theirs and fetch that one). Called with the lock held."""
+        if self._group is None:
+            return staged
+        mine = -1 if staged is None else staged
+        both = torch.tensor([mine, -mine], dtype=torch.long, device=self._device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self._group)
+        newest, oldest = int(both[0]), -int(both[1])
+        if newest == oldest:
+            return staged
+        if mine < newest:
+            self._staged, self._target = None, newest  # refetch: the thread stages `newest`
+            self._cv.notify_all()
+        return None
 
     def wait_staged(self, timeout: float) -> int | None:
         """Block until a version newer than the held one is staged (at most `timeout` s);
@@ -183,3 +216,21 @@ class Stager:
             else:
                 self.misses += 1
         return self.swap()
+
+
+def _staging_like(t: torch.Tensor, on_device: bool, pin: bool) -> torch.Tensor:
+    """An empty staging tensor for parameter `t`: on its device (`on_device`) or in host
+    memory; for a DTensor, a DTensor of the same layout over such a local tensor."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if on_device:
+        buf = torch.empty_like(local)
+    else:
+        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+    if not isinstance(t, DTensor):
+        return buf
+    return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

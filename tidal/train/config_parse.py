@@ -60,6 +60,8 @@ def type_name(tp: Any) -> str:
         return "NONE"
     if _record_type(tp) is not None or tp is dict or get_origin(tp) is dict:
         return "JSON"
+    if _int_tuple(tp):
+        return "INT,INT,..."
     return getattr(tp, "__name__", str(tp)).upper()
 
 
@@ -96,6 +98,13 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected {tp.__name__}, got {raw!r}") from None
     if tp is str:
         return raw
+    if _int_tuple(tp):
+        try:
+            return tuple(int(x) for x in raw.strip("[]() ").split(","))
+        except ValueError:
+            raise ValueError(
+                f"{where}: expected integers separated by commas, got {raw!r}"
+            ) from None
     item = _record_type(tp)
     if item is not None:
         return _parse_records(raw, item, where)
@@ -108,6 +117,11 @@ def parse_value(raw: str, tp: Any, where: str) -> Any:
             raise ValueError(f"{where}: expected a JSON object, got {raw!r}")
         return data
     raise TypeError(f"{where}: fields of type {tp} cannot be set from the command line")
+
+
+def _int_tuple(tp: Any) -> bool:
+    """`tuple[int, ...]`: given as "2,1" (or "[2, 1]")."""
+    return get_origin(tp) is tuple and get_args(tp) == (int, Ellipsis)
 
 
 def _record_type(tp: Any) -> type | None:

@@ -290,3 +290,20 @@ def test_compiled_logprob_chunk_matches_eager():
             torch.testing.assert_close(g1, g2)
             if entropy:
                 torch.testing.assert_close(e1, e2, atol=2e-5, rtol=1e-5)
+
+
+def test_cuda_chunk_kernels_compile_once_for_every_row_count(monkeypatch):
+    """Full chunks run the static-shape kernel, shorter ones the dynamic one: an RL step's
+    changing sequence length does not recompile per length."""
+    from tidal.train import loss as loss_mod
+
+    calls = []
+
+    def fake_compile(fn, dynamic):
+        return lambda x, *a: calls.append((dynamic, x.shape[0]))
+
+    monkeypatch.setattr(loss_mod.torch, "compile", fake_compile)
+    kernel = loss_mod._Compiled(lambda *a: None, rows=8)
+    for rows in (8, 5, 8, 3):
+        kernel(torch.zeros(rows, 2))
+    assert calls == [(False, 8), (True, 5), (False, 8), (True, 3)]

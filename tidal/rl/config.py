@@ -184,6 +184,13 @@ class GeneratorRoleConfig:
     batch_invariant: bool = False
     """Fixed reduction orders: the generator's log-probs equal the trainer's bitwise (slower;
     docs/generate.md)."""
+    compile: bool | None = None
+    """torch.compile each decode step (one per batch bucket and sampler) and the prefill.
+    None: on for CUDA outside batch-invariant mode and tensor parallelism. Each compile costs
+    seconds to minutes at the first batch that needs it; false keeps the CUDA graphs of the
+    eager kernels (captured in milliseconds)."""
+    cuda_graphs: bool | None = None
+    """Replay each decode step as a CUDA graph. None: on for CUDA without tensor parallelism."""
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")

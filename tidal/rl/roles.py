@@ -352,8 +352,10 @@ def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local
     model.init_weights(seed=cfg.trainer.seed)
     model.to(dtype)
     capacity = trainer_seq_len(cfg, src)
-    config = GeneratorConfig(max_batch=cfg.generator.max_batch, max_seq_len=capacity,
-                             batch_invariant=cfg.generator.batch_invariant)  # fmt: skip
+    g = cfg.generator
+    config = GeneratorConfig(max_batch=g.max_batch, max_seq_len=capacity,
+                             batch_invariant=g.batch_invariant, compile=g.compile,
+                             cuda_graphs=g.cuda_graphs)  # fmt: skip
     return Generator(model, tokenizer=src.tokenizer, config=config)
 
 

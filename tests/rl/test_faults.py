@@ -89,7 +89,8 @@ class Job:
         self.out, self.address, self.args = tmp_path / "run", address, list(args)
         self.marker = tmp_path / "stalled"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                    "TIDAL_TEST_STALL": stall, "TIDAL_TEST_STALL_FILE": str(self.marker)}  # fmt: skip
+                    "TIDAL_TEST_STALL": stall,
+                    "TIDAL_TEST_STALL_FILE": str(self.marker)}  # fmt: skip
         self.roles: dict[str, Role] = {}
 
     def start(self, role: str, *extra: str) -> Role:
@@ -226,26 +227,37 @@ def _serve(port: int = 0) -> tuple[subprocess.Popen, str]:
     return p, line.split()[4]
 
 
-@pytest.mark.parametrize("how", ["killed", "restarted"])
+@pytest.mark.parametrize("how", ["killed", "restarted", "emptied"])
 def test_the_stores_controller_killed_or_restarted(tmp_path, how):
-    """`tidal store serve` is killed mid-run (and, for "restarted", started again on the same
-    port at once, empty): every role says so in one line and exits; none is left."""
+    """`tidal store serve` is killed mid-run ("restarted": and started again on the same port
+    at once, empty; "emptied": the run's control/start deleted, which is what a controller
+    restarted between two calls looks like): every role says so in one line and exits with
+    status 2; none is left."""
     server, address = _serve()
     job = Job(tmp_path, address, "--rl.steps", "10000")
     try:
         trainer = job.start("trainer")
         gen = job.generator(0)
         trainer.expect("step    2/", 120)
-        server.kill()
-        server.wait()
+        if how == "emptied":
+            with tidal.store.connect(address) as s:
+                s.delete("control/start")
+        else:
+            server.kill()
+            server.wait()
         if how == "restarted":
             server, again = _serve(int(address.rsplit(":", 1)[1]))
             assert again == address
-        said = "no longer holds this run" if how == "restarted" else "stopped answering"
+        gone = "stopped answering ("
+        said = {
+            "killed": (gone,),
+            "restarted": (gone, "no longer holds this run"),
+            "emptied": ("no longer holds this run (its control/start is gone)",),
+        }[how]
         for role in (trainer, gen):
             out = role.finish(DEAD_AFTER_S + 30)
             assert role.p.returncode == 2, out
-            assert said in out or "the run's store failed" in out, out
+            assert any(x in out for x in (*said, "the run's store failed")), out
             assert "Traceback" not in out, out
     finally:
         job.end()
@@ -288,6 +300,10 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store):
         shape = (s["generators"], s["samples_per_generator"])
         if not runs or runs[-1] != shape:
             runs.append(shape)
+    # The step generator 1 left in may lack its share (it had been given prompts with the
+    # version it left at: a member gone mid-step); the next ones give generator 0 all.
+    if runs[2] == ([0], [16]):
+        del runs[2]
     assert runs[:3] == [([0], [32]), ([0, 1], [16, 16]), ([0], [32])], runs
 
 

@@ -174,19 +174,31 @@ class Link:
         if self.leaving is not None:
             raise Leaving(self.leaving)
         try:
-            if self.store.exists(STOP):
-                info = self.store.get_state_dict(STOP)
-                raise RoleStopped(f"{info.get('by', 'a role')} stopped the run: "
-                                  f"{info.get('reason', '(no reason given)')}")  # fmt: skip
-            if self._run_seen and not self.store.exists(START, 0):
-                raise RoleStopped(
-                    f"{self.name}: the store at {self.store.address} no longer holds this run "
-                    f"(its {START} is gone): its controller was restarted, or another run "
-                    f"cleared it; every role stops"
-                )
-        except (StoreError, KeyNotFoundError, VersionNotFoundError) as e:
-            raise RoleStopped(f"{self.name}: the store at {self.store.address} stopped "
-                              f"answering ({e}); every role stops") from e  # fmt: skip
+            self._check_store()
+        except StoreError:  # once more: a call that failed drops its connection, and the next
+            try:  # goes out on a new one (a restarted controller answers it)
+                self._check_store()
+            except (StoreError, KeyNotFoundError, VersionNotFoundError) as e:
+                raise RoleStopped(f"{self.name}: the store at {self.store.address} stopped "
+                                  f"answering ({e}); every role stops") from e  # fmt: skip
+        except (KeyNotFoundError, VersionNotFoundError) as e:
+            raise RoleStopped(f"{self.name}: the store at {self.store.address} lost this "
+                              f"run's keys ({e}); every role stops") from e  # fmt: skip
+        self._check_watched()
+
+    def _check_store(self) -> None:
+        if self.store.exists(STOP):
+            info = self.store.get_state_dict(STOP)
+            raise RoleStopped(f"{info.get('by', 'a role')} stopped the run: "
+                              f"{info.get('reason', '(no reason given)')}")  # fmt: skip
+        if self._run_seen and not self.store.exists(START, 0):
+            raise RoleStopped(
+                f"{self.name}: the store at {self.store.address} no longer holds this run "
+                f"(its {START} is gone): its controller was restarted, or another run "
+                f"cleared it; every role stops"
+            )
+
+    def _check_watched(self) -> None:
         now = time.monotonic()
         for role in self.watch:
             try:
@@ -219,6 +231,7 @@ class Link:
             TimeoutError: nothing came within `rl.wait_timeout_s` (the message names `what`).
         """
         deadline = time.monotonic() + self.loop.wait_timeout_s
+        failures = 0
         while True:
             self.check()
             left = deadline - time.monotonic()
@@ -235,8 +248,15 @@ class Link:
                     self._torn.add(str(e))
                     time.sleep(slice_s)
             except StoreError as e:
-                raise RoleStopped(f"{self.name}: the store failed while waiting for {what}: "
-                                  f"{e}") from e  # fmt: skip
+                # The call dropped its connection: the check asks again on a new one and
+                # says when the store is gone or restarted; a second failure in a row is final.
+                self.check()
+                failures += 1
+                if failures > 1:
+                    raise RoleStopped(f"{self.name}: the store failed while waiting for "
+                                      f"{what}: {e}") from e  # fmt: skip
+                continue
+            failures = 0
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"{self.name}: waited rl.wait_timeout_s={self.loop.wait_timeout_s:g} s for "

@@ -104,15 +104,19 @@ class Job:
     def generator(self, index: int, *extra: str) -> Role:
         return self.start(f"generator {index}", "--index", str(index), *extra)
 
-    def stalled(self, timeout: float = 120) -> tuple[str, int]:
-        """Wait until a role stalls at the stall point; (its role name, its pid)."""
+    def stalled_pid(self, timeout: float = 120) -> int:
+        """Wait until a process stalls at the stall point; its pid."""
         deadline = time.monotonic() + timeout
         while not (self.marker.exists() and self.marker.read_text().endswith("\n")):
             assert time.monotonic() < deadline, f"no role reached the stall point in {timeout} s"
             for name, r in self.roles.items():
                 assert r.p.poll() is None, f"{name} exited early:\n{r.finish(30)}"
             time.sleep(0.05)  # waiting for the marker file, bounded
-        pid = int(self.marker.read_text().split()[0])
+        return int(self.marker.read_text().split()[0])
+
+    def stalled(self, timeout: float = 120) -> tuple[str, int]:
+        """Wait until a role stalls at the stall point; (its role name, its pid)."""
+        pid = self.stalled_pid(timeout)
         names = [n for n, r in self.roles.items() if r.p.pid == pid]
         assert names, f"pid {pid} is none of the roles"
         return names[0], pid
@@ -165,6 +169,24 @@ def test_a_generator_killed_mid_rollout_is_dropped_and_the_other_fills_the_batch
         assert s["generators"] == [1 - k] and s["samples_per_generator"] == [32], s
         assert s["generators_live"] == 1 and s["generators_lost"] == 1
     assert not store.exists(f"rollouts/{k}", 3)  # the torn batch never became visible
+
+
+def test_under_tidal_rl_a_killed_generator_does_not_stop_the_run(tmp_path):
+    """`tidal rl` (the launcher, two generator processes): one killed mid-put is reported by
+    the launcher and dropped by the trainer; the run finishes with status 0."""
+    job = Job(tmp_path, "", stall="rollouts/*:3")
+    argv = [sys.executable, "-m", "tidal", "rl", "--config", CONFIG, "--job.output_dir",
+            str(job.out), *QUIET, "--generator.count", "2", "--rl.steps", "5"]  # fmt: skip
+    launcher = job.roles["tidal rl"] = Role(argv, job.env)
+    try:
+        os.kill(job.stalled_pid(), signal.SIGKILL)
+        launcher.expect("was killed by signal 9; the trainer goes on with the others", 30)
+        launcher.expect("lost: no heartbeat", LOST_AFTER_S + SLACK_S)
+        out = launcher.finish(120)
+        assert launcher.p.returncode == 0, out
+    finally:
+        job.end()
+    assert [s["step"] for s in job.records()] == [1, 2, 3, 4, 5]
 
 
 def test_async_a_killed_generator_and_the_survivor_fills_every_step(tmp_path, store):
@@ -266,8 +288,9 @@ def test_the_stores_controller_killed_or_restarted(tmp_path, how):
 
 
 def test_a_generator_joins_late_and_generators_leave(tmp_path, store):
-    """Sync, one generator to start with. A second joins the running job (`tidal rl generator
-    --index 1`): it starts from the newest version and gets half the prompts. Sent SIGTERM,
+    """Sync, one generator to start with. A second one under the same index is refused. A
+    second joins the running job (`tidal rl generator --index 1`): it starts from the newest
+    version and gets half the prompts. Sent SIGTERM,
     it leaves cleanly (status 0) and the first gets every prompt again; when that one leaves
     too, the trainer stops with an error naming both."""
     job = Job(tmp_path, store.address, "--rl.steps", "10000")
@@ -275,6 +298,9 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store):
         trainer = job.start("trainer")
         first = job.generator(0)
         trainer.expect("step    2/", 120)
+        dup = job.start("generator 0 again", "--index", "0")
+        out = dup.finish(60)
+        assert dup.p.returncode == 2 and "generator 0 is already running in this job" in out, out
         late = job.generator(1)
         trainer.expect("generator 1 joined", 120)
         late.expect("sampling 2 prompts a step from policy version", 60)

@@ -249,7 +249,9 @@ def _serve(port: int = 0) -> tuple[subprocess.Popen, str]:
     return p, line.split()[4]
 
 
-@pytest.mark.parametrize("how", ["killed", "restarted", "emptied"])
+@pytest.mark.parametrize(
+    "how", ["killed", pytest.param("restarted", marks=pytest.mark.slow), "emptied"]
+)
 def test_the_stores_controller_killed_or_restarted(tmp_path, how):
     """`tidal store serve` is killed mid-run ("restarted": and started again on the same port
     at once, empty; "emptied": the run's control/start deleted, which is what a controller
@@ -287,31 +289,38 @@ def test_the_stores_controller_killed_or_restarted(tmp_path, how):
         server.wait()
 
 
-def test_a_generator_joins_late_and_generators_leave(tmp_path, store):
-    """Sync, one generator to start with. A second one under the same index is refused. A
-    second joins the running job (`tidal rl generator --index 1`): it starts from the newest
-    version and gets half the prompts. Sent SIGTERM,
-    it leaves cleanly (status 0) and the first gets every prompt again; when that one leaves
-    too, the trainer stops with an error naming both."""
-    job = Job(tmp_path, store.address, "--rl.steps", "10000")
+ASYNC = ("--rl.mode", "async", "--loss.tis_cap", "2", "--rl.max_staleness", "4")
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_a_generator_joins_late_and_generators_leave(tmp_path, store, mode):
+    """One generator to start with; a second one under the same index is refused. Another
+    joins the running job (`tidal rl generator --index 1`), starts from the newest version
+    and contributes (sync: half of every step's prompts; async: batches of its own, taken
+    as they arrive). Sent SIGTERM, it leaves cleanly (status 0) and the job goes on with
+    the first; when that one leaves too, the trainer stops with an error naming it."""
+    job = Job(tmp_path, store.address, "--rl.steps", "10000", *(ASYNC if mode == "async" else ()))
     try:
         trainer = job.start("trainer")
         first = job.generator(0)
         trainer.expect("step    2/", 120)
-        dup = job.start("generator 0 again", "--index", "0")
-        out = dup.finish(60)
-        assert dup.p.returncode == 2 and "generator 0 is already running in this job" in out, out
+        if mode == "sync":
+            dup = job.start("generator 0 again", "--index", "0")
+            out = dup.finish(60)
+            assert dup.p.returncode == 2, out
+            assert "generator 0 is already running in this job" in out, out
         late = job.generator(1)
         trainer.expect("generator 1 joined", 120)
-        late.expect("sampling 2 prompts a step from policy version", 60)
-        for _ in range(2):
+        late.expect("sampling 2 prompts a step from policy version" if mode == "sync" else
+                    "4 prompts a batch", 60)  # fmt: skip
+        for _ in range(4):
             trainer.expect("step ", 60)
         late.p.send_signal(signal.SIGTERM)
         trainer.expect("generator 1 left (it was asked to leave (SIGTERM))", 30)
         out = late.finish(30)
         assert late.p.returncode == 0, out
         assert "leaving the job" in out
-        for _ in range(2):
+        for _ in range(3):
             trainer.expect("step ", 60)
         first.p.send_signal(signal.SIGTERM)
         out = trainer.finish(30)
@@ -321,8 +330,14 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store):
         assert first.finish(30) and first.p.returncode == 0
     finally:
         job.end()
+    steps = job.records()
+    if mode == "async":  # one batch of 32 a step, from either generator
+        assert all(s["samples"] == 32 for s in steps)
+        assert [1] in [s["generators"] for s in steps], [s["generators"] for s in steps]
+        assert steps[0]["generators"] == steps[-1]["generators"] == [0]
+        return
     runs: list[tuple[list[int], list[int]]] = []  # consecutive steps with the same members
-    for s in job.records():
+    for s in steps:
         shape = (s["generators"], s["samples_per_generator"])
         if not runs or runs[-1] != shape:
             runs.append(shape)

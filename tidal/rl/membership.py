@@ -25,9 +25,11 @@ one version of a key, readable only once completely written), and the next step'
 to the others. Async mode needs no announcement: the trainer takes the next batches from any
 generator (tidal/rl/intake.py).
 
-Lifecycle: trainer rank 0 makes `Members(store, cfg, log=)`, calls `wait_for(link, count)`
-before the first version, `poll()` from its waits (rate-limited to 4 per heartbeat),
-`require()` where it needs a generator, and `announce(version)` (sync) before each publish.
+Lifecycle: trainer rank 0 makes `Members(store, cfg, log=)` and `start()`s its thread,
+which polls every half heartbeat (so a loss is reported within about rl.lost_after_s even
+while the trainer is in a long step); it calls `wait_for(link, count)` before the first
+version, `poll()` from its waits (rate-limited to 4 per heartbeat), `require()` where it
+needs a generator, `announce(version)` (sync) before each publish, and `close()` at the end.
 A generator calls `share_of(link, version, index)` (sync) and `leave(link, index, reason)`
 at a clean exit.
 """
@@ -35,6 +37,7 @@ at a clean exit.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,30 +85,55 @@ class Members:
         self.lost = 0
         """Generators lost or left so far (restarts included)."""
         self._polled = -math.inf
+        self._lock = threading.RLock()  # the watcher thread polls too
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Poll in a daemon thread every half heartbeat until `close()`."""
+        self._thread = threading.Thread(target=self._watch, name="tidal-rl-members", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._halt.wait(self.cfg.rl.heartbeat_s / 2):
+            try:
+                self.poll()
+            except (StoreError, OSError):  # the store is gone: the trainer's waits report it
+                return
+
+    def close(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.cfg.rl.heartbeat_s + 5)
+            self._thread = None
 
     # -- what the trainer asks ----------------------------------------------------------
 
     def live(self) -> list[Member]:
-        return [m for _, m in sorted(self.gens.items()) if m.state == "live"]
+        with self._lock:
+            return [m for _, m in sorted(self.gens.items()) if m.state == "live"]
 
     def is_live(self, index: int, ident: str) -> bool:
         """Whether generator `index` is live and still the process `ident`."""
-        m = self.gens.get(index)
-        return m is not None and m.state == "live" and m.id == ident
+        with self._lock:
+            m = self.gens.get(index)
+            return m is not None and m.state == "live" and m.id == ident
 
     def why(self, index: int) -> str:
-        m = self.gens.get(index)
-        if m is None or m.state == "live":
-            return "restarted as a new process" if m is not None else "never seen"
-        return m.why
+        with self._lock:
+            m = self.gens.get(index)
+            if m is None or m.state == "live":
+                return "restarted as a new process" if m is not None else "never seen"
+            return m.why
 
     def require(self, doing: str) -> None:
         """Raise RoleStopped when fewer than rl.min_generators are live."""
         live, need = self.live(), self.cfg.rl.min_generators
         if len(live) >= need:
             return
-        gone = [f"generator {m.index} {m.why}" for _, m in sorted(self.gens.items())
-                if m.state in ("lost", "left")]  # fmt: skip
+        with self._lock:
+            gone = [f"generator {m.index} {m.why}" for _, m in sorted(self.gens.items())
+                    if m.state in ("lost", "left")]  # fmt: skip
         raise RoleStopped(
             f"trainer: {len(live)} generator(s) live while {doing}, fewer than "
             f"rl.min_generators={need}"
@@ -118,6 +146,10 @@ class Members:
     def poll(self, *, force: bool = False) -> None:
         """Read every generator's heartbeat (at most 4 times a heartbeat unless `force`) and
         report joins, losses and departures."""
+        with self._lock:
+            self._poll(force)
+
+    def _poll(self, force: bool) -> None:
         now = time.monotonic()
         if not force and now - self._polled < self.cfg.rl.heartbeat_s / 4:
             return

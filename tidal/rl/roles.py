@@ -240,6 +240,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
                       data=DataBundle(tokenizer=src.tokenizer, train=None, val=None),
                       dist_info=info, log=log)  # fmt: skip
     report = None
+    members: Members | None = None
     try:
         first = trainer.step
         barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
@@ -271,13 +272,16 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             return future
 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
+        members = Members(store, cfg, log=log) if main else None
         side = TrainerSide(
             trainer=trainer, publish=publish, dp_rank=dp_rank, dp_world=trainer.dims.dp,
             is_main=main,
             seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
             reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
-            members=Members(store, cfg, log=log) if main else None,
+            members=members,
         )  # fmt: skip
+        if members is not None:
+            members.start()
         if main:
             report = Report(cfg, first_step=first, resumed=first > 0, log=log)
             store.put_state_dict({"step": first, "steps": cfg.rl.steps}, START, version=0)
@@ -298,6 +302,8 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             link.stop(_why(e, "the trainer"))
         raise
     finally:
+        if members is not None:
+            members.close()
         if report is not None:
             report.close()
         link.close()

@@ -77,10 +77,12 @@ class Members:
         cfg: the run's config (`rl.lost_after_s`, `rl.min_generators`, `rl.heartbeat_s`,
             `rollout.prompts_per_step`).
         log: where joins, losses and departures are reported.
+        clock: seconds, monotonic (tests pass their own).
     """
 
-    def __init__(self, store: Any, cfg: RLConfig, *, log: Log) -> None:
-        self.store, self.cfg, self.log = store, cfg, log
+    def __init__(self, store: Any, cfg: RLConfig, *, log: Log,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.store, self.cfg, self.log, self.clock = store, cfg, log, clock
         self.gens: dict[int, Member] = {}
         self.lost = 0
         """Generators lost or left so far (restarts included)."""
@@ -150,7 +152,7 @@ class Members:
             self._poll(force)
 
     def _poll(self, force: bool) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if not force and now - self._polled < self.cfg.rl.heartbeat_s / 4:
             return
         self._polled = now

@@ -1,7 +1,8 @@
 """Faults and membership of the RL roles, each in bounded time: a generator killed
-mid-rollout (sync and async), the trainer killed mid-publish, the store's controller killed
-or restarted, a generator joining a running job late and generators leaving it, an
-unreachable store.
+mid-rollout (sync and async, and under `tidal rl`), the trainer killed mid-publish, the
+store's controller killed or restarted, a generator joining a running job late and
+generators leaving it, a generator started before the trainer on a store holding an earlier
+run's keys, an unreachable store.
 
 The roles run as their own commands against a store (as on a cluster), with
 tests/rl/fault_configs.py:stall (tests/rl/loop_configs.py:tiny: rl.heartbeat_s 0.25,
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import tidal.store
 from tests.rl.test_loop import ROOT, assert_session_gone
@@ -346,6 +348,37 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store, mode):
     if runs[2] == ([0], [16]):
         del runs[2]
     assert runs[:3] == [([0], [32]), ([0, 1], [16, 16]), ([0], [32])], runs
+
+
+@pytest.mark.slow
+def test_a_generator_started_before_the_trainer_on_a_used_store_waits_for_it(tmp_path, store):
+    """The store holds an earlier run's keys (its control/start, a trainer heartbeat that no
+    longer advances, policy versions). A generator started first does not take them for this
+    run's, nor the stale heartbeat for a dead trainer after rl.dead_after_s: it waits for the
+    trainer, which joins later, and the run completes."""
+    store.put_state_dict({"step": 0, "steps": 2}, "control/start", version=0)
+    store.put_state_dict({"role": "trainer", "t": 0.0, "id": "old"}, "alive/trainer")
+    store.put_state_dict({"w": torch.zeros(1)}, "policy", version=7)
+    job = Job(tmp_path, store.address, "--rl.steps", "2")
+    try:
+        gen = job.generator(0)
+        # The generator's own heartbeats measure its life: 3 x rl.dead_after_s of it.
+        beats = int(3 * DEAD_AFTER_S / 0.25)
+        deadline = time.monotonic() + 120
+        while not store.exists("alive/generator0") or (
+                store.versions("alive/generator0")[-1] < beats):  # fmt: skip
+            assert gen.p.poll() is None, gen.finish(30)
+            assert time.monotonic() < deadline, "the generator did not beat"
+            time.sleep(0.1)  # waiting for its heartbeats, bounded
+        trainer = job.start("trainer")
+        out = trainer.finish(120)
+        assert trainer.p.returncode == 0, out
+        out = gen.finish(60)
+        assert gen.p.returncode == 0, out
+        assert "from policy version 0 to 2" in out, out
+    finally:
+        job.end()
+    assert [s["step"] for s in job.records()] == [1, 2]
 
 
 def test_a_role_command_against_an_unreachable_store(tmp_path):

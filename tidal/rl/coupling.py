@@ -23,8 +23,9 @@ Liveness: each role runs a `Link`, whose background thread puts a heartbeat unde
 asks the store in slices of `heartbeat_s`, and between slices checks `control/stop` and the
 heartbeats of the roles it depends on. A heartbeat that has not advanced for `dead_after_s`
 (measured on the waiter's own clock, so hosts need no synchronized clocks) means that role
-is dead; a role that never beat is dead once `wait_timeout_s` has passed since the waiter
-started. Every wait ends within `wait_timeout_s` with an error naming what it waited for.
+is dead, once it was seen to advance; a role that never beat, or whose heartbeat (an earlier
+run's) has not advanced since the waiter started, is dead once `wait_timeout_s` has passed.
+Every wait ends within `wait_timeout_s` with an error naming what it waited for.
 Generators are not watched this way: the trainer tracks them as members that come and go
 (tidal/rl/membership.py). Once a role has seen the run's `control/start` (`follow_run`),
 each check also asks that it is still there: a store whose controller was restarted holds
@@ -113,6 +114,7 @@ class Link:
         self._beat = beat
         self._started = time.monotonic()
         self._seen: dict[str, tuple[int, float]] = {}  # role -> (last beat version, when seen)
+        self._beating: set[str] = set()  # watched roles seen to beat since this one started
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
         self._run_seen = False
@@ -212,12 +214,25 @@ class Link:
                 continue
             last = self._seen.get(role)
             if last is None or last[0] != version:
+                if last is not None:
+                    self._beating.add(role)
                 self._seen[role] = (version, now)
+            elif role not in self._beating:  # a heartbeat left by an earlier run, so far
+                if now - self._started > self.loop.wait_timeout_s:
+                    raise RoleStopped(
+                        f"{role} never started (its heartbeat in the store did not advance "
+                        f"within rl.wait_timeout_s={self.loop.wait_timeout_s:g} s)"
+                    )
             elif now - last[1] > self.loop.dead_after_s:
                 raise RoleStopped(
                     f"{role} stopped answering: no heartbeat for {now - last[1]:.1f} s "
                     f"(rl.dead_after_s={self.loop.dead_after_s:g}); it has died or hangs"
                 )
+
+    def beating(self, role: str) -> bool:
+        """Whether watched `role`'s heartbeat has advanced since this role started (a
+        heartbeat left by an earlier run, or by a dead process, does not)."""
+        return role in self._beating
 
     def wait(self, what: str, attempt: Callable[[float], T]) -> T:
         """`attempt(seconds)` until it returns, checking the others between tries.

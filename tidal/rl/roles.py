@@ -32,7 +32,17 @@ from typing import Any
 import torch
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import DONE, POLICY, START, STOP, Leaving, Link, RoleStopped, generator_name
+from tidal.rl.coupling import (
+    DONE,
+    POLICY,
+    START,
+    STOP,
+    Leaving,
+    Link,
+    NotYet,
+    RoleStopped,
+    generator_name,
+)
 from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
 
 Log = Callable[[str], None]
@@ -367,7 +377,7 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) ->
         pad = src.tokenizer.eos_id
         policy = Policy(generator=gen, encoder=src.encoder, pad_id=pad,
                         max_prompt_tokens=cfg.rollout.max_prompt_tokens)  # fmt: skip
-        start = link.wait_version(START, 0, "the trainer's start")
+        start = link.wait("the trainer's start", lambda seconds: _start_of(link, seconds))
         link.follow_run()
         # A generator joining a running job starts from the newest committed version.
         first = max([start["step"], *store.versions(POLICY)] if store.exists(POLICY)
@@ -392,6 +402,15 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, log: Log = print) ->
     finally:
         signal.signal(signal.SIGTERM, previous)
         link.close()
+
+
+def _start_of(link: Link, seconds: float) -> dict:
+    """The run's control/start, once the trainer beats: a control/start left by an earlier
+    run on the same store is not this run's (the trainer clears it before it beats)."""
+    if not link.beating("trainer"):
+        time.sleep(seconds / 4)
+        raise NotYet
+    return link.store.get_state_dict(START, version=0, wait=seconds)
 
 
 MAX_GENERATORS = 10_000
@@ -499,9 +518,10 @@ def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log:
 
 
 def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
-    """Wait for the roles. The trainer's failure stops the rest; a generator that exits is the
-    trainer's to handle (it goes on with the others, or stops, naming it, when too few are
-    left), unless no generator is left running at all. Returns the exit status."""
+    """Wait for the roles. The trainer's failure stops the rest; a generator killed or failing
+    is the trainer's to handle (it goes on with the others, or stops, naming it, when too few
+    are left), unless no generator is left running at all or one exited with status 2 (a bad
+    input, which every role shares, or a run that stopped). Returns the exit status."""
     told: set[str] = set()
     while True:
         codes = {name: p.poll() for name, p in procs.items()}
@@ -511,9 +531,12 @@ def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
                 told.add(name)
                 log(f"tidal rl: {name} {_how(code)}; the trainer goes on with the others")
         failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
-        if trainer not in (None, 0) or (trainer is None and len(failed) == len(codes)):
+        bad = [(n, c) for n, c in failed if c == 2]
+        if trainer not in (None, 0) or (trainer is None and (bad or len(failed) == len(codes))):
             if trainer not in (None, 0):
                 code, why = trainer, f"the trainer {_how(trainer)}"
+            elif bad:
+                code, why = 2, f"{bad[0][0]} {_how(2)} (a bad input or a stopped run)"
             else:
                 code = failed[0][1]
                 why = "every generator exited: " + ", ".join(f"{n} {_how(c)}" for n, c in failed)

@@ -164,3 +164,27 @@ def test_a_prefetching_generator_never_swaps_in_a_torn_version(store):
         link.loop = apply_overrides(cfg, ["--rl.wait_timeout_s", "1"]).rl
         link.wait_version("policy", 1, "policy version 1", into={})
     assert len(said) == 1 and "version 1 of key 'policy' is gone (aborted" in said[0], said
+
+
+def test_the_last_generator_lost_for_a_pause_is_waited_for_until_dead_after_s(store):
+    """Lost (rl.lost_after_s = 3) is not gone: the last generator may come back until
+    rl.dead_after_s (6 here) of silence, and only then does the run stop for want of one."""
+    cfg = apply_overrides(tiny(), ["--rl.dead_after_s", "6"])
+    clock = Clock()
+    m = Members(store, cfg, log=lambda line: None, clock=clock)
+    beat(store, 0, "a", 1.0)
+    m.poll(force=True)
+    beat(store, 0, "a", 2.0)
+    m.poll(force=True)
+    clock.now += 3.5
+    m.poll(force=True)
+    assert not m.is_live(0, "a") and not m.gone(0, "a")
+    m.require("waiting")  # it may come back: no error yet
+    beat(store, 0, "a", 3.0)
+    m.poll(force=True)
+    assert m.is_live(0, "a")
+    clock.now += 6.5
+    m.poll(force=True)
+    assert m.gone(0, "a")
+    with pytest.raises(RoleStopped, match="fewer than rl.min_generators=1: generator 0 lost"):
+        m.require("waiting")

@@ -231,8 +231,9 @@ class LoopConfig:
     with the others (within about lost_after_s + 2 heartbeat_s of its death); one that beats
     again later is taken back."""
     min_generators: int = 1
-    """The trainer stops with an error when fewer generators than this are live (after the
-    start, where it waits up to wait_timeout_s for generator.count of them)."""
+    """The trainer stops with an error when fewer generators than this are live (a lost one
+    counts until dead_after_s: it may come back; at the start the trainer waits up to
+    wait_timeout_s for generator.count of them)."""
 
     def __post_init__(self) -> None:
         _check(self.mode in ("sync", "async"), f"rl.mode must be sync or async, got {self.mode!r}")

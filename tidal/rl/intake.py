@@ -22,6 +22,7 @@ reports it), so no partial rollout is ever used.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tidal.rl.config import RLConfig
@@ -55,7 +56,7 @@ def take_sync(link: Link, members: Members | None, announced: list[list[Any]],
                 if store.exists(rollouts_key(g), step):
                     taken.append((g, step))
                     del pending[g]
-                elif not members.is_live(g, pending[g]):
+                elif not members.is_live(g, pending[g]) and _drop(members, g, pending, taken):
                     members.log(f"trainer: step {step} goes on without generator {g}'s "
                                 f"batch (it {members.why(g)})")  # fmt: skip
                     del pending[g]
@@ -78,6 +79,13 @@ def take_sync(link: Link, members: Members | None, announced: list[list[Any]],
             for g, k in chosen]  # fmt: skip
 
 
+def _drop(members: Members, g: int, pending: dict[int, str], taken: list) -> bool:
+    """Whether step's lost member `g` is dropped now: when others make the step, at once; when
+    it is the last, once it is gone for good (a pause of less than rl.dead_after_s is not)."""
+    others = bool(taken) or any(members.is_live(h, i) for h, i in pending.items() if h != g)
+    return others or members.gone(g, pending[g])
+
+
 def first_batch(store: Any, index: int) -> int:
     """Async, in generator `index` at its start: the number of its first batch. 1 in a fresh
     run; after a predecessor under the same index, past every number it used (its last
@@ -95,6 +103,7 @@ class AsyncIntake:
     def __init__(self, link: Link, cfg: RLConfig, members: Members | None) -> None:
         self.link, self.store, self.members = link, link.store, members
         self.count, self.slots = cfg.generator.count, cfg.queue_slots()
+        self.cfg_heartbeat = cfg.rl.heartbeat_s
         self.next: dict[int, int] = {}  # generator -> the lowest batch number not yet taken
         self.first = 0  # the generator asked first: the one after the last taken
         self.latest: dict[int, dict[str, Any]] = {}  # generator -> meta of its latest batch
@@ -142,8 +151,11 @@ class AsyncIntake:
         for g in order:
             if (k := self._ready(g)) is not None:
                 return g, k
-        live = members.live()
         members.require("waiting for rollouts")
+        live = members.live()
+        if not live:  # one may come back (rl.dead_after_s): ask again
+            time.sleep(min(seconds, self.cfg_heartbeat / 4))
+            raise NotYet
         held = {g: sum(1 for x, _ in self.unmarked if x == g) for g in (m.index for m in live)}
         if self.unmarked and all(h >= self.slots for h in held.values()):
             self.mark_taken()  # every live queue is full of this step's batches: free them

@@ -128,11 +128,30 @@ class Members:
                 return "restarted as a new process" if m is not None else "never seen"
             return m.why
 
+    def _may_return(self, m: Member) -> bool:
+        """A lost generator silent for less than rl.dead_after_s may still come back (a pause,
+        not a death): the run does not stop for want of it yet."""
+        return (m.state == "lost" and m.why.startswith("lost:")
+                and self.clock() - m.seen < self.cfg.rl.dead_after_s)  # fmt: skip
+
+    def gone(self, index: int, ident: str) -> bool:
+        """Whether generator `index`'s process `ident` is gone for good: it left, was
+        restarted, or is lost and silent for rl.dead_after_s."""
+        with self._lock:
+            m = self.gens.get(index)
+            if m is None or m.id != ident:
+                return True
+            return m.state != "live" and not self._may_return(m)
+
     def require(self, doing: str) -> None:
-        """Raise RoleStopped when fewer than rl.min_generators are live."""
+        """Raise RoleStopped when fewer than rl.min_generators are live (a lost one counts
+        until rl.dead_after_s: it may come back)."""
         live, need = self.live(), self.cfg.rl.min_generators
         if len(live) >= need:
             return
+        with self._lock:
+            if len(live) + sum(self._may_return(m) for m in self.gens.values()) >= need:
+                return
         with self._lock:
             gone = [f"generator {m.index} {m.why}" for _, m in sorted(self.gens.items())
                     if m.state in ("lost", "left")]  # fmt: skip
@@ -241,8 +260,12 @@ class Members:
         Raises:
             RoleStopped: fewer than rl.min_generators are live."""
         self.poll(force=True)
-        self.require(f"publishing policy version {version}")
-        live = self.live()
+        while True:  # none live, one may come back: wait for it (at most rl.dead_after_s)
+            self.require(f"publishing policy version {version}")
+            if live := self.live():
+                break
+            time.sleep(self.cfg.rl.heartbeat_s / 4)
+            self.poll(force=True)
         share, extra = divmod(self.cfg.rollout.prompts_per_step, len(live))
         members = [[m.index, m.id, share + (1 if j < extra else 0)] for j, m in enumerate(live)]
         self.store.put_state_dict({"generators": members}, MEMBERS, version=version, keep=4)

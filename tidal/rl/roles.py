@@ -527,7 +527,7 @@ def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
         codes = {name: p.poll() for name, p in procs.items()}
         trainer = codes.pop("trainer")
         for name, code in codes.items():
-            if code not in (None, 0) and name not in told:
+            if code not in (None, 0, 2) and name not in told:
                 told.add(name)
                 log(f"tidal rl: {name} {_how(code)}; the trainer goes on with the others")
         failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]

@@ -272,12 +272,15 @@ class Members:
         return members
 
 
-def share_of(link: Link, version: int, index: int) -> int:
+def share_of(link: Link, version: int, index: int, ident: str | None = None) -> int:
     """Sync, in generator `index`: its prompts of batch version + 1 as the trainer announced
-    with policy version `version` (0: not a member of that batch, e.g. it joined since)."""
+    with policy version `version` (0: not a member of that batch, e.g. it joined since).
+    `ident`: the id its heartbeats carry (default this process's `link.ident`; the ranks of
+    a generator in several processes pass their beating rank's)."""
+    ident = link.ident if ident is None else ident
     members = link.wait_version(MEMBERS, version, f"the generators of policy version {version}")
-    for g, ident, prompts in members["generators"]:
-        if g == index and ident == link.ident:
+    for g, member, prompts in members["generators"]:
+        if g == index and member == ident:
             return int(prompts)
     return 0
 

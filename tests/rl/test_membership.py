@@ -188,3 +188,10 @@ def test_the_last_generator_lost_for_a_pause_is_waited_for_until_dead_after_s(st
     assert m.gone(0, "a")
     with pytest.raises(RoleStopped, match="fewer than rl.min_generators=1: generator 0 lost"):
         m.require("waiting")
+
+
+def test_min_generators_above_the_count_is_a_clear_error():
+    with pytest.raises(ValueError, match="rl.min_generators=3 exceeds generator.count=2"):
+        apply_overrides(tiny(), ["--generator.count", "2", "--rl.min_generators", "3"])
+    with pytest.raises(ValueError, match="rl.lost_after_s=0.4 must exceed twice rl.heartbeat_s"):
+        apply_overrides(tiny(), ["--rl.lost_after_s", "0.4"])

@@ -358,6 +358,12 @@ class RLConfig:
             f"generator.count={self.generator.count}: every generator needs a prompt a step",
         )
         _check(
+            self.rl.min_generators <= self.generator.count,
+            f"rl.min_generators={self.rl.min_generators} exceeds generator.count="
+            f"{self.generator.count}: the trainer starts once generator.count generators joined "
+            "and stops when fewer than rl.min_generators are live",
+        )
+        _check(
             self.parallelism.cp == 1,
             f"parallelism.cp={self.parallelism.cp}: the trainer's RL step does not run under "
             "context parallelism (the policy loss's per-sequence terms need whole rows); use "

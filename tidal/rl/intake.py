@@ -58,7 +58,7 @@ def take_sync(link: Link, members: Members | None, announced: list[list[Any]],
                     del pending[g]
                 elif not members.is_live(g, pending[g]) and _drop(members, g, pending, taken):
                     members.log(f"trainer: step {step} goes on without generator {g}'s "
-                                f"batch (it {members.why(g)})")  # fmt: skip
+                                f"batch ({members.why(g)})")  # fmt: skip
                     del pending[g]
             if not pending:
                 if not taken:

@@ -152,7 +152,6 @@ class Members:
         with self._lock:
             if len(live) + sum(self._may_return(m) for m in self.gens.values()) >= need:
                 return
-        with self._lock:
             gone = [f"generator {m.index} {m.why}" for _, m in sorted(self.gens.items())
                     if m.state in ("lost", "left")]  # fmt: skip
         raise RoleStopped(

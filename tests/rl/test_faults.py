@@ -182,10 +182,10 @@ def test_under_tidal_rl_a_killed_generator_does_not_stop_the_run(tmp_path):
     launcher = job.roles["tidal rl"] = Role(argv, job.env)
     try:
         os.kill(job.stalled_pid(), signal.SIGKILL)
-        launcher.expect("was killed by signal 9; the trainer goes on with the others", 30)
-        launcher.expect("lost: no heartbeat", LOST_AFTER_S + SLACK_S)
         out = launcher.finish(120)
         assert launcher.p.returncode == 0, out
+        assert "was killed by signal 9; the trainer goes on with the others" in out, out
+        assert "lost: no heartbeat" in out, out
     finally:
         job.end()
     assert [s["step"] for s in job.records()] == [1, 2, 3, 4, 5]
@@ -315,7 +315,11 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store, mode):
         trainer.expect("generator 1 joined", 120)
         late.expect("sampling 2 prompts a step from policy version" if mode == "sync" else
                     "4 prompts a batch", 60)  # fmt: skip
-        for _ in range(4):
+        deadline = time.monotonic() + 120
+        while not store.exists("rollouts/1"):  # it contributed a batch (bounded wait)
+            assert time.monotonic() < deadline and late.p.poll() is None, late.finish(30)
+            time.sleep(0.05)
+        for _ in range(2):
             trainer.expect("step ", 60)
         late.p.send_signal(signal.SIGTERM)
         trainer.expect("generator 1 left (it was asked to leave (SIGTERM))", 30)

@@ -347,8 +347,8 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store, mode):
         shape = (s["generators"], s["samples_per_generator"])
         if not runs or runs[-1] != shape:
             runs.append(shape)
-    # The step generator 1 left in may lack its share (it had been given prompts with the
-    # version it left at: a member gone mid-step); the next ones give generator 0 all.
+    # A leaving generator first makes a batch it was given prompts for; only a SIGTERM in the
+    # moment between its check and the trainer's announcement leaves a step without its share.
     if runs[2] == ([0], [16]):
         del runs[2]
     assert runs[:3] == [([0], [32]), ([0, 1], [16, 16]), ([0], [32])], runs

@@ -120,6 +120,8 @@ class Link:
         self._run_seen = False
         self.leaving: str | None = None
         """Set (to why) to leave at the next check: `Leaving` is raised there."""
+        self.may_leave: Callable[[], bool] | None = None
+        """While it answers False, a role asked to leave does not yet (it owes a batch)."""
         self.beat_error: BaseException | None = None
         self.ident = secrets.token_hex(8)
         """This process's id in its heartbeats: a restarted role beats with a new one."""
@@ -173,7 +175,7 @@ class Link:
         """Raise RoleStopped if a role asked to stop, a watched role is silent, or the store
         lost the run (stopped answering, or its controller was restarted); Leaving when this
         role was asked to leave."""
-        if self.leaving is not None:
+        if self.leaving is not None and (self.may_leave is None or self.may_leave()):
             raise Leaving(self.leaving)
         try:
             self._check_store()

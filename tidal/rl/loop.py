@@ -43,7 +43,16 @@ from typing import Any
 import torch
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import EVAL, POLICY, Link, NotYet, generator_name, rollouts_key, taken_key
+from tidal.rl.coupling import (
+    EVAL,
+    MEMBERS,
+    POLICY,
+    Link,
+    NotYet,
+    generator_name,
+    rollouts_key,
+    taken_key,
+)
 from tidal.rl.generate import Generator
 from tidal.rl.intake import AsyncIntake, first_batch, take_sync
 from tidal.rl.loss import group_advantages
@@ -54,7 +63,7 @@ from tidal.rl.schedule import AsyncSchedule, make_schedule
 from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Grade, Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
-from tidal.store.errors import KeyNotFoundError, VersionNotFoundError
+from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
 
 Log = Callable[[str], None]
 
@@ -175,6 +184,18 @@ def generate_loop(
         store.put_state_dict(result, EVAL, version=version)
 
     version, member = first_step, None
+
+    def may_leave() -> bool:
+        """Asked to leave (SIGTERM), it first makes a batch it was given prompts for with
+        the version it is at, or that step would lack its share."""
+        try:
+            members = store.get_state_dict(MEMBERS, version=version)
+        except (KeyNotFoundError, VersionNotFoundError, StoreError):
+            return True
+        return not any(g == index and i == link.ident and n > 0
+                       for g, i, n in members["generators"])  # fmt: skip
+
+    link.may_leave = may_leave
     while version < steps or (index == 0 and version == steps):
         version, idle_s, sync_s = load(version)
         maybe_eval(version)

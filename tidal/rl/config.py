@@ -167,8 +167,11 @@ class GeneratorRoleConfig:
     """The generator role: processes running tidal.rl.Generator and the task's grader."""
 
     count: int = 1
-    """Generators (`tidal rl` starts them; on a cluster, one `tidal rl generator --index i`
-    command each, under torchrun for a generator of several ranks)."""
+    """Generators `tidal rl` starts (on a cluster, one `tidal rl generator --index i` command
+    each, under torchrun for a generator of several ranks), and how many the trainer waits for
+    before its first step. Membership is dynamic after that: generators may join late (any
+    unused --index) or leave, and the trainer goes on while rl.min_generators are live
+    (docs/rl.md, "Faults and membership")."""
     tp: int | tuple[int, ...] = 1
     """Each generator's layout: its tensor-parallel degree, the ranks it runs on (heads, kv
     heads, MLP columns and vocabulary split over them; weights read shard by shard from the
@@ -209,8 +212,11 @@ class GeneratorRoleConfig:
                f"generator.device must be one of auto, cpu, cuda; got {self.device!r}")  # fmt: skip
 
     def tp_of(self, index: int) -> int:
-        """The tensor-parallel degree (ranks) of generator `index`."""
-        return self.tp if isinstance(self.tp, int) else self.tp[index]
+        """The tensor-parallel degree (ranks) of generator `index`; 1 for an index past a
+        per-generator list (a generator joining late runs on one rank unless all do)."""
+        if isinstance(self.tp, int):
+            return self.tp
+        return self.tp[index] if index < len(self.tp) else 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -245,8 +251,17 @@ class LoopConfig:
     before giving up with an error naming it."""
     heartbeat_s: float = 1.0
     """Each role announces itself in the store this often."""
-    dead_after_s: float = 30.0
-    """A role silent for this long is taken for dead: the others stop with an error naming it."""
+    dead_after_s: float = 6.0
+    """The trainer silent for this long is taken for dead: the generators stop with an error
+    naming it (within about dead_after_s + 2 heartbeat_s of its death)."""
+    lost_after_s: float = 3.0
+    """A generator silent for this long is lost: the trainer drops it, says so, and goes on
+    with the others (within about lost_after_s + 2 heartbeat_s of its death); one that beats
+    again later is taken back."""
+    min_generators: int = 1
+    """The trainer stops with an error when fewer generators than this are live (a lost one
+    counts until dead_after_s: it may come back; at the start the trainer waits up to
+    wait_timeout_s for generator.count of them)."""
 
     def __post_init__(self) -> None:
         _check(self.mode in ("sync", "async"), f"rl.mode must be sync or async, got {self.mode!r}")
@@ -259,13 +274,16 @@ class LoopConfig:
                f"rl.queue_depth must be None or >= 1, got {self.queue_depth}")  # fmt: skip
         _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
         _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
-        for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s"):
+        for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s", "lost_after_s"):
             _check(getattr(self, name) > 0, f"rl.{name} must be > 0, got {getattr(self, name)}")
-        _check(
-            self.dead_after_s > 2 * self.heartbeat_s,
-            f"rl.dead_after_s={self.dead_after_s} must exceed twice rl.heartbeat_s="
-            f"{self.heartbeat_s}",
-        )
+        for name in ("dead_after_s", "lost_after_s"):
+            _check(
+                getattr(self, name) > 2 * self.heartbeat_s,
+                f"rl.{name}={getattr(self, name)} must exceed twice rl.heartbeat_s="
+                f"{self.heartbeat_s}",
+            )
+        _check(self.min_generators >= 1,
+               f"rl.min_generators must be >= 1, got {self.min_generators}")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -366,6 +384,12 @@ class RLConfig:
             self.rollout.prompts_per_step >= self.generator.count,
             f"rollout.prompts_per_step={self.rollout.prompts_per_step} is fewer than "
             f"generator.count={self.generator.count}: every generator needs a prompt a step",
+        )
+        _check(
+            self.rl.min_generators <= self.generator.count,
+            f"rl.min_generators={self.rl.min_generators} exceeds generator.count="
+            f"{self.generator.count}: the trainer starts once generator.count generators joined "
+            "and stops when fewer than rl.min_generators are live",
         )
         _check(
             self.parallelism.cp == 1,

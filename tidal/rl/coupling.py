@@ -10,17 +10,26 @@ Keys of a run (one run per store at a time; the trainer clears an earlier run's 
     control/done         plain values, version 0: the trainer finished; generators may exit
     control/taken/<g>    plain values, version k (async): the trainer took rollouts/<g>@k,
                          a slot of g's rollout queue is free
-    control/intake       plain values, version s (async): the (generator, batch) pairs
-                         trainer rank 0 chose for step s; the other ranks read the same
-    alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive"
+    control/intake       plain values, version s: the (generator, batch) pairs trainer
+                         rank 0 took for step s; the other ranks read the same
+    control/members      plain values, version v (sync): the generators that make batch
+                         v + 1 from policy version v, and their prompts (tidal/rl/membership.py)
+    control/left/<g>     plain values: generator g left the job, and why
+    alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive",
+                         with the process's random id (a restarted generator has a new one)
 
 Liveness: each role runs a `Link`, whose background thread puts a heartbeat under
 `alive/<role>` every `heartbeat_s`. Waiting for another role's output is `Link.wait`: it
 asks the store in slices of `heartbeat_s`, and between slices checks `control/stop` and the
 heartbeats of the roles it depends on. A heartbeat that has not advanced for `dead_after_s`
 (measured on the waiter's own clock, so hosts need no synchronized clocks) means that role
-is dead; a role that never beat is dead once `wait_timeout_s` has passed since the waiter
-started. Every wait ends within `wait_timeout_s` with an error naming what it waited for.
+is dead, once it was seen to advance; a role that never beat, or whose heartbeat (an earlier
+run's) has not advanced since the waiter started, is dead once `wait_timeout_s` has passed.
+Every wait ends within `wait_timeout_s` with an error naming what it waited for.
+Generators are not watched this way: the trainer tracks them as members that come and go
+(tidal/rl/membership.py). Once a role has seen the run's `control/start` (`follow_run`),
+each check also asks that it is still there: a store whose controller was restarted holds
+nothing of the run, and every role then stops saying so.
 
 Lifecycle (in every role process): `Link(store, name, watch=[...], loop=cfg.rl)` after
 connecting, `link.start()` to begin beating, `link.wait(...)` for each input, `link.stop(why)`
@@ -29,6 +38,7 @@ on an error or Ctrl-C (the others see it within a heartbeat), `link.close()` at 
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +60,7 @@ START = "control/start"
 STOP = "control/stop"
 DONE = "control/done"
 INTAKE = "control/intake"
+MEMBERS = "control/members"
 ALIVE = "alive/"
 
 
@@ -63,12 +74,25 @@ def taken_key(generator: int) -> str:
     return f"control/taken/{generator}"
 
 
+def left_key(generator: int) -> str:
+    """The key generator `generator` puts its reason under when it leaves the job."""
+    return f"control/left/{generator}"
+
+
 def generator_name(index: int) -> str:
     return f"generator {index}"
 
 
 class RoleStopped(RuntimeError):
     """Another role asked every role to stop, or died; the message says which and why."""
+
+
+class Leaving(Exception):
+    """This role was asked to leave the job (a generator's SIGTERM); raised by its next check."""
+
+
+class NotYet(Exception):
+    """Raised by a `Link.wait` attempt: what it waits for is not there yet, ask again."""
 
 
 class Link:
@@ -83,14 +107,24 @@ class Link:
     """
 
     def __init__(self, store: Any, name: str, *, watch: list[str], loop: LoopConfig,
-                 beat: bool = True) -> None:  # fmt: skip
+                 beat: bool = True, log: Callable[[str], None] | None = None) -> None:  # fmt: skip
         self.store, self.name, self.watch, self.loop = store, name, list(watch), loop
+        self.log = log
+        self._torn: set[str] = set()
         self._beat = beat
         self._started = time.monotonic()
         self._seen: dict[str, tuple[int, float]] = {}  # role -> (last beat version, when seen)
+        self._beating: set[str] = set()  # watched roles seen to beat since this one started
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
+        self._run_seen = False
+        self.leaving: str | None = None
+        """Set (to why) to leave at the next check: `Leaving` is raised there."""
+        self.may_leave: Callable[[], bool] | None = None
+        """While it answers False, a role asked to leave does not yet (it owes a batch)."""
         self.beat_error: BaseException | None = None
+        self.ident = secrets.token_hex(8)
+        """This process's id in its heartbeats: a restarted role beats with a new one."""
 
     @staticmethod
     def key(role: str) -> str:
@@ -106,7 +140,13 @@ class Link:
         self._thread.start()
 
     def _put_beat(self) -> None:
-        self.store.put_state_dict({"role": self.name, "t": time.time()}, self.key(self.name))
+        self.store.put_state_dict({"role": self.name, "t": time.time(), "id": self.ident},
+                                  self.key(self.name))  # fmt: skip
+
+    def follow_run(self) -> None:
+        """From now on every check asks that the run's `control/start` is still in the store
+        (it is gone when the store's controller was restarted)."""
+        self._run_seen = True
 
     def _run(self) -> None:
         while not self._halt.wait(self.loop.heartbeat_s):
@@ -132,14 +172,37 @@ class Link:
             pass
 
     def check(self) -> None:
-        """Raise RoleStopped if a role asked to stop or a watched role is silent."""
+        """Raise RoleStopped if a role asked to stop, a watched role is silent, or the store
+        lost the run (stopped answering, or its controller was restarted); Leaving when this
+        role was asked to leave."""
+        if self.leaving is not None and (self.may_leave is None or self.may_leave()):
+            raise Leaving(self.leaving)
         try:
-            if self.store.exists(STOP):
-                info = self.store.get_state_dict(STOP)
-                raise RoleStopped(f"{info.get('by', 'a role')} stopped the run: "
-                                  f"{info.get('reason', '(no reason given)')}")  # fmt: skip
-        except StoreError as e:
-            raise RoleStopped(f"the store stopped answering ({e}); every role stops") from e
+            self._check_store()
+        except StoreError:  # once more: a call that failed drops its connection, and the next
+            try:  # goes out on a new one (a restarted controller answers it)
+                self._check_store()
+            except (StoreError, KeyNotFoundError, VersionNotFoundError) as e:
+                raise RoleStopped(f"{self.name}: the store at {self.store.address} stopped "
+                                  f"answering ({e}); every role stops") from e  # fmt: skip
+        except (KeyNotFoundError, VersionNotFoundError) as e:
+            raise RoleStopped(f"{self.name}: the store at {self.store.address} lost this "
+                              f"run's keys ({e}); every role stops") from e  # fmt: skip
+        self._check_watched()
+
+    def _check_store(self) -> None:
+        if self.store.exists(STOP):
+            info = self.store.get_state_dict(STOP)
+            raise RoleStopped(f"{info.get('by', 'a role')} stopped the run: "
+                              f"{info.get('reason', '(no reason given)')}")  # fmt: skip
+        if self._run_seen and not self.store.exists(START, 0):
+            raise RoleStopped(
+                f"{self.name}: the store at {self.store.address} no longer holds this run "
+                f"(its {START} is gone): its controller was restarted, or another run "
+                f"cleared it; every role stops"
+            )
+
+    def _check_watched(self) -> None:
         now = time.monotonic()
         for role in self.watch:
             try:
@@ -153,12 +216,25 @@ class Link:
                 continue
             last = self._seen.get(role)
             if last is None or last[0] != version:
+                if last is not None:
+                    self._beating.add(role)
                 self._seen[role] = (version, now)
+            elif role not in self._beating:  # a heartbeat left by an earlier run, so far
+                if now - self._started > self.loop.wait_timeout_s:
+                    raise RoleStopped(
+                        f"{role} never started (its heartbeat in the store did not advance "
+                        f"within rl.wait_timeout_s={self.loop.wait_timeout_s:g} s)"
+                    )
             elif now - last[1] > self.loop.dead_after_s:
                 raise RoleStopped(
                     f"{role} stopped answering: no heartbeat for {now - last[1]:.1f} s "
                     f"(rl.dead_after_s={self.loop.dead_after_s:g}); it has died or hangs"
                 )
+
+    def beating(self, role: str) -> bool:
+        """Whether watched `role`'s heartbeat has advanced since this role started (a
+        heartbeat left by an earlier run, or by a dead process, does not)."""
+        return role in self._beating
 
     def wait(self, what: str, attempt: Callable[[float], T]) -> T:
         """`attempt(seconds)` until it returns, checking the others between tries.
@@ -172,16 +248,32 @@ class Link:
             TimeoutError: nothing came within `rl.wait_timeout_s` (the message names `what`).
         """
         deadline = time.monotonic() + self.loop.wait_timeout_s
+        failures = 0
         while True:
             self.check()
             left = deadline - time.monotonic()
+            slice_s = max(0.0, min(self.loop.heartbeat_s, left))
             try:
-                return attempt(max(0.0, min(self.loop.heartbeat_s, left)))
-            except (VersionNotFoundError, KeyNotFoundError, WaitExpiredError):
-                pass  # not there (or not completely written) within this slice: ask again
+                return attempt(slice_s)
+            except (VersionNotFoundError, KeyNotFoundError, WaitExpiredError, NotYet) as e:
+                # Not there (or not completely written) within this slice: ask again. A
+                # version aborted mid-put (its writer died) never becomes readable: say so
+                # once, and pause a slice (the store answers at once for it).
+                if "aborted" in str(e):
+                    if str(e) not in self._torn and self.log is not None:
+                        self.log(f"{self.name}: {what}: {e}; it is never read")
+                    self._torn.add(str(e))
+                    time.sleep(slice_s)
             except StoreError as e:
-                raise RoleStopped(f"{self.name}: the store failed while waiting for {what}: "
-                                  f"{e}") from e  # fmt: skip
+                # The call dropped its connection: the check asks again on a new one and
+                # says when the store is gone or restarted; a second failure in a row is final.
+                self.check()
+                failures += 1
+                if failures > 1:
+                    raise RoleStopped(f"{self.name}: the store failed while waiting for "
+                                      f"{what}: {e}") from e  # fmt: skip
+                continue
+            failures = 0
             if time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"{self.name}: waited rl.wait_timeout_s={self.loop.wait_timeout_s:g} s for "

@@ -164,3 +164,21 @@ def follow_main(value: bool, model: Transformer) -> bool:
     flag = torch.tensor([int(value)], device=model.rope.device)
     dist.broadcast(flag, group_src=0, group=mesh.get_group())
     return bool(flag.item())
+
+
+def agree_start(first: int, ident: str, model: Transformer) -> tuple[int, str]:
+    """Rank 0's first policy version and heartbeat id, on every rank of a tensor-parallel
+    `model` (the values themselves on one rank): the ranks read the store at different
+    moments, and the trainer's sync announcements name rank 0's id, the one that beats."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or mesh.size() == 1:
+        return first, ident
+    import torch.distributed as dist
+
+    raw = bytes.fromhex(ident)
+    values = torch.tensor([first, len(raw), *raw], dtype=torch.long, device=model.rope.device)
+    dist.broadcast(values, group_src=0, group=mesh.get_group())
+    n = int(values[1])
+    return int(values[0]), bytes(int(b) for b in values[2 : 2 + n].tolist()).hex()

@@ -43,17 +43,28 @@ from typing import Any
 import torch
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import EVAL, INTAKE, POLICY, Link, rollouts_key, taken_key
+from tidal.rl.coupling import (
+    EVAL,
+    MEMBERS,
+    POLICY,
+    Link,
+    NotYet,
+    generator_name,
+    rollouts_key,
+    taken_key,
+)
 from tidal.rl.generate import Generator
+from tidal.rl.intake import AsyncIntake, first_batch, take_sync
 from tidal.rl.layouts import follow_main
 from tidal.rl.loss import group_advantages
+from tidal.rl.membership import Members, share_of
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.sampling import SamplingParams
-from tidal.rl.schedule import AsyncSchedule, SyncSchedule, make_schedule
+from tidal.rl.schedule import AsyncSchedule, make_schedule
 from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Grade, Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
-from tidal.store.errors import KeyNotFoundError
+from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
 
 Log = Callable[[str], None]
 
@@ -146,24 +157,28 @@ def generate_loop(
     log: Log,
     main: bool = True,
 ) -> None:
-    """Generator `index`'s side of the sync loop, from rollout batch `first_step + 1` to the
-    end (and the final evaluation when `index` is 0). A tensor-parallel generator runs it on
-    every rank in lockstep; only its `main` rank puts the rollouts and evaluations."""
-    store, gen, r = link.store, policy.generator, cfg.rollout
-    schedule = SyncSchedule(cfg.rl.steps)
+    """Generator `index`'s side of the sync loop: for each policy version v from
+    `first_step` (the newest committed one for a generator joining late), load it, then
+    sample batch v + 1 when the trainer announced this process with v (its share of the
+    prompts; tidal/rl/membership.py), until the last version (which generator 0 evaluates). A
+    tensor-parallel generator runs it on every rank in lockstep; only its `main` rank puts the
+    rollouts and evaluations."""
+    store, gen, r, steps = link.store, policy.generator, cfg.rollout, cfg.rl.steps
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
-    evals = set(eval_versions(cfg.rl.steps, cfg.rl.eval_every))
+    evals = set(eval_versions(steps, cfg.rl.eval_every))
     stop = tuple(sorted(policy.encoder.stop_ids))
 
-    def load(version: int) -> tuple[float, float]:
-        """Wait for `version` to be committed (idle), then copy it into the parameters."""
+    def load(version: int) -> tuple[int, float, float]:
+        """Wait for `version` (or a newer one, if it was dropped meanwhile: a generator that
+        is not a member falls behind) to be committed (idle), then copy it into the
+        parameters. Returns the version loaded and the idle and copy times."""
         t0 = time.perf_counter()
-        link.wait_version(POLICY, version, f"policy version {version}", into={})
+        version = _wait_policy(link, version)
         t1 = time.perf_counter()
         store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
         gen.version = version
-        return t1 - t0, time.perf_counter() - t1
+        return version, t1 - t0, time.perf_counter() - t1
 
     def maybe_eval(version: int) -> None:
         if index != 0 or version not in evals:
@@ -173,32 +188,66 @@ def generate_loop(
         if main:
             store.put_state_dict(result, EVAL, version=version)
 
-    for step in range(first_step + 1, cfg.rl.steps + 1):
-        version = schedule.version_for_batch(step)
-        idle_s, sync_s = load(version)
+    version, member = first_step, None
+
+    def may_leave() -> bool:
+        """Asked to leave (SIGTERM), it first makes a batch it was given prompts for with
+        the version it is at, or that step would lack its share."""
+        try:
+            members = store.get_state_dict(MEMBERS, version=version)
+        except (KeyNotFoundError, VersionNotFoundError, StoreError):
+            return True
+        return not any(g == index and i == link.ident and n > 0
+                       for g, i, n in members["generators"])  # fmt: skip
+
+    link.may_leave = may_leave
+    while version < steps or (index == 0 and version == steps):
+        version, idle_s, sync_s = load(version)
         maybe_eval(version)
-        seeds = (r.seed, step, index)
-        batch = _sample_batch(policy, task, grader, cfg, index, seeds, stop,
-                              {"generator": index, "version": version, "idle_s": idle_s,
-                               "sync_s": sync_s})  # fmt: skip
-        if main:
-            store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
-    if index == 0:
-        last = cfg.rl.steps
-        if last in evals and gen.version != last:
-            load(last)
-            maybe_eval(last)
+        if version >= steps:
+            break
+        prompts = share_of(link, version, index)
+        if (prompts > 0) != member:
+            member = prompts > 0
+            log(f"{generator_name(index)}: " + (f"sampling {prompts} prompts a step from policy "
+                f"version {version}" if member else f"joined at policy version {version}; "
+                "waiting to be given prompts"))  # fmt: skip
+        if prompts:
+            step = version + 1
+            batch = _sample_batch(policy, task, grader, cfg, (r.seed, step, index), stop,
+                                  prompts, {"generator": index, "version": version,
+                                            "idle_s": idle_s, "sync_s": sync_s})  # fmt: skip
+            if main:
+                store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
+        version += 1
 
 
-def _sample_batch(policy: Policy, task: Task, grader: Grader, cfg: RLConfig, index: int,
-                  seeds: tuple[int, ...], stop: tuple[int, ...],
+def _wait_policy(link: Link, version: int) -> int:
+    """Wait for policy `version` to be committed; a newer one if `version` is no longer kept."""
+    store = link.store
+
+    def attempt(seconds: float) -> int:
+        try:
+            store.get_state_dict(POLICY, into={}, version=version, wait=seconds)
+            return version
+        except VersionNotFoundError:
+            newest = max(store.versions(POLICY), default=-1)
+            if newest > version:
+                return newest
+            raise
+
+    return link.wait(f"policy version {version}", attempt)
+
+
+def _sample_batch(policy: Policy, task: Task, grader: Grader, cfg: RLConfig,
+                  seeds: tuple[int, ...], stop: tuple[int, ...], n_prompts: int,
                   meta: dict[str, Any]) -> RolloutBatch:  # fmt: skip
-    """Generator `index`'s graded samples of one batch; its problems and sampling noise are
-    seeded by `seeds` (the same whatever ran before: a resumed run draws what the
+    """The graded samples of one batch of `n_prompts` problems; its problems and sampling
+    noise are seeded by `seeds` (the same whatever ran before: a resumed run draws what the
     uninterrupted one would have)."""
     r, gen = cfg.rollout, policy.generator
     stream: Iterator[Problem] = task.problems("train", seed=request_seed(*seeds))
-    problems = [next(stream) for _ in range(cfg.prompts_of(index))]
+    problems = [next(stream) for _ in range(n_prompts)]
     prompts = [encode_prompt(policy, p) for p in problems]
     params = [SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
                              top_k=r.top_k, max_new_tokens=r.max_new_tokens,
@@ -264,6 +313,7 @@ def generate_loop_async(
             store.put_state_dict(result, EVAL, version=version)
         evaluated.add(version)
 
+    since = time.perf_counter()  # the first batch's wall time includes the first wait
     idle_s = load_exactly(first_step)
     # GPU slots when the versions live in the trainer's GPU memory (read device to device).
     on_device = gen.device.type == "cuda" and cfg.store.policy_memory == "cuda"
@@ -272,25 +322,32 @@ def generate_loop_async(
     stager.start()
     gen.swap_hook = stager.swap
     try:
-        k, since = 0, time.perf_counter()
+        first = first_batch(store, index)  # 1, or past a predecessor's under this index
+        k, torn = first - 1, 0
         while True:
             t0 = time.perf_counter()
-            free = _queue_slot(link, index, k + 1 - slots, steps) if main else True
-            if not follow_main(free, gen.model):
+            free = k + 1 - slots  # the batch that must have been taken first
+            ready = _queue_slot(link, index, free if free >= first else 0, steps) if main else True
+            if not follow_main(ready, gen.model):
                 break  # the trainer published its last version: no more batches needed
             idle_s += time.perf_counter() - t0
             swap_s = stager.swap_s
             swapped = stager.at_batch_start()
             if swapped is not None:
                 gen.version = swapped
+            for aborted, why in stager.torn[torn:]:
+                log(f"{generator_name(index)}: policy version {aborted} was never completely "
+                    f"written ({why}); keeping version {gen.version}")  # fmt: skip
+            torn = len(stager.torn)
             version = gen.version
             assert version is not None
             maybe_eval(version)
             k += 1
             swaps = stager.swaps
-            batch = _sample_batch(policy, task, grader, cfg, index, (cfg.rollout.seed, first_step,
-                                  k, index), stop, {"generator": index, "version": version,
-                                  "idle_s": idle_s})  # fmt: skip
+            batch = _sample_batch(policy, task, grader, cfg, (cfg.rollout.seed, first_step,
+                                  k, index), stop, cfg.prompts_of(index),
+                                  {"generator": index, "version": version,
+                                   "idle_s": idle_s})  # fmt: skip
             now = time.perf_counter()
             batch.meta.update(swaps_in_flight=stager.swaps - swaps, prefetch_hits=stager.hits,
                               prefetch_misses=stager.misses, wall_s=now - since,
@@ -341,7 +398,9 @@ class TrainerSide:
     seq_len: int | None
     """Fixed T of every trainer batch (pipeline parallel), or None."""
     is_main: bool = True
-    """Global rank 0: in async mode it chooses the rollouts of each step for every rank."""
+    """Global rank 0: it chooses the rollouts of each step for every rank."""
+    members: Members | None = None
+    """The generators in the job (rank 0 only; tidal/rl/membership.py)."""
     reference: list[torch.Tensor] | None = None
     """The frozen reference weights (a copy of the trainer's parameters at the start) when
     `loss.kl_coef` > 0, else None."""
@@ -359,7 +418,14 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
     schedule = make_schedule(cfg.rl.mode, cfg.rl.steps, cfg.rl.max_staleness)
     loss = PolicyLoss(cfg.loss)
     pending_evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
-    queue = _Intake(link, cfg, main=side.is_main) if isinstance(schedule, AsyncSchedule) else None
+    members = side.members
+    is_async = isinstance(schedule, AsyncSchedule)
+    queue = AsyncIntake(link, cfg, members) if is_async else None
+    announced: list[list[Any]] = []
+    if members is not None:
+        members.wait_for(link, cfg.generator.count)
+        if not is_async:
+            announced = members.announce(first_step)
     start = time.perf_counter()
     t0 = time.perf_counter()
     future = side.publish(first_step)
@@ -369,9 +435,7 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
     for step in range(first_step + 1, cfg.rl.steps + 1):
         step_start = time.perf_counter()
         if queue is None:
-            parts = [RolloutBatch.from_state_dict(link.wait_version(
-                rollouts_key(g), step, f"the rollouts of step {step} from generator {g}"))
-                for g in range(cfg.generator.count)]  # fmt: skip
+            parts = take_sync(link, members, announced, step)
         else:
             parts = queue.take(cfg.generator.count, step)
         idle_s = time.perf_counter() - step_start
@@ -405,6 +469,8 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
             _train_step(side, trained, adv, loss, cfg))  # fmt: skip
         train_s = time.perf_counter() - train_start
         trainer.step = step
+        if members is not None and not is_async and step < cfg.rl.steps:
+            announced = members.announce(step)
         t0 = time.perf_counter()
         future = side.publish(step)
         sync_s += time.perf_counter() - t0
@@ -430,6 +496,12 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
             "groups": adv.groups if adv is not None else 0,
             "samples": rollout.num_samples,
             "samples_per_generator": [p.num_samples for p in parts],
+            "generators": [p.meta["generator"] for p in parts],
+            **(
+                {"generators_live": len(members.live()), "generators_lost": members.lost}
+                if members is not None
+                else {}
+            ),
             "format_ok_rate": float(rollout.format_ok.float().mean()),
             "truncated_rate": float(rollout.truncated.float().mean()),
             "grader_errors": sum(m["grader_errors"] for m in meta),
@@ -456,81 +528,36 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
         pending_evals = _log_evals(store, pending_evals, step, log_record)
     future.result()
     trainer.checkpoint.finish()
-    if queue is not None:  # async: generator 0 scores the eval versions it happened to hold
-        pending_evals = _log_evals(store, pending_evals, cfg.rl.steps, log_record)
-        pending_evals = [v for v in pending_evals if v == cfg.rl.steps]
-    for v in pending_evals:  # the last version's evaluation, and any not yet seen
-        result = link.wait_version(EVAL, v, f"the evaluation of policy version {v}")
-        log_record({"step": v, "eval_pass1": result["pass1"], "eval_correct": result["correct"],
-                    "eval_total": result["total"], "eval_s": result["seconds"]})  # fmt: skip
+    if members is None:
+        return  # the other ranks log nothing
+    # Generator 0 scores the eval versions it held (all of them in sync mode, unless it
+    # joined late); the trainer waits only for the last version's, while generator 0 lives.
+    pending_evals = _log_evals(store, pending_evals, cfg.rl.steps, log_record)
+    if cfg.rl.steps in pending_evals:
+        v = cfg.rl.steps
+        result = _wait_eval(link, members, v)
+        if result is not None:
+            log_record({"step": v, "eval_pass1": result["pass1"],
+                        "eval_correct": result["correct"], "eval_total": result["total"],
+                        "eval_s": result["seconds"]})  # fmt: skip
 
 
-class _Intake:
-    """async: the trainer's end of the rollout queue. Generator g puts rollouts/<g>@1, 2, ...;
-    `take` returns the next batches to arrive, from any generators. Trainer rank 0 chooses
-    them and announces its choice under control/intake@step, which the other ranks read, so
-    every rank trains on the same rollouts. `mark_taken` (rank 0, called once the previous
-    version is committed, so that a generator's next batch can start from it) puts
-    control/taken/<g>@k, and g may fill the slot again."""
+def _wait_eval(link: Link, members: Members, version: int) -> dict[str, Any] | None:
+    """The evaluation of `version` from generator 0, or None (said) once it is gone."""
+    store = link.store
 
-    def __init__(self, link: Link, cfg: RLConfig, *, main: bool = True) -> None:
-        self.link, self.store, self.count, self.main = link, link.store, cfg.generator.count, main
-        self.next = [1] * self.count
-        self.first = 0  # the generator asked first: the one after the last taken
-        self.latest: dict[int, dict[str, Any]] = {}  # generator -> meta of its latest batch
-        self.unmarked: list[tuple[int, int]] = []  # (generator, batch) taken, not yet marked
+    def attempt(seconds: float) -> dict[str, Any] | None:
+        members.poll()
+        if store.exists(EVAL, version):
+            return store.get_state_dict(EVAL, version=version)
+        if not any(m.index == 0 for m in members.live()):
+            members.log(f"trainer: no evaluation of policy version {version}: generator 0, "
+                        f"which evaluates, is gone")  # fmt: skip
+            return None
+        store.get_state_dict(EVAL, into={}, version=version, wait=seconds)
+        raise NotYet
 
-    def take(self, n: int, step: int) -> list[RolloutBatch]:
-        if not self.main:
-            chosen = self.link.wait_version(INTAKE, step, f"trainer rank 0's intake of step {step}")
-            sds = [(g, self.store.get_state_dict(rollouts_key(g), version=k))
-                   for g, k in chosen["batches"]]  # fmt: skip
-        else:
-            sds, taken = [], []
-            while len(sds) < n:
-                g, sd = self.link.wait(f"rollouts from any of {self.count} generator(s)",
-                                       self._try)  # fmt: skip
-                taken.append((g, self.next[g]))
-                self.next[g] += 1
-                self.first = (g + 1) % self.count
-                sds.append((g, sd))
-            self.store.put_state_dict({"batches": [list(x) for x in taken]}, INTAKE,
-                                      version=step)  # fmt: skip
-            self.unmarked += taken
-        out = []
-        for g, sd in sds:
-            batch = RolloutBatch.from_state_dict(sd)
-            self.latest[g] = batch.meta
-            out.append(batch)
-        return out
-
-    def mark_taken(self) -> None:
-        if not self.main:
-            return
-        for g, k in self.unmarked:
-            self.store.put_state_dict({"k": k}, taken_key(g), version=k)
-        self.unmarked = []
-
-    def _try(self, seconds: float) -> tuple[int, dict]:
-        order = [(self.first + j) % self.count for j in range(self.count)]
-        for g in order:
-            if self.store.exists(rollouts_key(g), self.next[g]):
-                return g, self.store.get_state_dict(rollouts_key(g), version=self.next[g])
-        g = order[0]  # none is there: wait a little for the first in turn, then ask all again
-        wait = seconds if self.count == 1 else min(seconds, 0.05)
-        return g, self.store.get_state_dict(rollouts_key(g), version=self.next[g], wait=wait)
-
-    def stats(self, parts: list[RolloutBatch]) -> dict[str, Any]:
-        """Generator-side figures of a step: idle share, in-flight swaps, prefetch hits."""
-        idle = [p.meta["idle_s"] / max(p.meta["wall_s"], 1e-9) for p in parts]
-        hits = sum(m["prefetch_hits"] for m in self.latest.values())
-        misses = sum(m["prefetch_misses"] for m in self.latest.values())
-        return {
-            "generator_idle_frac": sum(idle) / len(idle),
-            "weight_swaps_in_flight": sum(p.meta["swaps_in_flight"] for p in parts),
-            "prefetch_hit_rate": hits / (hits + misses) if hits + misses else None,
-            "prefetch_needed": hits + misses,
-        }
+    return link.wait(f"the evaluation of policy version {version}", attempt)
 
 
 def _drop_stale(rollout: RolloutBatch, schedule: AsyncSchedule,

@@ -47,9 +47,12 @@ def main(argv: list[str]) -> int:
         return fail(e)
     except Exception as e:
         from tidal.rl.coupling import RoleStopped
+        from tidal.store.errors import StoreError
 
         if isinstance(e, RoleStopped):
             return fail(e)
+        if isinstance(e, StoreError):  # the store went away while this role was busy
+            return fail(f"the run's store failed: {e}; this role stops")
         raise
 
 

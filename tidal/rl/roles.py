@@ -34,7 +34,17 @@ from typing import Any
 import torch
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import DONE, POLICY, START, STOP, Link, generator_name
+from tidal.rl.coupling import (
+    DONE,
+    POLICY,
+    START,
+    STOP,
+    Leaving,
+    Link,
+    NotYet,
+    RoleStopped,
+    generator_name,
+)
 from tidal.rl.layouts import (
     check_generator_layouts,
     generator_command,
@@ -254,12 +264,15 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
     main = info.is_main
     src = resolve_policy(cfg, log=log)
     check_task_text(cfg, src, make_task(cfg))
-    link = Link(store, "trainer", watch=[generator_name(i) for i in range(cfg.generator.count)],
-                loop=cfg.rl, beat=main)  # fmt: skip
+    from tidal.rl.membership import Members
+
+    # The generators are members that come and go (tidal/rl/membership.py), not watched roles.
+    link = Link(store, "trainer", watch=[], loop=cfg.rl, beat=main, log=log)
     trainer = Trainer(trainer_config(cfg, src),
                       data=DataBundle(tokenizer=src.tokenizer, train=None, val=None),
                       dist_info=info, log=log)  # fmt: skip
     report = None
+    members: Members | None = None
     try:
         first = trainer.step
         barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
@@ -291,15 +304,20 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             return future
 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
+        members = Members(store, cfg, log=log) if main else None
         side = TrainerSide(
             trainer=trainer, publish=publish, dp_rank=dp_rank, dp_world=trainer.dims.dp,
             is_main=main,
             seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
             reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
+            members=members,
         )  # fmt: skip
+        if members is not None:
+            members.start()
         if main:
             report = Report(cfg, first_step=first, resumed=first > 0, log=log)
             store.put_state_dict({"step": first, "steps": cfg.rl.steps}, START, version=0)
+            link.follow_run()
             log(f"trainer: {src.describe}; steps {first + 1}..{cfg.rl.steps}, "
                 f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
                 f"step over {cfg.generator.count} generator(s), {cfg.rl.mode} mode"
@@ -316,6 +334,8 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             link.stop(_why(e, "the trainer"))
         raise
     finally:
+        if members is not None:
+            members.close()
         if report is not None:
             report.close()
         link.close()
@@ -365,9 +385,8 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
     tensor-parallel generator): until the trainer is done."""
     from tidal.parallel.launch import DistInfo
 
-    if not 0 <= index < cfg.generator.count:
-        raise ValueError(f"--index must be in 0..{cfg.generator.count - 1} (generator.count="
-                         f"{cfg.generator.count}), got {index}")  # fmt: skip
+    if not 0 <= index < MAX_GENERATORS:
+        raise ValueError(f"--index must be in 0..{MAX_GENERATORS - 1}, got {index}")
     info = dist_info or DistInfo()
     log = log if info.is_main else _quiet
     task = make_task(cfg)
@@ -386,37 +405,95 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
 
 def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, index: int,
                    info: Any, mesh: Any, log: Log) -> None:  # fmt: skip
+    from tidal.rl.layouts import agree_start
     from tidal.rl.loop import Policy, generate_loop, generate_loop_async
+    from tidal.rl.membership import leave
 
     name, main = generator_name(index), info.is_main
-    link = Link(store, name, watch=["trainer"], loop=cfg.rl, beat=main)
+    if main:  # the beating rank speaks for the generator
+        _check_index_free(store, name, cfg)
+    link = Link(store, name, watch=["trainer"], loop=cfg.rl, beat=main, log=log)
     link.start()
+
+    def on_sigterm(signum, frame) -> None:  # leave at the next wait (after a batch in progress)
+        link.leaving = "it was asked to leave (SIGTERM)"
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         gen = build_generator(cfg, src, mesh=mesh, local_rank=info.local_rank)
         pad = src.tokenizer.eos_id
         policy = Policy(generator=gen, encoder=src.encoder, pad_id=pad,
                         max_prompt_tokens=cfg.rollout.max_prompt_tokens)  # fmt: skip
-        start = link.wait_version(START, 0, "the trainer's start")
+        start = link.wait("the trainer's start", lambda seconds: _start_of(link, seconds))
+        link.follow_run()
+        # A generator joining a running job starts from the newest committed version.
+        first = max([start["step"], *store.versions(POLICY)] if store.exists(POLICY)
+                    else [start["step"]])  # fmt: skip
+        first, link.ident = agree_start(first, link.ident, gen.model)
         where = str(gen.device) if mesh is None else f"{info.world_size} ranks (tp) on {gen.device}"
-        log(f"{name}: on {where} ({generator_dtype(cfg)}), steps {start['step'] + 1}.."
-            f"{cfg.rl.steps}, {cfg.prompts_of(index)} prompts a step")  # fmt: skip
-        if cfg.rl.mode == "async":
-            generate_loop_async(policy, task, link, cfg, index=index, first_step=start["step"],
-                                log=log, main=main)  # fmt: skip
-        else:
-            generate_loop(policy, task, link, cfg, index=index, first_step=start["step"],
-                          log=log, main=main)  # fmt: skip
+        share = f"{cfg.prompts_of(index)} prompts a batch" if cfg.rl.mode == "async" else (
+            "its share of the prompts")  # fmt: skip
+        log(f"{name}: on {where} ({generator_dtype(cfg)}), from policy version {first} to "
+            f"{cfg.rl.steps}, {share}")  # fmt: skip
+        loop = generate_loop_async if cfg.rl.mode == "async" else generate_loop
+        loop(policy, task, link, cfg, index=index, first_step=first, log=log, main=main)
         link.wait_version(DONE, 0, "the trainer to finish")
+    except Leaving as e:
+        log(f"{name}: leaving the job: {e}; the trainer goes on with the others")
+        if main:
+            leave(link, index, str(e))
+    except RoleStopped:
+        raise  # another role stopped the run, or the trainer died: nothing to tell
     except BaseException as e:
-        rank = f" (rank {info.rank})" if info.world_size > 1 else ""
-        link.stop(_why(e, name + rank))
+        # This generator's own failure: it leaves, saying why; the run goes on with the others
+        # (and stops, naming this, when too few are left). A rank past the first just ends:
+        # torchrun then ends its peers, and the trainer sees the generator lost.
+        if main:
+            leave(link, index, _why(e, name))
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         link.close()
 
 
 def _quiet(line: str) -> None:
     """The log of a generator's ranks past the first (rank 0 prints for the generator)."""
+    return None
+
+
+def _start_of(link: Link, seconds: float) -> dict:
+    """The run's control/start, once the trainer beats: a control/start left by an earlier
+    run on the same store is not this run's (the trainer clears it before it beats)."""
+    if not link.beating("trainer"):
+        time.sleep(seconds / 4)
+        raise NotYet
+    return link.store.get_state_dict(START, version=0, wait=seconds)
+
+
+MAX_GENERATORS = 10_000
+"""Generator indices are 0..MAX_GENERATORS - 1."""
+
+
+def _check_index_free(store: Any, name: str, cfg: RLConfig) -> None:
+    """Refuse an index whose generator is running: its heartbeat still advances.
+
+    Raises:
+        ValueError: naming the index."""
+    from tidal.store.errors import KeyNotFoundError, VersionNotFoundError
+
+    key = Link.key(name)
+    if not store.exists(key):
+        return
+    try:
+        first = store.versions(key)[-1]
+        deadline = time.monotonic() + 2.5 * cfg.rl.heartbeat_s
+        while time.monotonic() < deadline:  # two heartbeats: does it still beat?
+            if store.versions(key)[-1] != first:
+                raise ValueError(f"{name} is already running in this job (its heartbeat "
+                                 f"{key} advances); give this one another --index")  # fmt: skip
+            time.sleep(cfg.rl.heartbeat_s / 4)
+    except (KeyNotFoundError, VersionNotFoundError, IndexError):
+        return  # it left meanwhile
 
 
 # -- the local launcher ----------------------------------------------------------------------
@@ -496,20 +573,39 @@ def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log:
 
 
 def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
-    """Wait for the roles; the first failure stops the rest. Returns the exit status."""
+    """Wait for the roles. The trainer's failure stops the rest; a generator killed or failing
+    is the trainer's to handle (it goes on with the others, or stops, naming it, when too few
+    are left), unless no generator is left running at all or one exited with status 2 (a bad
+    input, which every role shares, or a run that stopped). Returns the exit status."""
+    told: set[str] = set()
     while True:
         codes = {name: p.poll() for name, p in procs.items()}
+        trainer = codes.pop("trainer")
+        for name, code in codes.items():
+            if code not in (None, 0, 2) and name not in told:
+                told.add(name)
+                log(f"tidal rl: {name} {_how(code)}; the trainer goes on with the others")
         failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
-        if failed:
-            name, code = failed[0]
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            log(f"tidal rl: {name} {how}; stopping the other roles")
-            _put_stop(store, f"{name} {how}")
+        bad = [(n, c) for n, c in failed if c == 2]
+        if trainer not in (None, 0) or (trainer is None and (bad or len(failed) == len(codes))):
+            if trainer not in (None, 0):
+                code, why = trainer, f"the trainer {_how(trainer)}"
+            elif bad:
+                code, why = 2, f"{bad[0][0]} {_how(2)} (a bad input or a stopped run)"
+            else:
+                code = failed[0][1]
+                why = "every generator exited: " + ", ".join(f"{n} {_how(c)}" for n, c in failed)
+            log(f"tidal rl: {why}; stopping the other roles")
+            _put_stop(store, why)
             _end(procs, None)
             return 130 if code in (130, -signal.SIGINT) else 1
-        if all(c == 0 for c in codes.values()):
+        if trainer == 0 and all(c is not None for c in codes.values()):
             return 0
         time.sleep(0.2)  # polling child processes, not synchronizing with them
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
 def _put_stop(store: Any, reason: str) -> None:

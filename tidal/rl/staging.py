@@ -82,6 +82,8 @@ class Stager:
         self.swap_s = 0.0
         """Seconds the generator spent in swaps (copying staged weights into its own)."""
         self.error: BaseException | None = None
+        self.torn: list[tuple[int, str]] = []
+        """Versions aborted mid-put (their writer died), never staged, and why."""
         self._staged: int | None = None  # version complete in staging, not yet swapped in
         self._copied: Any = None  # CUDA event: the last swap's copies have run
         self._cv = threading.Condition()
@@ -130,19 +132,28 @@ class Stager:
         except (KeyNotFoundError, IndexError):
             newest = -1
         with self._cv:
-            target, self._target = self._target, None
+            agreed, self._target = self._target, None  # the ranks' agreed version (TP)
+        target = held + 1
+        while target in {v for v, _ in self.torn}:
+            target += 1  # never readable: wait for the one after
         try:
-            if target is not None and target > held:
-                self.store.get_state_dict(self.key, into=self.staging, version=target)
-                return target
+            if agreed is not None and agreed > held:
+                self.store.get_state_dict(self.key, into=self.staging, version=agreed)
+                return agreed
             if newest > held:
                 self.store.get_state_dict(self.key, into=self.staging, version=newest)
                 return newest
-            self.store.get_state_dict(self.key, into=self.staging, version=held + 1,
+            self.store.get_state_dict(self.key, into=self.staging, version=target,
                                       wait=self.slice_s)  # fmt: skip
-            return held + 1
-        except (VersionNotFoundError, KeyNotFoundError, WaitExpiredError):
-            return None  # not written yet, or dropped by the store's keep: ask again
+            return target
+        except VersionNotFoundError as e:
+            # A version aborted mid-put (the staging buffer may hold part of its bytes, and
+            # is never swapped in for it); else not written yet or dropped: ask again.
+            if "aborted" in str(e) and newest <= held:
+                self.torn.append((target, str(e)))
+            return None
+        except (KeyNotFoundError, WaitExpiredError):
+            return None  # not written yet: ask again
 
     # -- the generator's side ---------------------------------------------------------------
 

@@ -241,3 +241,20 @@ def test_a_failed_publish_stops_every_role_at_once(tmp_path):
     assert why in r.stdout
     assert "generator 0: waited" not in r.stdout
     assert took < 45, took
+
+
+def test_the_warm_start_cache_key_ignores_tools_but_not_float8():
+    """Profiler and debug settings never change the trained weights: the SFT warm start's
+    cache folder stays; turning float8 on (or any training setting) moves it."""
+    from tidal.rl.configs import get_rl_config
+    from tidal.rl.warmstart import sft_run
+
+    def folder(overrides: str):
+        cfg = get_rl_config("rl_addition")
+        cfg.policy.sft_overrides = overrides
+        return sft_run(cfg)[1]
+
+    plain = folder("")
+    assert folder("profiler.enable=true debug.flight_recorder=false metrics.wandb=true") == plain
+    assert folder("quantize.float8=tensorwise") != plain
+    assert folder("training.steps=301") != plain

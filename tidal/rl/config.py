@@ -35,7 +35,9 @@ class PolicyConfig:
 
     init: str = "sft:sft_addition"
     """"sft:NAME": the final checkpoint of `tidal train --config NAME`, trained the first time
-    and cached under cache_dir (keyed by the resolved SFT config) for every later run.
+    and cached under cache_dir (keyed by the resolved SFT config, less the settings that never
+    change the weights: profiler, debug, W&B and TensorBoard, float8 when off) for every
+    later run.
     "hf:PATH": a Hugging Face folder of a Llama or Qwen 3 model (e.g. `tidal fetch
     smollm2-135m`'s), its architecture from its config.json, with the folder's tokenizer.json
     and chat template. "checkpoint:PATH": a tidal checkpoint (a step-N folder, or a folder of

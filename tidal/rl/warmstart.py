@@ -161,6 +161,14 @@ def sft_run(cfg: RLConfig):
     described: dict[str, Any] = dict(to_dict(sft))
     described["job"].pop("output_dir")
     described["job"].pop("device")
+    # Tools that never change the trained weights stay out of the key, and so does a feature
+    # left off (float8), so adding such config sections does not retrain every cached start.
+    for section in ("profiler", "debug"):
+        described.pop(section, None)
+    for field in [f for f in described["metrics"] if f.startswith(("wandb", "tensorboard"))]:
+        described["metrics"].pop(field)
+    if not sft.quantize.enabled:
+        described.pop("quantize", None)
     # Bumped when the data a config names changes under it (2: add problems' split follows
     # the RL addition task's), so a warm start trained on the old data is not reused.
     described["warmstart_data_version"] = 2

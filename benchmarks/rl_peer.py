@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def summarize(name: str, steps: list[dict], evals: list[dict], step_s: list[floa
         "evals": [(e["step"], e["eval_pass1"]) for e in evals],
     }
     if target is not None:  # the work time until the first evaluation at or above target
-        done = {r["step"]: sum(step_s[: i + 1]) for i, r in enumerate(steps)}
+        done = {r["step"]: t for r, t in zip(steps, itertools.accumulate(step_s), strict=True)}
         hit = [e["step"] for e in evals if e["eval_pass1"] >= target - 1e-9]
         fig["time_to_target_s"] = done.get(hit[0], 0.0) if hit else None
     return fig

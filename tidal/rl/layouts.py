@@ -154,10 +154,8 @@ def follow_main(value: bool, model: Transformer) -> bool:
     every rank calls it at the same point); `value` itself for a model on one rank. The
     ranks of a generator take each decision that depends on the store (is a queue slot
     free, is the run over) from rank 0, so that they never part ways."""
-    from torch.distributed.tensor import DTensor
-
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    if mesh is None or mesh.size() == 1:
+    mesh = _tp_mesh(model)
+    if mesh is None:
         return value
     import torch.distributed as dist
 
@@ -170,10 +168,8 @@ def agree_start(first: int, ident: str, model: Transformer) -> tuple[int, str]:
     """Rank 0's first policy version and heartbeat id, on every rank of a tensor-parallel
     `model` (the values themselves on one rank): the ranks read the store at different
     moments, and the trainer's sync announcements name rank 0's id, the one that beats."""
-    from torch.distributed.tensor import DTensor
-
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    if mesh is None or mesh.size() == 1:
+    mesh = _tp_mesh(model)
+    if mesh is None:
         return first, ident
     import torch.distributed as dist
 
@@ -182,3 +178,11 @@ def agree_start(first: int, ident: str, model: Transformer) -> tuple[int, str]:
     dist.broadcast(values, group_src=0, group=mesh.get_group())
     n = int(values[1])
     return int(values[0]), bytes(int(b) for b in values[2 : 2 + n].tolist()).hex()
+
+
+def _tp_mesh(model: Transformer) -> Any:
+    """The mesh of a tensor-parallel `model`'s parameters, None for a model on one rank."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    return None if mesh is None or mesh.size() == 1 else mesh

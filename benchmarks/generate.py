@@ -98,7 +98,12 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
     cap = -(-(args.prompt_len + args.new_tokens) // 16) * 16
     gen = Generator(
         model,
-        config=GeneratorConfig(max_batch=batch, max_seq_len=cap, batch_invariant=batch_invariant),
+        config=GeneratorConfig(
+            max_batch=batch,
+            max_seq_len=cap,
+            batch_invariant=batch_invariant,
+            tune_kernels=args.tune_kernels and not batch_invariant,
+        ),
     )
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, model.args.vocab_size, (batch, args.prompt_len), generator=g)
@@ -216,6 +221,9 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="for the sampled mode")
     p.add_argument("--no-batch-invariant", action="store_true", help="skip the mode's runs")
     p.add_argument("--no-hf", action="store_true", help="skip transformers even if importable")
+    p.add_argument("--tune-kernels", action="store_true",
+                   help="GeneratorConfig.tune_kernels (coordinate-descent tuning of the compiled "
+                   "decode step)")  # fmt: skip
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
     p.add_argument("--score-batch", type=int, default=4)
     p.add_argument("--score-len", type=int, default=1024)

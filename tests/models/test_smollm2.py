@@ -68,10 +68,13 @@ def test_logits_match_transformers(model):
                 for ids, values in ((top, row["top_values"]), (fixed, row["fixed_values"])):
                     worst = max(worst, (got[ids] - torch.tensor(values)).abs().max().item())
                 assert got.topk(3).indices.tolist() == row["top_ids"][:3]
+                # Sums over all 49,152 logits: CPU kernels of other machines round each logit
+                # differently (one measured 2.5e-5 relative on the sum); a wrong logit or
+                # row is off by far more.
                 torch.testing.assert_close(
-                    got.double().sum().item(), row["sum"], rtol=1e-5, atol=0.05
+                    got.double().sum().item(), row["sum"], rtol=1e-4, atol=0.05
                 )
-                torch.testing.assert_close(got.double().square().sum().item(), row["sum_sq"], rtol=1e-5, atol=0.05)  # fmt: skip  # noqa: E501
+                torch.testing.assert_close(got.double().square().sum().item(), row["sum_sq"], rtol=1e-4, atol=0.05)  # fmt: skip  # noqa: E501
     assert worst < 1e-4, f"max |tidal - transformers| = {worst}"
 
 

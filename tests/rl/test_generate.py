@@ -272,6 +272,8 @@ def test_bad_input_is_a_clear_error(model, tokenizer):
         gen.generate([1, 2, 3], GREEDY)
     with pytest.raises(ValueError, match="need a tokenizer"):
         Generator(model).generate([[1]], SamplingParams(stop=("x",), max_new_tokens=8))
+    with pytest.raises(ValueError, match="tune_kernels tunes compiled kernels: it needs compile"):
+        Generator(model, config=GeneratorConfig(tune_kernels=True))  # CPU: nothing compiled
     with pytest.raises(ValueError, match="stop string 'zz' cannot be produced by the tokenizer"):
         Generator(model, tokenizer=word_tokenizer()).generate(
             [[1]], SamplingParams(stop=("zz",), max_new_tokens=8)

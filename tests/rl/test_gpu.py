@@ -28,10 +28,12 @@ def _ids(groups):
     return [[s.completion_ids for s in g] for g in groups]
 
 
-def test_compiled_graph_decode_matches_eager():
+@pytest.mark.parametrize("tune", [False, True], ids=["default", "tune_kernels"])
+def test_compiled_graph_decode_matches_eager(tune):
     model = _model()
     params = SamplingParams(temperature=0, max_new_tokens=40)
-    fast = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256))
+    fast = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256,
+                                                   tune_kernels=tune))  # fmt: skip
     assert fast._compile_on and fast._graphs_on
     got = fast.generate(PROMPTS, params)
     assert fast.stats.graphs_captured >= 1

@@ -112,6 +112,10 @@ class Generator:
             if cfg.compile is not None
             else cuda and not sharded and not cfg.batch_invariant
         )
+        if cfg.tune_kernels and not self._compile_on:
+            raise ValueError(
+                "GeneratorConfig.tune_kernels tunes compiled kernels: it needs compile"
+            )
         if (self._graphs_on or self._compile_on) and not cuda:
             raise ValueError("GeneratorConfig.compile / cuda_graphs need a model on a CUDA device")
         if self._compile_on and cfg.batch_invariant:
@@ -507,7 +511,10 @@ class Generator:
         if step is None:
             step = getattr(self, f"_step_{variant}")
             if self._compile_on:
-                step = torch.compile(step, dynamic=False)
+                tuned: dict[str, Any] | None = (
+                    {"coordinate_descent_tuning": True} if self.config.tune_kernels else None
+                )
+                step = torch.compile(step, dynamic=False, options=tuned)
             self._steps[variant] = step
         if not self._graphs_on:
             return lambda: step(b)

@@ -51,6 +51,7 @@ from tidal.store.transports import Gate, ReadJob, WriteJob
 
 HANDLE_BYTES = ops.HANDLE_BYTES
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 # Device volumes of this process by id: IPC handles cannot be opened in the process that
 # made them, so same-process readers use the writer's tensors through this table. It only
@@ -80,6 +81,7 @@ class _Runtime:
             lib, "cudaIpcOpenMemHandle", [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
         )
         self._close = _fn(lib, "cudaIpcCloseMemHandle", [vp])
+        self._memcpy = _fn(lib, "cudaMemcpyAsync", [vp, vp, ctypes.c_size_t, c_int, vp])
         self._error = lib.cudaGetErrorString
         self._error.restype, self._error.argtypes = ctypes.c_char_p, [c_int]
 
@@ -114,6 +116,14 @@ class _Runtime:
 
     def close(self, ptr: int) -> None:
         self.check(self._close(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+    def memcpy_async(self, pairs: list[tuple[int, int, int]], stream: int) -> None:
+        """``cudaMemcpyAsync`` of each (dst, src, nbytes) on ``stream``, device to device."""
+        f, check = self._memcpy, self.check
+        for dst, src, n in pairs:
+            rc = f(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, stream)
+            if rc:
+                check(rc, f"cudaMemcpyAsync({n} bytes)")
 
 
 def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
@@ -486,14 +496,26 @@ class CudaIpcTransport:
 
 
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair, as one multi-tensor copy where torch can (device
-    to device, same dtypes): one launch instead of one per tensor for a whole state dict."""
-    same = zip(dsts, srcs, strict=True)
-    if dsts and all(d.is_cuda and d.device == s.device and d.dtype == s.dtype for d, s in same):
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        return
+    """``dst.copy_(src)`` for every pair, asynchronous on the current stream.
+
+    Pairs on one device with the same dtype, both contiguous (a whole state dict, as a
+    trainer or generator holds it), go as one ``cudaMemcpyAsync`` each through ctypes: about
+    1 us of host time a tensor, where a torch ``copy_`` takes about 8 and so launches more
+    slowly than the GPU copies. On the H200, for a 3 GB state dict of 114 tensors,
+    ``_foreach_copy_`` took 2.14 ms and a loop of ``copy_`` 1.77 ms, a single flat copy of
+    the same bytes about 1.45 ms. Other pairs use ``copy_``.
+    """
+    fast: dict[torch.device, list[tuple[int, int, int]]] = {}
     for d, s in zip(dsts, srcs, strict=True):
-        d.copy_(s, non_blocking=d.is_cuda)
+        if (d.is_cuda and d.device == s.device and d.dtype == s.dtype and d.shape == s.shape
+                and d.is_contiguous() and s.is_contiguous()):  # fmt: skip
+            fast.setdefault(d.device, []).append(
+                (d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
+            )
+        else:
+            d.copy_(s, non_blocking=d.is_cuda)
+    for device, pairs in fast.items():
+        runtime().memcpy_async(pairs, torch.cuda.current_stream(device).cuda_stream)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

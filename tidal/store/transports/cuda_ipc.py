@@ -514,8 +514,9 @@ def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             )
         else:
             d.copy_(s, non_blocking=d.is_cuda)
-    for device, pairs in fast.items():
-        runtime().memcpy_async(pairs, torch.cuda.current_stream(device).cuda_stream)
+    for device, pairs in fast.items():  # each device's copies from its own context
+        with torch.cuda.device(device):
+            runtime().memcpy_async(pairs, torch.cuda.current_stream(device).cuda_stream)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

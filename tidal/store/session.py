@@ -4,7 +4,10 @@ Connections, each with one job so that no request waits behind another kind:
 - ``main``: queries, ``acquire`` / ``release`` of copying reads, handle lookups;
 - ``writer``: puts, held for a whole put (``put_begin`` is pipelined with the copies into
   reserved slots); it owns the put plans and the handle's device volume;
-- ``waiter``: requests that block (streaming reads and waits for a version);
+- ``waiter``: requests that block (streaming reads and waits for a version), one per
+  thread: a thread waiting for one version never holds up another thread's wait (an RL
+  generator's prefetch thread waits for the next policy while its loop waits for a queue
+  slot);
 - ``views``: the leases of zero-copy views, kept open past ``close()`` while views live.
 
 Each reconnects on its next call after a failure (tidal/store/conn.py); the writer's put
@@ -68,27 +71,40 @@ class Session:
         with self._lock:
             self.hook = hook
             for name, conn in [("main", self.main), *self._conns.items()]:
-                self._hook(name, conn)
+                self._hook(name.split(":")[0], conn)
 
     def _hook(self, name: str, conn: Conn) -> None:
         hook = self.hook
         conn.hook = None if hook is None else (lambda op, f: hook(name, op, f))
 
-    def _conn(self, name: str) -> Conn:
+    def _conn(self, name: str, kind: str | None = None) -> Conn:
         with self._lock:
             if self.closed and name != "views":
                 raise StoreError("this store handle is closed (store.close() was called)")
             conn = self._conns.get(name)
             if conn is None:
                 conn = self._conns[name] = Conn(self.address, self.token, self.timeout)
-                self._hook(name, conn)
+                self._hook(kind or name, conn)
             return conn
 
     def writer_conn(self) -> Conn:
         return self._conn("writer")
 
     def waiter(self) -> Conn:
-        return self._conn("waiter")
+        """The calling thread's connection for blocking requests (made on its first wait;
+        those of threads that have ended are closed then)."""
+        name = f"waiter:{threading.get_ident()}"
+        if name not in self._conns:
+            self._close_ended_waiters()
+        return self._conn(name, "waiter")
+
+    def _close_ended_waiters(self) -> None:
+        live = {f"waiter:{t.ident}" for t in threading.enumerate()}
+        with self._lock:
+            ended = [n for n in self._conns if n.startswith("waiter:") and n not in live]
+            conns = [self._conns.pop(n) for n in ended]
+        for conn in conns:
+            conn.close(graceful=True)
 
     def views_conn(self) -> Conn:
         return self._conn("views")
@@ -132,7 +148,7 @@ class Session:
             self.closed = True
             conns = {n: c for n, c in self._conns.items() if not (keep_views and n == "views")}
         for name, conn in conns.items():
-            conn.close(graceful=name in ("writer", "waiter"))
+            conn.close(graceful=name == "writer" or name.startswith("waiter:"))
         # The controller drops this writer's device volume when the writer connection goes;
         # after that the device memory can be freed.
         self.main.close(graceful=True)

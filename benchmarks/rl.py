@@ -43,7 +43,8 @@ TARGET_SYNC_S = 0.010
 
 
 def run(name: str, args: list[str], out: Path, *, timeout: float) -> dict:
-    """One `tidal rl` run; returns its figures from metrics.jsonl."""
+    """One `tidal rl` run; returns its figures from metrics.jsonl. Its whole output is kept
+    in `out`/run.log (a failed run is diagnosed from there)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "tidal", "rl", *args, "--job.output_dir", str(out)]
     print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
@@ -68,6 +69,8 @@ def run(name: str, args: list[str], out: Path, *, timeout: float) -> dict:
         if p.poll() is None:
             p.kill()
     wall = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.log").write_text("\n".join(lines) + "\n")
     if p.returncode != 0:
         print("\n".join(lines[-30:]))
         why = f"was stopped after {timeout:.0f}s" if wall >= timeout else "exited"

@@ -53,6 +53,7 @@ def test_peer_benchmark_smoke(tmp_path):
     assert "tidal sync" in p.stdout and "s/step" in p.stdout
     figs = json.loads(out.read_text())["figures"]
     assert [f["name"] for f in figs] == ["tidal sync"] and figs[0]["steps"] == 2
+    assert "step    2/2" in (tmp_path / "work" / "sync" / "run.log").read_text()  # whole output
     # a second call reads the kept run instead of running it again
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "== tidal sync" not in again.stdout

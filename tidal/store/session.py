@@ -57,6 +57,7 @@ class Session:
         self.writer = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
         self.main = Conn(address, token, timeout)
         self._conns: dict[str, Conn] = {}
+        self._waiters: dict[int, Conn] = {}  # thread ident -> its waiter connection
         self._lock = threading.Lock()
         self.segments = Segments()
         self.shm = ShmTransport(self.host, self.segments)
@@ -70,41 +71,43 @@ class Session:
         control connections (tidal.store.testing)."""
         with self._lock:
             self.hook = hook
-            for name, conn in [("main", self.main), *self._conns.items()]:
-                self._hook(name.split(":")[0], conn)
+            waiters = [("waiter", c) for c in self._waiters.values()]
+            for name, conn in [("main", self.main), *self._conns.items(), *waiters]:
+                self._hook(name, conn)
 
     def _hook(self, name: str, conn: Conn) -> None:
         hook = self.hook
         conn.hook = None if hook is None else (lambda op, f: hook(name, op, f))
 
-    def _conn(self, name: str, kind: str | None = None) -> Conn:
+    def _conn(self, name: str) -> Conn:
         with self._lock:
-            if self.closed and name != "views":
-                raise StoreError("this store handle is closed (store.close() was called)")
+            if name != "views":
+                self.check_open()
             conn = self._conns.get(name)
             if conn is None:
                 conn = self._conns[name] = Conn(self.address, self.token, self.timeout)
-                self._hook(kind or name, conn)
+                self._hook(name, conn)
             return conn
 
     def writer_conn(self) -> Conn:
         return self._conn("writer")
 
     def waiter(self) -> Conn:
-        """The calling thread's connection for blocking requests (made on its first wait;
-        those of threads that have ended are closed then)."""
-        name = f"waiter:{threading.get_ident()}"
-        if name not in self._conns:
-            self._close_ended_waiters()
-        return self._conn(name, "waiter")
-
-    def _close_ended_waiters(self) -> None:
-        live = {f"waiter:{t.ident}" for t in threading.enumerate()}
+        """The calling thread's connection for blocking requests (made at its first wait,
+        when those of threads that have ended are closed)."""
+        ident = threading.get_ident()
+        ended: list[Conn] = []
         with self._lock:
-            ended = [n for n in self._conns if n.startswith("waiter:") and n not in live]
-            conns = [self._conns.pop(n) for n in ended]
-        for conn in conns:
-            conn.close(graceful=True)
+            self.check_open()
+            conn = self._waiters.get(ident)
+            if conn is None:
+                live = {t.ident for t in threading.enumerate()}
+                ended = [self._waiters.pop(i) for i in list(self._waiters) if i not in live]
+                conn = self._waiters[ident] = Conn(self.address, self.token, self.timeout)
+                self._hook("waiter", conn)
+        for old in ended:
+            old.close(graceful=True)
+        return conn
 
     def views_conn(self) -> Conn:
         return self._conn("views")
@@ -147,8 +150,11 @@ class Session:
         with self._lock:
             self.closed = True
             conns = {n: c for n, c in self._conns.items() if not (keep_views and n == "views")}
+            waiters = list(self._waiters.values())
         for name, conn in conns.items():
-            conn.close(graceful=name == "writer" or name.startswith("waiter:"))
+            conn.close(graceful=name == "writer")
+        for conn in waiters:
+            conn.close(graceful=True)
         # The controller drops this writer's device volume when the writer connection goes;
         # after that the device memory can be freed.
         self.main.close(graceful=True)

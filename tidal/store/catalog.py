@@ -28,11 +28,11 @@ from typing import Any
 from tidal.store.backends import DeviceBackend
 from tidal.store.errors import StoreError
 from tidal.store.records import (
-    Entry,
     KeyRec,
     Lease,
     Name,
     PlanRec,
+    ReadLayout,
     Reservation,
     VersionRec,
     VolumeRec,
@@ -72,6 +72,8 @@ class Catalog:
         # Layouts whose shards were found to tile every tensor: writers' (plan, replicas)
         # -> signature (tidal/store/writes.py, _publish).
         self._checked: dict[tuple[Any, ...], str] = {}
+        # The same layouts' acquire replies (tidal/store/controller.py, _read_layout).
+        self._read_layouts: dict[tuple[Any, ...], ReadLayout] = {}
         # (key, version) -> until when a streaming reader waits for it (monotonic seconds):
         # writers of such a version report their progress, others need not.
         self._wanted: dict[tuple[str, int], float] = {}
@@ -136,19 +138,26 @@ class Catalog:
             del self._volumes[volume_id]
 
     def _check_volumes(self, vrec: VersionRec) -> None:
-        for vid in {s.volume for _, s in vrec.shards()}:
+        known = self._read_layouts.get(vrec.layout) if vrec.layout is not None else None
+        vids = known.volume_ids if known is not None else {s.volume for _, s in vrec.shards()}
+        for vid in vids:
             vol = self._volumes[vid]
             if vol.alive and not vol.backend.alive():
                 self.volume_gone(vid)
 
-    def _claim(self, krec: KeyRec, vol: VolumeRec, e: Entry, fresh: list[int]) -> int:
-        pool = krec.free.get((vol.volume_id, e.name, e.nbytes))
+    def _claim(
+        self, krec: KeyRec, vol: VolumeRec, ring: tuple[str, Name, int], fresh: list[int]
+    ) -> int:
+        """A slot for a shard of ``ring`` (a PlanRec.rings entry): a free one, or a new one
+        (added to ``fresh``)."""
+        pool = krec.free.get(ring)
         if pool:
             return pool.pop()
         slot = self._new_id()
         fresh.append(slot)
-        self._slot_owner[slot] = (vol.volume_id, e.nbytes)
-        vol.used += e.nbytes
+        nbytes = ring[2]
+        self._slot_owner[slot] = (vol.volume_id, nbytes)
+        vol.used += nbytes
         return slot
 
     def _to_ring(self, krec: KeyRec, items: list[RingSlot]) -> None:

@@ -95,6 +95,8 @@ def flatten(state_dict: Mapping[str, Any], prefix: Path = ()) -> list[tuple[Path
     """Leaves of a nested dict/list state dict as (path, leaf) pairs, in insertion order.
     Leaves are tensors (and DTensors) or plain values; dicts, lists and tuples holding a
     tensor are walked, those holding none are one plain value."""
+    if not prefix and type(state_dict) is dict and _flat(state_dict):
+        return [((k,), v) for k, v in state_dict.items()]  # a model's state dict: one level
     out: list[tuple[Path, Any]] = []
     items: Any = state_dict.items() if isinstance(state_dict, Mapping) else enumerate(state_dict)
     for k, v in items:
@@ -106,6 +108,13 @@ def flatten(state_dict: Mapping[str, Any], prefix: Path = ()) -> list[tuple[Path
         else:
             out.append((path, v))
     return out
+
+
+def _flat(d: dict[Any, Any]) -> bool:
+    """Whether every key is a str and every value a tensor (so ``flatten`` walks nothing)."""
+    return all(isinstance(v, torch.Tensor) for v in d.values()) and all(
+        isinstance(k, str) for k in d
+    )
 
 
 def _holds_tensor(v: Any) -> bool:

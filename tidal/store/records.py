@@ -51,6 +51,14 @@ class VersionRec:
     dropped: str | None = None  # why the version is gone (evicted, deleted, lost, aborted)
     destroy: bool = False  # free its slots for good (not into the ring) once unleased
     sig: str = ""
+    # The writers' (plan, replicas) set it was committed with (Writes._publish): versions
+    # of one layout share a ReadLayout.
+    layout: tuple[Any, ...] | None = None
+
+    def slots_by_plan(self) -> list[int]:
+        """The writers' slots, writer by writer in plan id order (ReadLayout.order indexes
+        this list)."""
+        return [s for w in sorted(self.plans, key=self.plans.__getitem__) for s in self.mine[w]]
 
     def shards(self) -> list[tuple[Name, ShardRec]]:
         return [(n, s) for n, t in self.tensors.items() for s in t.shards]
@@ -94,6 +102,11 @@ class PlanRec:
     entries: list[Entry]
     sig: str  # the layout's signature (names, shapes, dtypes, boxes)
     replicas: set[int] = field(default_factory=set)  # entries another writer stored last time
+    # Each entry's ring in its key's free slots: (volume, name, nbytes), as KeyRec.free.
+    rings: list[tuple[str, Name, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rings = [(self.volume, e.name, e.nbytes) for e in self.entries]
 
 
 @dataclass(slots=True)
@@ -106,6 +119,18 @@ class Reservation:
     slots: list[int | None]  # per plan entry
     grant: bytes
     fresh: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLayout:
+    """What an acquire says of a version's layout, kept per layout (``VersionRec.layout``):
+    the same for every version of a steady writer, so an acquire costs no per-tensor work."""
+
+    sig: str
+    order: list[int]  # the slots in reply order, as indices into VersionRec.slots_by_plan()
+    vols: list[int]  # each slot's volume, as an index into volume_ids
+    volume_ids: list[str]
+    meta: list[dict[str, Any]]  # ops.s_meta per tensor, for readers without this layout
 
 
 @dataclass(slots=True)

@@ -172,10 +172,20 @@ def s_ints(lo: int, hi: int, max_len: int, none: bool = False) -> Checker:
     def ok(x: Any) -> bool:
         return (type(x) is int and lo <= x <= hi) or (none and x is None)
 
+    allowed = {int, type(None)} if none else {int}
+
+    def fine(v: list[Any]) -> bool:
+        """All items ok, in C loops (a Python call per item costs a put of 114 tensors
+        about 0.1 ms per list)."""
+        if not set(map(type, v)) <= allowed:
+            return False
+        ints = [x for x in v if x is not None] if none else v
+        return not ints or (min(ints) >= lo and max(ints) <= hi)
+
     def check(v: Any, f: str) -> None:
         if not isinstance(v, list) or len(v) > max_len:
             _fail(f, f"a list of at most {max_len} items", v)
-        if not all(ok(x) for x in v):
+        if not fine(v):
             bad = next(i for i, x in enumerate(v) if not ok(x))
             _fail(f"{f}[{bad}]", f"an integer in [{lo}, {hi}]" + (" or None" if none else ""),
                   v[bad])  # fmt: skip

@@ -232,6 +232,8 @@ class Writes(Catalog):
         """Record the plan's shards in ``vrec``: a slot each (None for an empty shard or a
         replica of one another writer stores), checking the writers agree on every tensor.
         Returns the slots, those new to the volume, and those to grant (not reserved)."""
+        if not vrec.tensors:  # the first writer to begin: nothing to agree with
+            return self._claim_first(krec, vrec, p, vol, res)
         slots: list[int | None] = []
         fresh: list[int] = []
         claimed: list[RingSlot] = []  # taken from the ring or new in this call
@@ -263,7 +265,7 @@ class Writes(Catalog):
                 p.replicas.discard(i)
                 slot = reserved
                 if slot is None:
-                    slot = self._claim(krec, vol, e, fresh)
+                    slot = self._claim(krec, vol, p.rings[i], fresh)
                     claimed.append((vol.volume_id, e.name, e.nbytes, slot))
                 shard = ShardRec(e.offsets, e.sizes, slot, vol.volume_id, e.nbytes)
                 trec.shards.append(shard)
@@ -283,6 +285,34 @@ class Writes(Catalog):
         if spare:  # the writer may be copying into them: free once it is done
             self._quarantine.setdefault(conn, []).append((key, spare))
         return slots, fresh, [c[3] for c in claimed]
+
+    def _claim_first(
+        self, krec: KeyRec, vrec: VersionRec, p: PlanRec, vol: VolumeRec, res: Reservation | None
+    ) -> tuple[list[int | None], list[int], list[int]]:
+        """``_claim_all`` for the first writer of a version: every tensor is new to it, so no
+        shard is a replica and no shape needs checking (a steady writer's every put, in one
+        pass over the plan)."""
+        p.replicas.clear()
+        reserved = res.slots if res is not None else [None] * len(p.entries)
+        fresh: list[int] = []
+        claimed: list[int] = []
+        slots: list[int | None] = []
+        tensors = vrec.tensors
+        vid = vol.volume_id
+        for e, ring, slot in zip(p.entries, p.rings, reserved, strict=True):
+            if e.nbytes == 0:
+                tensors[e.name] = TensorRec(e.shape, e.dtype)
+                slots.append(None)
+                continue
+            if slot is None:  # a shard that was a replica last time
+                slot = self._claim(krec, vol, ring, fresh)
+                claimed.append(slot)
+            shard = ShardRec(e.offsets, e.sizes, slot, vid, e.nbytes)
+            tensors[e.name] = TensorRec(e.shape, e.dtype, [shard])
+            slots.append(slot)
+        if len(tensors) != len(p.entries):  # put_declare refuses repeated names
+            raise AssertionError(f"plan {p.plan} names a tensor twice")
+        return slots, fresh, claimed
 
     def _quarantine_slots(self, conn: int, key: str, p: PlanRec, slots: list[int | None]) -> None:
         """Slots of ``p`` that ``conn`` may still be copying into: kept from everyone else
@@ -412,9 +442,11 @@ class Writes(Catalog):
             sig = _version_sig(vrec)
             if len(self._checked) > 4096:
                 self._checked.clear()
+                self._read_layouts.clear()
             self._checked[layout_key] = sig
         vrec.committed = True
         vrec.sig = sig
+        vrec.layout = layout_key
         self._retain(key, krec, vrec.keep)
         self._changed.notify_all()
 
@@ -424,8 +456,8 @@ class Writes(Catalog):
             return None
         fresh: list[int] = []
         slots: list[int | None] = [
-            None if e.nbytes == 0 or i in p.replicas else self._claim(krec, vol, e, fresh)
-            for i, e in enumerate(p.entries)
+            None if e.nbytes == 0 or i in p.replicas else self._claim(krec, vol, ring, fresh)
+            for i, (e, ring) in enumerate(zip(p.entries, p.rings, strict=True))
         ]
         res = Reservation(self._new_id(), p.plan, p.conn, slots,
                           secrets.token_bytes(ops.GRANT_BYTES), fresh)  # fmt: skip

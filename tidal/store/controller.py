@@ -121,47 +121,6 @@ class Controller(Writes):
             self._read_layouts[vrec.layout] = rl
         return rl
 
-    def _read_reply(self, vrec: VersionRec) -> dict[str, Any]:
-        """An acquire's reply for ``vrec`` but its lease, with its layout as "_meta" (kept
-        in ``vrec.read_reply`` once the version is committed: it no longer changes, and a
-        steady reader's acquire then costs no per-tensor work)."""
-        names = sorted(vrec.tensors, key=name_order)
-        # Shards in the order a commit sorts them to (by offsets), also while the version
-        # is pending (in writer arrival order until then): the layout signature ignores
-        # the order, so a reader that cached the boxes of a pending read and reuses them
-        # for the committed version must get the slots in the same order (else two
-        # writers' shards land in each other's place).
-        shards = {n: sorted(vrec.tensors[n].shards, key=lambda s: s.offsets) for n in names}
-        vols: list[str] = []
-        slots: list[int] = []
-        for n in names:
-            for s in shards[n]:
-                slots.append(s.slot)
-                vols.append(s.volume)
-        vol_ids = sorted(set(vols))
-        index = {v: i for i, v in enumerate(vol_ids)}
-        out: dict[str, Any] = {
-            "waiting": False,
-            "version": vrec.version,
-            "kind": vrec.kind,
-            "sig": vrec.sig or _version_sig(vrec),  # a pending version has no cached one
-            "pending": not vrec.committed,
-            "slots": slots,
-            "vols": [index[v] for v in vols],
-            "volumes": [self._volumes[v].info() for v in vol_ids],
-            "objects": [{"name": list(n), "value": v} for n, v in vrec.objects.items()],
-            "_meta": [
-                {"name": list(n), "shape": list(vrec.tensors[n].shape),
-                 "dtype": vrec.tensors[n].dtype,
-                 "boxes": [{"offsets": list(s.offsets), "sizes": list(s.sizes)}
-                           for s in shards[n]]}
-                for n in names
-            ],
-        }  # fmt: skip
-        if vrec.committed:
-            vrec.read_reply = out
-        return out
-
     def _await_begun(self, key: str, version: int | str, wait_ms: int) -> VersionRec | None:
         """The record of ``version`` once every writer has begun it (committed or not); None
         if it does not get there within ``wait_ms`` (the caller then reports why)."""

@@ -134,6 +134,8 @@ def tensors_of(items: list[tuple[Path, Any]]) -> list[tuple[Path, torch.Tensor]]
 
 def unflatten(items: list[tuple[Path, Any]]) -> dict[str, Any]:
     """Inverse of :func:`flatten`; integer path components become list positions."""
+    if all(len(p) == 1 and isinstance(p[0], str) for p, _ in items):
+        return {str(p[0]): t for p, t in items}  # a one-level state dict
     root: dict[Any, Any] = {}
     for path, t in items:
         node = root

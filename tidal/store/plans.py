@@ -79,6 +79,7 @@ class PutPlan:
     volume: dict[str, Any]  # ops.s_volume
     generation: int  # the writer connection's generation it was declared on
     dtypes: list[torch.dtype]  # stored dtype per tensor
+    nbytes: list[int]  # stored bytes per local shard
     puts: int = 0  # puts made with it: from the second on, each reserves the next one's slots
     reservation: dict[str, Any] | None = None  # ops.s_reservation: slots for the next put
 

@@ -98,7 +98,8 @@ class Writer:
             tensors=decls,
         )
         dtypes = [plans.stored_dtype(t, dtype) for _, t in tensors]
-        plan = PutPlan(reply["plan"], reply["volume"], conn.generation, dtypes)
+        nbytes = [t.numel() * d.itemsize for t, d in zip(locals_, dtypes, strict=True)]
+        plan = PutPlan(reply["plan"], reply["volume"], conn.generation, dtypes, nbytes)
         with self._lock:
             self.declared += 1
             if len(self._plans) >= MAX_PLANS:
@@ -125,19 +126,19 @@ class Writer:
         fresh: set[int] = set(res["fresh"]) if res is not None else set()
 
         def jobs(slots: list[int | None], skip: list[int | None] | None = None) -> list[WriteJob]:
-            return [WriteJob(s, t, d, s in fresh) for i, (s, t, d) in enumerate(zip(slots,
-                    locals_, plan.dtypes, strict=True)) if s is not None and (skip is None or
-                    skip[i] is None)]  # fmt: skip
+            return [WriteJob(s, t, d, s in fresh, n) for i, (s, t, d, n) in enumerate(zip(
+                    slots, locals_, plan.dtypes, plan.nbytes, strict=True)) if s is not None
+                    and (skip is None or skip[i] is None)]  # fmt: skip
 
         started = False
         try:
             if res is not None:
+                todo = jobs(res["slots"])
                 if cuda is not None:  # allocate new slots, send their handles first
-                    self._prepare(cuda, jobs(res["slots"]))
+                    cuda.prepare(todo)
                 # The reservation names slots of this connection: never resend it on another.
                 conn.send(ops.PUT_BEGIN, reconnect=False, reservation=res["id"], **begin)
                 started = True
-                todo = jobs(res["slots"])
                 rest: list[WriteJob] = []
                 if vol["kind"] == "cuda":  # device copies are asynchronous: launch them all
                     first = todo
@@ -149,20 +150,23 @@ class Writer:
                     reply = conn.receive(ops.PUT_BEGIN)
                 version = reply["version"]
                 fresh.update(reply["fresh"])
-                # A reserved shard that another writer stored first this time is a replica:
-                # the controller took its slot back (copied into already: harmless, the slot
-                # is quarantined), so it is neither written further nor reported as ours.
-                mine = {s for s in reply["slots"] if s is not None}
-                todo = [j for j in todo if j.slot in mine]
-                rest = [j for j in rest if j.slot in mine]
+                extra: list[WriteJob] = []
+                if reply["slots"] != res["slots"]:  # rare: a replica moved (several writers)
+                    # A reserved shard that another writer stored first this time is a
+                    # replica: the controller took its slot back (copied into already:
+                    # harmless, the slot is quarantined), so it is neither written further
+                    # nor reported as ours.
+                    mine = {s for s in reply["slots"] if s is not None}
+                    todo = [j for j in todo if j.slot in mine]
+                    first = [j for j in first if j.slot in mine]
+                    rest = [j for j in rest if j.slot in mine]
+                    extra = jobs(reply["slots"], skip=res["slots"])
                 prog, send = self._progress(conn, key, version, reply["report"], todo)
-                written = [j.slot for j in first if j.slot in mine]
-                if reply["report"] and written:
-                    send(written)
-                extra = jobs(reply["slots"], skip=res["slots"])  # rare: a replica moved
+                if reply["report"] and first:
+                    send([j.slot for j in first])
                 if cuda is not None:
                     cuda.released(reply["freed"])
-                    self._prepare(cuda, extra)
+                    cuda.prepare(extra)
                 transport.write(vol, rest + extra, prog, res["grant"])
             else:
                 reply = conn.request(ops.PUT_BEGIN, reservation=None, **begin)
@@ -172,7 +176,7 @@ class Writer:
                 todo = jobs(reply["slots"])
                 if cuda is not None:
                     cuda.released(reply["freed"])
-                    self._prepare(cuda, todo)
+                    cuda.prepare(todo)
                 prog, _ = self._progress(conn, key, version, reply["report"], todo)
                 transport.write(vol, todo, prog, reply["grant"])
         except BaseException:
@@ -205,11 +209,6 @@ class Writer:
         total = sum(j.nbytes for j in jobs)
         every = max(progress.PROGRESS_BYTES, total // progress.MAX_REPORTS)
         return Progress(send if report else None, every), send
-
-    def _prepare(self, cuda: Any, jobs: list[WriteJob]) -> None:
-        devices = [j.src.device.index if j.src.is_cuda else torch.cuda.current_device()
-                   for j in jobs]  # fmt: skip
-        cuda.prepare([j.slot for j in jobs], [j.nbytes for j in jobs], devices)
 
 
 def _abort(conn: Conn, key: str, version: int, writer: str) -> None:

@@ -336,3 +336,20 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="compile_scope must be 'step' or 'blocks'"):
         GeneratorConfig(compile_scope="layers")  # type: ignore[arg-type]
+
+
+def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
+    """`tidal rl ... --generator.compile_scope blocks` builds the role's Generator with it."""
+    from tidal.models import get_flavor
+    from tidal.rl.configs import get_rl_config
+    from tidal.rl.roles import build_generator
+    from tidal.rl.warmstart import PolicySource
+    from tidal.train.config_parse import apply_overrides
+
+    flags = ["--generator.compile_scope", "blocks", "--generator.device", "cpu"]
+    cfg = apply_overrides(get_rl_config("rl_addition"), flags)
+    src = PolicySource(args=get_flavor("tiny", max_seq_len=128), flavor="tiny", vocab_size=None,
+                       tokenizer=None, encoder=None)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):  # CPU
+        gen = build_generator(cfg, src)
+    assert gen.config.compile_scope == "blocks"

@@ -8,13 +8,15 @@ mode. Each configuration is warmed up until a whole `generate` call compiles and
 nothing (on CUDA that takes three calls, see `warm_up`), and is then timed; a compile or
 capture inside the timed call is reported (`compiles_in_timed_call`, and a warning).
 Printed per configuration: new tokens/s over the whole `generate` call (prefill
-included), the decode step time, and for CUDA the HBM bound of a decode step (the weights
-read once per step, the embedding table excepted, plus the KV cache read at the mean
-length) with the ratio to it. If `transformers` is importable, its `generate` runs on a
-Llama model of the same shape, batch and dtype (as shared/anchors/hf_generate.py does), and
-the ratio tidal / transformers is printed. Finally the trainer-side cost of
-batch-invariant mode: forward + backward of `tidal.rl.logprobs` on `--score-batch` x
-`--score-len` tokens, normal against batch-invariant.
+included), the decode step time, the warm-up's seconds and dynamo graphs (its compiles,
+whose cost `--compile-scope step|blocks` sets: GeneratorConfig.compile_scope), and for CUDA
+the HBM bound of a decode step (the weights read once per step, the embedding table
+excepted, plus the KV cache read at the mean length) with the ratio to it. If
+`transformers` is importable, its `generate` runs on a Llama model of the same shape, batch
+and dtype (as shared/anchors/hf_generate.py does), and the ratio tidal / transformers is
+printed. Finally the trainer-side cost of batch-invariant mode: forward + backward of
+`tidal.rl.logprobs` on `--score-batch` x `--score-len` tokens, normal against
+batch-invariant.
 
 A configuration that raises prints its error (and traceback, on stderr) in its place and the
 run goes on with the others; the JSON holds {"error": ...} there, and the exit status is 1.
@@ -103,6 +105,8 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
             max_seq_len=cap,
             batch_invariant=batch_invariant,
             tune_kernels=args.tune_kernels and not batch_invariant,
+            # Batch-invariant mode compiles nothing: the scope would be ignored (a warning).
+            compile_scope="step" if batch_invariant else args.compile_scope,
         ),
     )
     g = torch.Generator().manual_seed(batch)
@@ -114,7 +118,9 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
         stop_token_ids=(),
         seed=1,
     )
+    graphs0, warm0 = compiles(), time.perf_counter()
     warmup_calls = warm_up(lambda: gen.generate(prompts.tolist(), params), gen.stats)
+    warmup_s, warmup_graphs = time.perf_counter() - warm0, compiles() - graphs0
     steps0, decode0 = gen.stats.decode_steps, gen.stats.decode_seconds
     compiled0 = compiles() + gen.stats.graphs_captured
     sync(device)
@@ -136,6 +142,9 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
         # row copies and the Python around them.
         "prefill_and_setup_s": seconds - decode_s,
         "warmup_calls": warmup_calls,
+        # The warm-up calls: compiles (dynamo graphs made, inductor's kernels) and captures.
+        "warmup_s": warmup_s,
+        "warmup_graphs": warmup_graphs,
         "compiles_in_timed_call": compiles() + gen.stats.graphs_captured - compiled0,
     }
 
@@ -224,6 +233,9 @@ def main() -> None:
     p.add_argument("--tune-kernels", action="store_true",
                    help="GeneratorConfig.tune_kernels (coordinate-descent tuning of the compiled "
                    "decode step)")  # fmt: skip
+    p.add_argument("--compile-scope", default="step", choices=["step", "blocks"],
+                   help="GeneratorConfig.compile_scope: the whole decode step per bucket and "
+                   "sampler, or one block shared by every layer (docs/generate.md)")  # fmt: skip
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
     p.add_argument("--score-batch", type=int, default=4)
     p.add_argument("--score-len", type=int, default=1024)
@@ -242,8 +254,10 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{args.flavor}: {n_params / 1e9:.2f}B parameters, {args.dtype}, {where}, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompts "
-          f"{args.prompt_len} + {args.new_tokens} new tokens")  # fmt: skip
-    results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype, "runs": []}
+          f"{args.prompt_len} + {args.new_tokens} new tokens, compile scope "
+          f"{args.compile_scope}")  # fmt: skip
+    results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype,
+                     "compile_scope": args.compile_scope, "runs": []}  # fmt: skip
     modes = [False] if args.no_batch_invariant else [False, True]
     failures: list[str] = []
     for batch in args.batches:
@@ -294,7 +308,8 @@ def print_row(row: dict) -> None:
     else:
         line += (f"{t['new_tokens_per_s']:>10,.0f} new tok/s, decode "
                  f"{t['decode_ms_per_step']:7.2f} ms/step, prefill+setup "
-                 f"{1e3 * t['prefill_and_setup_s']:.1f} ms")  # fmt: skip
+                 f"{1e3 * t['prefill_and_setup_s']:.1f} ms, warm-up {t['warmup_s']:.1f} s "
+                 f"({t['warmup_graphs']} graphs)")  # fmt: skip
         if t["compiles_in_timed_call"]:
             line += f" (WARNING: {t['compiles_in_timed_call']} compile(s) in the timed call)"
         if "hbm_bound_ms" in row:

@@ -298,3 +298,58 @@ def test_bad_input_is_a_clear_error(model, tokenizer):
         Generator(model, config=GeneratorConfig(cuda_graphs=True))
     # The generator still works after every refusal.
     assert gen.generate([[1, 2]], GREEDY)[0][0].finish_reason in ("stop", "length")
+
+
+def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatch):
+    """compile_scope="blocks" with dynamo on CPU (a counting backend that runs the traced
+    graphs as they are): the same tokens as eager, and the 4 layers x 4 buckets x prefill of
+    continuous batching cost a few block graphs (the block function's), not one per layer
+    or bucket. CUDA compiles and captures the same code (tests/rl/test_gpu.py)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counters: dict[str, CompileCounter] = {}
+    compile_ = torch.compile
+
+    def counting_compile(fn, **kw):
+        counter = counters.setdefault(fn.__name__, CompileCounter())
+        return compile_(fn, backend=counter, dynamic=kw.get("dynamic"))
+
+    with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):
+        gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64,
+                                                      compile_scope="blocks"))  # fmt: skip
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    gen._compile_on = True  # what compile=None gives on CUDA
+    gen._setup_compile()
+    ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64))
+    # Lengths that end at different steps: the rows left run in buckets 8, 4, 2 and 1.
+    params = [SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=n, seed=n)
+              for n in (3, 9, 17, 30)]  # fmt: skip
+    for p in (params, GREEDY):
+        for _ in range(2):  # the first call prefills eagerly (it allocates the cache)
+            assert ids(gen.generate(PROMPTS, p)) == ids(ref.generate(PROMPTS, p))
+    blocks = counters["_run_block"].frame_count
+    # Decode: bucket 1 static, then one graph dynamic in the batch; prefill: the same.
+    assert 2 <= blocks <= 4, blocks
+    assert {"_record_greedy", "_record_truncated"} <= counters.keys()
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="compile_scope must be 'step' or 'blocks'"):
+        GeneratorConfig(compile_scope="layers")  # type: ignore[arg-type]
+
+
+def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
+    """`tidal rl ... --generator.compile_scope blocks` builds the role's Generator with it."""
+    from tidal.models import get_flavor
+    from tidal.rl.configs import get_rl_config
+    from tidal.rl.roles import build_generator
+    from tidal.rl.warmstart import PolicySource
+    from tidal.train.config_parse import apply_overrides
+
+    flags = ["--generator.compile_scope", "blocks", "--generator.device", "cpu"]
+    cfg = apply_overrides(get_rl_config("rl_addition"), flags)
+    src = PolicySource(args=get_flavor("tiny", max_seq_len=128), flavor="tiny", vocab_size=None,
+                       tokenizer=None, encoder=None)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):  # CPU
+        gen = build_generator(cfg, src)
+    assert gen.config.compile_scope == "blocks"

@@ -44,7 +44,7 @@ def compiled_generator(monkeypatch):
         model.init_weights(seed=0)
         gen = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=48))
         gen._compile_on = True  # what compile=None gives on CUDA
-        gen._prefill_fn = torch.compile(gen._prefill_forward, dynamic=True)
+        gen._setup_compile()
         return gen
 
     yield make

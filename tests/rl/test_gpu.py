@@ -1,8 +1,11 @@
-"""Generator on CUDA: compiled decode in CUDA graphs, weight updates under captured graphs,
-batch-invariant bf16 parity. Skipped without CUDA (`pytest -m gpu tests/rl/test_gpu.py`)."""
+"""Generator on CUDA: compiled decode in CUDA graphs (the whole step, or one block shared by
+every layer: compile_scope="blocks"), weight updates under captured graphs, batch-invariant
+bf16 parity. Skipped without CUDA (`pytest -m gpu tests/rl/test_gpu.py`)."""
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 from tidal.models import Transformer, get_flavor
 from tidal.rl import Generator, GeneratorConfig, SamplingParams, completion_logprobs
@@ -14,6 +17,21 @@ pytestmark = [
 
 PROMPTS = [[1, 5, 7], list(range(2, 60)), [4], [9] * 5, list(range(100, 230))]
 EAGER = dict(compile=False, cuda_graphs=False)
+SCOPES = pytest.mark.parametrize("scope", ["step", "blocks"], ids=["compiled_step",
+                                                                  "compiled_blocks"])  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: graphs of earlier tests' shapes and dtypes would count
+    against dynamo's recompile limit per function, past which it runs eagerly."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _model(seed=0, dtype=torch.float32, **kw):
@@ -28,13 +46,17 @@ def _ids(groups):
     return [[s.completion_ids for s in g] for g in groups]
 
 
-@pytest.mark.parametrize("tune", [False, True], ids=["default", "tune_kernels"])
-def test_compiled_graph_decode_matches_eager(tune):
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"tune_kernels": True}, {"compile_scope": "blocks"}],
+    ids=["default", "tune_kernels", "compiled_blocks"],
+)
+def test_compiled_graph_decode_matches_eager(kw):
     model = _model()
     params = SamplingParams(temperature=0, max_new_tokens=40)
-    fast = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256,
-                                                   tune_kernels=tune))  # fmt: skip
+    fast = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **kw))
     assert fast._compile_on and fast._graphs_on
+    assert (fast._blocks is not None) == (kw.get("compile_scope") == "blocks")
     got = fast.generate(PROMPTS, params)
     assert fast.stats.graphs_captured >= 1
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **EAGER))
@@ -49,9 +71,11 @@ def test_compiled_graph_decode_matches_eager(tune):
     assert _ids(fast.generate(PROMPTS, sampled)) == _ids(ref.generate(PROMPTS, sampled))
 
 
-def test_graphs_stay_valid_across_load_weights():
+@SCOPES
+def test_graphs_stay_valid_across_load_weights(scope):
     gen = Generator(_model(seed=0, dtype=torch.bfloat16),
-                    config=GeneratorConfig(max_batch=4, max_seq_len=256))  # fmt: skip
+                    config=GeneratorConfig(max_batch=4, max_seq_len=256,
+                                           compile_scope=scope))  # fmt: skip
     params = SamplingParams(temperature=0, max_new_tokens=32)
     first = gen.generate(PROMPTS[:3], params)
     captured = gen.stats.graphs_captured
@@ -62,7 +86,8 @@ def test_graphs_stay_valid_across_load_weights():
     second = gen.generate(PROMPTS[:3], params)
     assert gen.stats.graphs_captured == captured  # replayed, not re-captured
     assert second[0][0].weight_version == 5 and _ids(second) != _ids(first)
-    fresh = Generator(other, config=GeneratorConfig(max_batch=4, max_seq_len=256))
+    fresh = Generator(other, config=GeneratorConfig(max_batch=4, max_seq_len=256,
+                                                    compile_scope=scope))  # fmt: skip
     assert _ids(second) == _ids(fresh.generate(PROMPTS[:3], params))
 
 
@@ -97,11 +122,13 @@ def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
 MAX_GAP_BF16, MEAN_GAP_BF16 = 0.09, 0.018
 
 
-def test_normal_mode_bf16_logprob_gap_is_bounded(record_property):
+@SCOPES
+def test_normal_mode_bf16_logprob_gap_is_bounded(record_property, scope):
     """Documented bound outside batch-invariant mode, bf16 on CUDA: max |diff| < 0.09 and
     mean |diff| < 0.018 between generator and trainer log-probs (compiled decode)."""
     model = _model(dtype=torch.bfloat16)
-    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256))
+    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256,
+                                                  compile_scope=scope))  # fmt: skip
     samples = [s for g in gen.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=64)) for s in g]
     with torch.no_grad():
         trainer = completion_logprobs(model, samples)
@@ -111,18 +138,29 @@ def test_normal_mode_bf16_logprob_gap_is_bounded(record_property):
     diff = diff.abs()
     record_property("max_abs_diff", float(diff.max()))
     record_property("mean_abs_diff", float(diff.mean()))
-    print(f"bf16 generator vs trainer log-probs: max {diff.max():.4g}, mean {diff.mean():.4g}")
+    print(f"bf16 generator ({scope}) vs trainer log-probs: max {diff.max():.4g}, "
+          f"mean {diff.mean():.4g}")  # fmt: skip
     assert diff.max() < MAX_GAP_BF16 and diff.mean() < MEAN_GAP_BF16
 
 
-def test_continuous_batching_on_cuda_finishes_everything():
-    gen = Generator(
-        _model(dtype=torch.bfloat16), config=GeneratorConfig(max_batch=4, max_seq_len=256)
-    )
+@SCOPES
+def test_continuous_batching_on_cuda_finishes_everything(scope):
+    model = _model(dtype=torch.bfloat16)
+    gen = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=256,
+                                                  compile_scope=scope))  # fmt: skip
     params = [
         SamplingParams(n=2, temperature=1.0, max_new_tokens=n, seed=n) for n in (5, 60, 17, 3, 33)
     ]
+    before = _graphs()
     groups = gen.generate(PROMPTS, params)
+    groups = gen.generate(PROMPTS, params)  # the second call compiles the prefill
+    graphs = _graphs() - before
+    print(f"{scope}: {graphs} dynamo graphs for buckets 4, 2, 1 and the prefill")
+    if scope == "blocks":
+        # The block (6 layers): bucket 4, then one graph dynamic in the batch, bucket 1 (size
+        # 1 is specialized), and 1-2 for the prefill (batch and time dynamic); the sampler:
+        # the same 3 as the block's decode. One graph per layer would be >= 18.
+        assert graphs <= 10, graphs
     assert [len(s.completion_ids) for g in groups for s in g] == [
         5,
         5,

@@ -2,12 +2,13 @@
 
 from tidal.models.flavors import FLAVORS, get_flavor
 from tidal.models.hf import load_hf, save_hf
-from tidal.models.kv_cache import KVCache
+from tidal.models.kv_cache import KVCache, LayerCache
 from tidal.models.transformer import ModelArgs, RopeScaling, Transformer
 
 __all__ = [
     "FLAVORS",
     "KVCache",
+    "LayerCache",
     "ModelArgs",
     "RopeScaling",
     "Transformer",

@@ -23,13 +23,65 @@ from __future__ import annotations
 import torch
 
 
+class LayerCache:
+    """One layer's keys and values: a view of a `KVCache` that a block writes and reads.
+
+    A block receives its own `LayerCache` (`cache.layers[i]`), not the whole cache and a
+    layer index: compiled per block, every layer then runs one compiled graph (the buffers
+    are graph inputs like the block's weights), where a Python int index would be a constant
+    of the graph and cost one compile per layer.
+    """
+
+    def __init__(self, cache: KVCache):
+        self._cache = cache
+        self.k: torch.Tensor | None = None
+        """Keys [B, G, S, K] of every cache row; None until the cache is allocated."""
+        self.v: torch.Tensor | None = None
+        """Values [B, G, S, K]."""
+
+    def update(
+        self,
+        k_BGTK: torch.Tensor,
+        v_BGTK: torch.Tensor,
+        positions_BT: torch.Tensor,
+        rows_B: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys/values at their positions; return the rows' buffers.
+
+        Args:
+            k_BGTK, v_BGTK: keys and values of the T new tokens of each of the B rows.
+            positions_BT: absolute position of each new token (< capacity; not checked here,
+                the caller keeps positions in range without reading them back).
+            rows_B: cache rows of the batch's rows; None for rows 0..B-1.
+
+        Returns:
+            Keys and values [B, G, S, K] of the batch's rows, every position; positions past a
+            row's length hold stale values that the attention mask must hide.
+        """
+        B, G, T, K = k_BGTK.shape
+        if self.k is None or self.v is None:  # the first write allocates every layer
+            self._cache.allocate(G, K, k_BGTK.dtype)
+        k_cache, v_cache = self.k, self.v
+        assert k_cache is not None and v_cache is not None
+        rows = rows_B if rows_B is not None else torch.arange(B, device=k_cache.device)
+        # Advanced indices on dims 0 and 2 (split by the head slice) put the index shape
+        # first: the destination is [B, T, G, K], the keys in time-major order.
+        index = (rows[:, None], slice(None), positions_BT)
+        k_cache[index] = k_BGTK.transpose(1, 2).to(k_cache.dtype)
+        v_cache[index] = v_BGTK.transpose(1, 2).to(v_cache.dtype)
+        if rows_B is None:
+            return k_cache[:B], v_cache[:B]
+        return k_cache[rows_B], v_cache[rows_B]
+
+
 class KVCache:
     """Keys and values of every layer, one [B, G, S, K] buffer per layer and kind.
 
-    The buffers are allocated at the first `update`, in the dtype, device and head count of the
+    The buffers are allocated at the first write, in the dtype, device and head count of the
     keys the model produces (bf16 under autocast, G / tp heads under tensor parallel), unless
     `dtype` is given. One buffer per layer (not one [L, ...] tensor) keeps every write an
-    in-place update of a whole graph input when the decode step is compiled.
+    in-place update of a whole graph input when the decode step is compiled. Layer i's block
+    reads and writes them through `layers[i]` (a `LayerCache`).
 
     Example::
 
@@ -57,6 +109,8 @@ class KVCache:
         self.v: list[torch.Tensor] = []
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         """Tokens cached per row [B] (the absolute position of each row's next token)."""
+        self.layers = [LayerCache(self) for _ in range(n_layers)]
+        """Each layer's view of the buffers, handed to its block by the model."""
 
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int | None = None, **kw) -> KVCache:
@@ -78,40 +132,8 @@ class KVCache:
         dtype, device = self.dtype or dtype, self.lengths.device
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.n_layers)]
-
-    def update(
-        self,
-        layer: int,
-        k_BGTK: torch.Tensor,
-        v_BGTK: torch.Tensor,
-        positions_BT: torch.Tensor,
-        rows_B: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys/values of `layer` at their positions; return the rows' buffers.
-
-        Args:
-            k_BGTK, v_BGTK: keys and values of the T new tokens of each of the B rows.
-            positions_BT: absolute position of each new token (< capacity; not checked here,
-                the caller keeps positions in range without reading them back).
-            rows_B: cache rows of the batch's rows; None for rows 0..B-1.
-
-        Returns:
-            Keys and values [B, G, S, K] of the batch's rows, every position; positions past a
-            row's length hold stale values that the attention mask must hide.
-        """
-        B, G, T, K = k_BGTK.shape
-        if not self.k:
-            self.allocate(G, K, k_BGTK.dtype)
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        rows = rows_B if rows_B is not None else torch.arange(B, device=k_cache.device)
-        # Advanced indices on dims 0 and 2 (split by the head slice) put the index shape
-        # first: the destination is [B, T, G, K], the keys in time-major order.
-        index = (rows[:, None], slice(None), positions_BT)
-        k_cache[index] = k_BGTK.transpose(1, 2).to(k_cache.dtype)
-        v_cache[index] = v_BGTK.transpose(1, 2).to(v_cache.dtype)
-        if rows_B is None:
-            return k_cache[:B], v_cache[:B]
-        return k_cache[rows_B], v_cache[rows_B]
+        for layer, k, v in zip(self.layers, self.k, self.v, strict=True):
+            layer.k, layer.v = k, v
 
     def advance(self, n: int | torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Mark `n` more tokens as cached in `rows` (every row when None); `n` may be a

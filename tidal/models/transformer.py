@@ -15,7 +15,9 @@ Both families share one block structure; the differences are flags on `ModelArgs
   a document-causal block mask for packed sequences when `attention="flex"`.
 - Generation: `forward` takes an optional `KVCache` (per-row lengths) and per-row positions,
   so a generator runs this same module over rows of different lengths (see
-  tidal/models/kv_cache.py and tidal/rl/generate.py).
+  tidal/models/kv_cache.py and tidal/rl/generate.py). Each block gets its own layer's cache
+  and reads no layer index, so one compiled block serves every layer; `forward(blocks=...)`
+  runs a generator's compiled copies of the blocks without changing the model.
 - Batch-invariant mode (`forward(..., batch_invariant=True)`): matmuls, norms and attention
   with reduction orders that do not depend on the batch, the sequence length or prefill vs
   decode (tidal/models/batch_invariant.py), so generator and trainer log-probs match bit for bit.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.models import batch_invariant as bi
-from tidal.models.kv_cache import KVCache
+from tidal.models.kv_cache import KVCache, LayerCache
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -173,8 +176,7 @@ class Attention(nn.Module):
         x_BTD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMask,
-        cache: KVCache | None,
-        layer: int,
+        cache: LayerCache | None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         # -1 instead of the head count keeps the views valid when TP shards the heads.
@@ -189,7 +191,7 @@ class Attention(nn.Module):
         q_BHTK, k_BGSK, v_BGSK = (t.transpose(1, 2) for t in (q_BTHK, k_BTGK, v_BTGK))
         if cache is not None:  # the mask of a cached forward knows where the tokens go
             assert mask.positions is not None, "a cached forward needs token positions"
-            k_BGSK, v_BGSK = cache.update(layer, k_BGSK, v_BGSK, mask.positions, mask.rows)
+            k_BGSK, v_BGSK = cache.update(k_BGSK, v_BGSK, mask.positions, mask.rows)
         o_BHTK = mask.attend(q_BHTK, k_BGSK, v_BGSK)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
@@ -214,8 +216,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x_BTD, rope, mask, cache=None):
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), rope, mask, cache, self.layer_id)
+    def forward(self, x_BTD, rope, mask, cache: LayerCache | None = None):
+        """`cache`: this layer's view of the KV cache (`KVCache.layers[layer_id]`). The block
+        reads no layer index, so one compiled graph serves every layer."""
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), rope, mask, cache)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -351,6 +355,7 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         logits_at: torch.Tensor | None = None,
         batch_invariant: bool = False,
+        blocks: Sequence[Callable[..., torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] for the given tokens.
 
@@ -378,6 +383,10 @@ class Transformer(nn.Module):
                 tidal/models/batch_invariant.py (causal SDPA or cache attention only): each
                 row's result is then independent of the other rows, the padding and the
                 split into prefill and decode steps. Slower; for exact log-prob parity.
+            blocks: callables run in place of `self.layers`' blocks, one per block, in order,
+                each called as the block is: `fn(h_BTD, (cos, sin), mask, layer_cache)`. A
+                generator passes its compiled copies (`torch.compile` of the same blocks)
+                this way, so the model object itself is left as the trainer uses it.
         """
         B, T = tokens_BT.shape[:2]
         if cache is None and T > self.args.max_seq_len:
@@ -388,6 +397,8 @@ class Transformer(nn.Module):
                 f"(attention={self.args.attention!r}, custom attention "
                 f"{attention is not None})"
             )
+        if blocks is not None and len(blocks) != len(self.layers):
+            raise ValueError(f"blocks has {len(blocks)} callables, the model {len(self.layers)}")
         if cache is not None and positions is None:
             lengths = cache.lengths[:B] if cache_rows is None else cache.lengths[cache_rows]
             positions = lengths[:, None] + torch.arange(T, device=tokens_BT.device)
@@ -415,8 +426,12 @@ class Transformer(nn.Module):
         with bi.BatchInvariantMode() if batch_invariant else contextlib.nullcontext():
             # Pipeline stages after the first have no embedding and receive hidden states.
             h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-            for block in self.layers.values():
-                h_BTD = block(h_BTD, (cos, sin), mask, cache)
+            # A ModuleDict key is the layer's index in the full model (pipeline stages hold a
+            # subset): it names the layer's part of the cache.
+            for i, name in enumerate(self.layers):
+                block = blocks[i] if blocks is not None else self.layers[name]
+                layer_cache = cache.layers[int(name)] if cache is not None else None
+                h_BTD = block(h_BTD, (cos, sin), mask, layer_cache)
             if self.norm is None:  # a pipeline stage before the last
                 return h_BTD
             if logits_at is not None:

@@ -196,6 +196,13 @@ class GeneratorRoleConfig:
     eager kernels (captured in milliseconds)."""
     cuda_graphs: bool | None = None
     """Replay each decode step as a CUDA graph. None: on for CUDA without tensor parallelism."""
+    compile_scope: Literal["step", "blocks"] = "step"
+    """What generator.compile compiles: "step", each decode step whole per batch bucket and
+    sampler (the fastest steps; every compile traces every layer: minutes of cold compiles
+    for a 30-layer model); "blocks", one transformer block shared by every layer, plus the
+    sampler, the rest eager, the step still replayed as a CUDA graph (a block's compile per
+    shape instead of the model's per bucket and sampler; GeneratorConfig.compile_scope,
+    docs/generate.md)."""
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
@@ -210,6 +217,9 @@ class GeneratorRoleConfig:
         _check(self.max_batch >= 1, f"generator.max_batch must be >= 1, got {self.max_batch}")
         _check(self.dtype in ("auto", "fp32", "bf16"),
                f"generator.dtype must be one of auto, fp32, bf16; got {self.dtype!r}")  # fmt: skip
+        _check(self.compile_scope in ("step", "blocks"),
+               "generator.compile_scope must be one of step, blocks; got "
+               f"{self.compile_scope!r}")  # fmt: skip
         _check(self.device in ("auto", "cpu", "cuda"),
                f"generator.device must be one of auto, cpu, cuda; got {self.device!r}")  # fmt: skip
 

@@ -21,7 +21,11 @@ Design (after gpt-fast's generate.py and nanochat's engine.py, written for tidal
   lowest slots and the next-smaller bucket runs.
 - CUDA: the decode step of each (bucket, sampler variant) is compiled with torch.compile
   (inductor, no cudagraphs of its own) and captured into a CUDA graph, replayed each step.
-  Prefill pads prompts to a multiple of 16 tokens and is compiled with dynamic shapes. In
+  Prefill pads prompts to a multiple of 16 tokens and is compiled with dynamic shapes. With
+  `compile_scope="blocks"`, one function of a transformer block is compiled instead and
+  serves every layer (each block gets its own layer's cache view, so no layer index is
+  baked into a graph), the sampler and row updates are compiled apart per sampler variant,
+  and the rest of the step runs eagerly; the step is still captured whole. In
   batch-invariant mode the step is not compiled (inductor would fuse the ops into kernels the
   trainer does not run) but still captured: a graph replays exactly the eager kernels.
   CPU: eager.
@@ -42,7 +46,9 @@ parallelism: every rank calls the same methods with the same arguments).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -130,9 +136,33 @@ class Generator:
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self._pool: Any = None
         self._steps: dict[bool | str, Any] = {}
-        self._prefill_fn = self._prefill_forward
-        if self._compile_on:
+        if cfg.compile_scope == "blocks" and not self._compile_on:
+            warnings.warn(
+                "GeneratorConfig.compile_scope='blocks' is ignored: nothing is compiled "
+                "(compile off, a CPU model, batch-invariant mode or DTensor parameters)",
+                stacklevel=2,
+            )
+        self._prefill_fn: Callable[..., torch.Tensor] = self._prefill_forward
+        self._blocks: list[Callable[..., torch.Tensor]] | None = None
+        self._setup_compile()
+
+    def _setup_compile(self) -> None:
+        """The compiled pieces `_compile_on` and `compile_scope` ask for. "step": the prefill
+        whole, with dynamic shapes (decode steps are compiled at their first use, in
+        `_step_fn`). "blocks": one block function shared by every layer, for the prefill and
+        the decode steps alike (the batch and time dimensions become dynamic at their second
+        size, so a few graphs serve every bucket)."""
+        self._prefill_fn, self._blocks = self._prefill_forward, None
+        if not self._compile_on:
+            return
+        if self.config.compile_scope == "step":
             self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True)
+            return
+        block_fn = torch.compile(_run_block, options=self._inductor_options())
+        self._blocks = [functools.partial(block_fn, b) for b in self.model.layers.values()]
+
+    def _inductor_options(self) -> dict[str, Any] | None:
+        return {"coordinate_descent_tuning": True} if self.config.tune_kernels else None
 
     # -- weights --------------------------------------------------------------------------
 
@@ -374,6 +404,8 @@ class Generator:
             cache_rows=rows_P,
             logits_at=last_P,
             batch_invariant=self.config.batch_invariant,
+            # Compiled blocks once the cache exists: its allocation stays out of compiled code.
+            blocks=self._blocks if self.cache.allocated else None,
         )[:, 0]
 
     def _prefill(self, admitted: list[tuple[Request, list[int]]]) -> None:
@@ -461,13 +493,23 @@ class Generator:
 
     def _decode_step(self, b: int, sampled: bool, truncate: bool) -> None:
         """One token for every row of bucket b, in place (no host sync)."""
+        self._record(self._decode_logits(b), sampled, truncate)
+
+    def _decode_logits(self, b: int) -> torch.Tensor:
+        """The next-token logits [b, V] of the rows of bucket b (their keys and values cached)."""
         rows = self._rows
-        logits_BV = self.model(
+        return self.model(
             rows.last[:b, None],
             positions=rows.pos[:b, None],
             cache=self.cache,
             batch_invariant=self.config.batch_invariant,
+            blocks=self._blocks,
         )[:, 0]
+
+    def _record(self, logits_BV: torch.Tensor, sampled: bool, truncate: bool) -> None:
+        """Sample the next token of each of the first b = len(logits_BV) rows, record it and
+        its log-probs, and advance the rows' state, in place (no host sync)."""
+        rows, b = self._rows, logits_BV.shape[0]
         count_B = rows.count[:b]
         tok, lp, slp = sample(
             logits_BV,
@@ -505,16 +547,32 @@ class Generator:
     def _step_truncated(self, b: int) -> None:
         self._decode_step(b, True, True)
 
+    # compile_scope="blocks": the step runs eagerly around the compiled blocks, and the
+    # sampler and row updates are compiled apart, again one entry point per variant.
+    def _step_blocks(self, record: Callable[[torch.Tensor], None], b: int) -> None:
+        record(self._decode_logits(b))
+
+    def _record_greedy(self, logits_BV: torch.Tensor) -> None:
+        self._record(logits_BV, False, False)
+
+    def _record_sampled(self, logits_BV: torch.Tensor) -> None:
+        self._record(logits_BV, True, False)
+
+    def _record_truncated(self, logits_BV: torch.Tensor) -> None:
+        self._record(logits_BV, True, True)
+
     def _step_fn(self, b: int, sampled: bool, truncate: bool):
         variant = "truncated" if truncate else "sampled" if sampled else "greedy"
         step = self._steps.get(variant)
         if step is None:
             step = getattr(self, f"_step_{variant}")
-            if self._compile_on:
-                tuned: dict[str, Any] | None = (
-                    {"coordinate_descent_tuning": True} if self.config.tune_kernels else None
+            if self._compile_on and self.config.compile_scope == "step":
+                step = torch.compile(step, dynamic=False, options=self._inductor_options())
+            elif self._compile_on:
+                record = torch.compile(
+                    getattr(self, f"_record_{variant}"), options=self._inductor_options()
                 )
-                step = torch.compile(step, dynamic=False, options=tuned)
+                step = functools.partial(self._step_blocks, record)
             self._steps[variant] = step
         if not self._graphs_on:
             return lambda: step(b)
@@ -675,6 +733,18 @@ class Generator:
             return contextlib.nullcontext()
         # No cast cache: a captured graph must cast the current weights on every replay.
         return torch.autocast(dev, dtype=amp, cache_enabled=False)
+
+
+def _run_block(
+    block: torch.nn.Module,
+    x_BTD: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: Any,
+    cache: Any,
+) -> torch.Tensor:
+    """`block(...)`, as a function of the block: compiled once (compile_scope="blocks"), it
+    serves every layer, whose weights and cache buffers are inputs of the same graphs."""
+    return block(x_BTD, rope, mask, cache)
 
 
 def _few(names: list[str], n: int = 8) -> str:

@@ -375,7 +375,7 @@ def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local
     g = cfg.generator
     config = GeneratorConfig(max_batch=g.max_batch, max_seq_len=capacity,
                              batch_invariant=g.batch_invariant, compile=g.compile,
-                             cuda_graphs=g.cuda_graphs)  # fmt: skip
+                             cuda_graphs=g.cuda_graphs, compile_scope=g.compile_scope)  # fmt: skip
     return Generator(model, tokenizer=src.tokenizer, config=config)
 
 

@@ -18,6 +18,11 @@ printed. Finally the trainer-side cost of batch-invariant mode: forward + backwa
 `tidal.rl.logprobs` on `--score-batch` x `--score-len` tokens, normal against
 batch-invariant.
 
+`--plain-sampler` also times each normal-mode configuration with benchmarks/sampler.py's
+baseline sampler (the plain formulation tidal used before `row_stats`) patched into the
+Generator, in the same run; `--profile` prints each configuration's decode-step kernels
+(torch.profiler, the longest first); `--check-every` sets `GeneratorConfig.check_every`.
+
 A configuration that raises prints its error (and traceback, on stderr) in its place and the
 run goes on with the others; the JSON holds {"error": ...} there, and the exit status is 1.
 
@@ -32,6 +37,7 @@ batch 64 >= 25,000 new tokens/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -93,7 +99,33 @@ def warm_up(generate: Callable[[], object], stats, max_calls: int = 4) -> int:
     return max_calls
 
 
-def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict:
+@contextlib.contextmanager
+def sampler_in_generator(name: str):
+    """The Generator's sampler for a run: tidal's, or ("plain") benchmarks/sampler.py's
+    baseline, the formulation before `row_stats` (a [B, V] log-softmax, whole-row argmax)."""
+    import tidal.rl.generate as engine
+
+    if name == "tidal":
+        yield
+        return
+    from sampler import plain_sample  # benchmarks/sampler.py, beside this file
+
+    own = engine.sample
+    engine.sample = plain_sample
+    try:
+        yield
+    finally:
+        engine.sample = own
+
+
+def run_tidal(
+    model, args, batch: int, mode: str, batch_invariant: bool, sampler: str = "tidal"
+) -> dict:
+    with sampler_in_generator(sampler):
+        return _run_tidal(model, args, batch, mode, batch_invariant)
+
+
+def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict:
     from tidal.rl import Generator, GeneratorConfig, SamplingParams
 
     device = model.rope.device
@@ -107,6 +139,7 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
             tune_kernels=args.tune_kernels and not batch_invariant,
             # Batch-invariant mode compiles nothing: the scope would be ignored (a warning).
             compile_scope="step" if batch_invariant else args.compile_scope,
+            check_every=args.check_every,
         ),
     )
     g = torch.Generator().manual_seed(batch)
@@ -133,6 +166,9 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
     steps = gen.stats.decode_steps - steps0
     decode_s = gen.stats.decode_seconds - decode0
     step_ms = 1e3 * decode_s / max(steps, 1)
+    kernels = None
+    if args.profile and device.type == "cuda":
+        kernels = profile_step(gen, batch, "greedy" if mode == "greedy" else "sampled")
     return {
         "seconds": seconds,
         "new_tokens_per_s": new / seconds,
@@ -146,6 +182,38 @@ def run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict
         "warmup_s": warmup_s,
         "warmup_graphs": warmup_graphs,
         "compiles_in_timed_call": compiles() + gen.stats.graphs_captured - compiled0,
+        "kernels": kernels,
+    }
+
+
+def profile_step(gen, batch: int, variant: str, steps: int = 20) -> dict:
+    """The CUDA kernels of one decode step: the compiled step (not its graph, whose kernels
+    are the same) run `steps` times under torch.profiler after the timed call (its rows are
+    finished: frozen, they compute as running rows do). Uses the Generator's private
+    `_steps` (compiled step per sampler variant): a benchmark's look inside. Profiling is an
+    extra: an error is reported in its place ({"error": ...}) and the timing kept."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step = gen._steps[variant]
+    try:
+        with torch.no_grad():  # as in generate: another grad mode would recompile the step
+            step(batch)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step(batch)
+                torch.cuda.synchronize()
+        found = [(e.key, e.count / steps, e.self_device_time_total / steps)
+                 for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # fmt: skip
+    except Exception as e:  # the documented fallback above
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+    found.sort(key=lambda k: -k[2])
+    return {
+        "us_per_step": sum(us for _, _, us in found),
+        "launches_per_step": sum(n for _, n, _ in found),
+        "top": [{"kernel": k, "per_step": n, "us": us} for k, n, us in found[:15]],
     }
 
 
@@ -236,6 +304,12 @@ def main() -> None:
     p.add_argument("--compile-scope", default="step", choices=["step", "blocks"],
                    help="GeneratorConfig.compile_scope: the whole decode step per bucket and "
                    "sampler, or one block shared by every layer (docs/generate.md)")  # fmt: skip
+    p.add_argument("--plain-sampler", action="store_true",
+                   help="also time each normal-mode configuration with the baseline sampler "
+                   "of benchmarks/sampler.py (the one before row_stats)")  # fmt: skip
+    p.add_argument("--check-every", type=int, default=8, help="GeneratorConfig.check_every")
+    p.add_argument("--profile", action="store_true",
+                   help="print the CUDA kernels of each configuration's decode step")  # fmt: skip
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
     p.add_argument("--score-batch", type=int, default=4)
     p.add_argument("--score-len", type=int, default=1024)
@@ -258,15 +332,18 @@ def main() -> None:
           f"{args.compile_scope}")  # fmt: skip
     results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype,
                      "compile_scope": args.compile_scope, "runs": []}  # fmt: skip
-    modes = [False] if args.no_batch_invariant else [False, True]
     failures: list[str] = []
     for batch in args.batches:
         for mode in args.modes:
             row: dict = {"batch": batch, "mode": mode}
-            for bi in modes:
-                name = "batch_invariant" if bi else "tidal"
+            runs = [("tidal", False, "tidal")]
+            runs += [("plain_sampler", False, "plain")] if args.plain_sampler else []
+            runs += [("batch_invariant", True, "tidal")] if not args.no_batch_invariant else []
+            for name, bi, sampler in runs:
                 label = f"batch {batch} {mode} {name}"
-                row[name] = attempt(failures, label, run_tidal, model, args, batch, mode, bi)
+                row[name] = attempt(
+                    failures, label, run_tidal, model, args, batch, mode, bi, sampler
+                )
             if device.type == "cuda":
                 length = args.prompt_len + args.new_tokens / 2
                 w, wkv = hbm_bound_ms(model, batch, length, args.hbm_gbps * 1e9)
@@ -302,6 +379,7 @@ def print_row(row: dict) -> None:
         return r if r is not None and "error" not in r else None
 
     t, h, b = ok("tidal"), ok("transformers"), ok("batch_invariant")
+    ps = ok("plain_sampler")
     line = f"batch {row['batch']:>4} {row['mode']:8s} tidal "
     if t is None:
         line += "FAILED"
@@ -328,7 +406,25 @@ def print_row(row: dict) -> None:
                                          f"{b['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
         if t is not None and b is not None:
             line += f" ({t['new_tokens_per_s'] / b['new_tokens_per_s']:.2f}x slower)"
+    if "plain_sampler" in row:
+        line += " | plain sampler " + ("FAILED" if ps is None else
+                                       f"{ps['new_tokens_per_s']:,.0f} tok/s, "
+                                       f"{ps['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
+        if t is not None and ps is not None:
+            line += f" (tidal {t['new_tokens_per_s'] / ps['new_tokens_per_s']:.3f}x)"
     print(line, flush=True)
+    for name in ("tidal", "plain_sampler"):
+        r = ok(name)
+        if r is None or not r.get("kernels"):
+            continue
+        k = r["kernels"]
+        if "error" in k:
+            print(f"  {name} decode step kernels: profiling FAILED: {k['error']}")
+            continue
+        print(f"  {name} decode step kernels: {k['us_per_step']:.1f} us in "
+              f"{k['launches_per_step']:.0f} launches per step; the longest:")  # fmt: skip
+        for e in k["top"]:
+            print(f"    {e['us']:8.1f} us {e['per_step']:5.1f}x  {e['kernel'][:110]}")
 
 
 if __name__ == "__main__":

@@ -144,12 +144,58 @@ def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -
 
 # -- the sampler --------------------------------------------------------------------------
 
+ROW_CHUNK = 1024
+"""Most vocabulary entries per chunk in the sampler's row reductions (`row_stats`)."""
+
 
 def log_softmax(logits_BV: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """fp32 log-softmax over the vocabulary (per-row fixed reduction order if asked)."""
     if batch_invariant:
         return bi.log_softmax(logits_BV)
     return torch.log_softmax(logits_BV.float(), dim=-1)
+
+
+def row_stats(
+    x_BV: torch.Tensor, noise_BV: torch.Tensor | None = None, *, chunks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """argmax(x + noise) [B] (the first index of the largest, as torch.argmax), max(x) [B]
+    and logsumexp(x) [B] of fp32 rows, in one pass over each row's chunks.
+
+    Each row is cut into C chunks of W entries (the last padded with -inf): every chunk
+    reduces to its max, the index of its first max and its sum of exp relative to its own
+    max; a combine over the chunks gives the row's values. The argmax and max are exact; the
+    logsumexp is log-softmax's normalizer up to the order of its sum.
+
+    Why chunks: compiled, a reduction over a whole row is one thread block's loop, and
+    inductor splits no arg-reduction over blocks, so at batch 1 an argmax over a 128k
+    vocabulary ran on one of an H200's 132 SMs; the B x C chunk reductions run on as many
+    blocks. `chunks` (C) defaults to V / ROW_CHUNK rounded up inside torch.compile and to 1
+    in eager mode, whose kernels already spread a long row over the device.
+    """
+    B, V = x_BV.shape
+    if chunks is None:
+        chunks = -(-V // ROW_CHUNK) if torch.compiler.is_compiling() else 1
+    W = -(-V // chunks)
+    pad = (0, chunks * W - V)
+
+    def view(t_BV: torch.Tensor, fill: float) -> torch.Tensor:
+        if pad[1]:
+            t_BV = torch.nn.functional.pad(t_BV, pad, value=fill)
+        return t_BV.view(B, chunks, W)
+
+    x_BCW = view(x_BV, -math.inf)
+    y_BCW = x_BCW if noise_BV is None else x_BCW + view(noise_BV, 0.0)
+    top_BC, at_BC = y_BCW.max(dim=-1)
+    c_B1 = top_BC.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's max
+    argmax_B = (c_B1 * W + at_BC.gather(1, c_B1))[:, 0]
+    # logsumexp: each chunk's sum relative to its own max (a finite stand-in for a chunk of
+    # -inf only, whose sum is then 0), rescaled to the row's max.
+    chunk_max_BC = top_BC if noise_BV is None else x_BCW.amax(dim=-1)
+    shift_BC = chunk_max_BC.clamp(min=torch.finfo(x_BV.dtype).min)
+    sum_BC = (x_BCW - shift_BC[:, :, None]).exp().sum(dim=-1)
+    max_B = chunk_max_BC.amax(dim=-1)
+    lse_B = max_B + (sum_BC * (shift_BC - max_B[:, None]).exp()).sum(dim=-1).log()
+    return argmax_B, max_B, lse_B
 
 
 def _truncate(
@@ -196,30 +242,39 @@ def sample(
     Returns:
         tokens [B] (int64), logprobs [B] under the model's distribution, sampling logprobs
         [B] under the tempered, truncated distribution (0 for greedy rows).
+
+    A log-prob is the token's logit minus its row's logsumexp (`row_stats`, no [B, V]
+    log-softmax), or in batch-invariant mode the fixed-order log-softmax's entry.
     """
     logits_BV = logits_BV.float()
-    logp_BV = log_softmax(logits_BV, batch_invariant)
-    greedy_B = logits_BV.argmax(dim=-1)
+    greedy_B, max_B, lse_B = row_stats(logits_BV)
+
+    def token_logprob(x_BV: torch.Tensor, lse_B: torch.Tensor, tokens_B: torch.Tensor):
+        if batch_invariant:
+            return log_softmax(x_BV, True).gather(1, tokens_B[:, None])[:, 0]
+        return x_BV.gather(1, tokens_B[:, None])[:, 0] - lse_B
+
     if not sampled:
-        return (
-            greedy_B,
-            logp_BV.gather(1, greedy_B[:, None])[:, 0],
-            torch.zeros_like(logits_BV[:, 0]),
-        )
+        lp_B = token_logprob(logits_BV, lse_B, greedy_B)
+        return greedy_B, lp_B, torch.zeros_like(lp_B)
     is_greedy_B = temperature_B <= 0
-    scaled_BV = logits_BV / torch.where(is_greedy_B, 1.0, temperature_B)[:, None]
+    temperature_B = torch.where(is_greedy_B, 1.0, temperature_B)
+    scaled_BV = logits_BV / temperature_B[:, None]
     if truncate:
         scaled_BV = _truncate(scaled_BV, top_k_B, top_p_B)
     # min-p: p_i < min_p * p_max  <=>  s_i - s_max < log(min_p); log(0) = -inf keeps all.
-    top_B1 = scaled_BV.amax(dim=-1, keepdim=True)
+    # s_max is max / temperature exactly (division by t > 0 is monotonic after rounding too,
+    # and truncation keeps the top token).
+    top_B1 = (max_B / temperature_B)[:, None]
     dropped_BV = (scaled_BV - top_B1) < torch.log(min_p_B)[:, None]
     scaled_BV = scaled_BV.masked_fill(dropped_BV, -math.inf)
+    # Greedy rows draw without noise: the argmax of their logits, which truncation keeps.
     noise_BV = gumbel_noise(keys_B, steps_B, logits_BV.shape[-1])
-    drawn_B = (scaled_BV + noise_BV).argmax(dim=-1)
-    tokens_B = torch.where(is_greedy_B, greedy_B, drawn_B)
-    sample_lp_B = log_softmax(scaled_BV, batch_invariant).gather(1, tokens_B[:, None])[:, 0]
+    noise_BV = noise_BV.masked_fill(is_greedy_B[:, None], 0.0)
+    tokens_B, _, sample_lse_B = row_stats(scaled_BV, noise_BV)
+    sample_lp_B = token_logprob(scaled_BV, sample_lse_B, tokens_B)
     sample_lp_B = torch.where(is_greedy_B, 0.0, sample_lp_B)
-    return tokens_B, logp_BV.gather(1, tokens_B[:, None])[:, 0], sample_lp_B
+    return tokens_B, token_logprob(logits_BV, lse_B, tokens_B), sample_lp_B
 
 
 # -- the trainer side ---------------------------------------------------------------------

@@ -40,8 +40,8 @@ it, a wait for the previous save included), side by side, with the ratios tidal 
 of what the steps saw in all.
 
     python benchmarks/checkpoint.py --modes disabled,async_with_pinned_mem --first 30 \\
-        --interval 120 --saves 2                                       # tidal, one GPU
-    python benchmarks/checkpoint.py --modes none --torchtitan .anchors --interval 120 \\
+        --interval 150 --saves 2                                       # tidal, one GPU
+    python benchmarks/checkpoint.py --modes none --torchtitan .anchors --interval 150 \\
         --saves 2 --torchtitan-modes async_with_pinned_mem             # torchtitan only
     python benchmarks/checkpoint.py --modes async_with_pinned_mem --saves 2 \\
         --pinned-writer thread                       # the pinned mode's old in-process writer
@@ -404,7 +404,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--device", default="auto")
-    p.add_argument("--interval", type=int, default=120,
+    p.add_argument("--interval", type=int, default=150,
                    help="steps between saves (longer than a save's write, for a steady state; "
                    "torchtitan also saves first after this many steps)")  # fmt: skip
     p.add_argument("--first", type=int, default=None,

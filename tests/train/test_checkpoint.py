@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -184,6 +185,46 @@ def test_async_saves_change_neither_losses_nor_contents(mode, straight, tmp_path
             assert torch.equal(a[k], b[k]), k
         elif not k.startswith("rng."):
             assert a[k] == b[k], k
+
+
+def test_a_save_that_must_wait_for_the_previous_write_says_so(tmp_path, monkeypatch):
+    from tidal.train.checkpoint import manager
+
+    logs: list[str] = []
+    trainer = Trainer(run_config(tmp_path / "run", "--checkpoint.async_mode", "async"),
+                      data=random_data(), log=logs.append)  # fmt: skip
+    ckpt = trainer.checkpoint
+    gate = threading.Event()  # holds the background write of step 10 until the next save
+    real_save_flat, real_wait = manager.save_flat, ckpt.wait
+
+    def held_save_flat(*args, **kwargs):
+        assert gate.wait(timeout=120)
+        real_save_flat(*args, **kwargs)
+
+    def wait():
+        gate.set()
+        real_wait()
+
+    monkeypatch.setattr(manager, "save_flat", held_save_flat)
+    monkeypatch.setattr(ckpt, "wait", wait)
+    try:
+        ckpt.save(10)
+        assert ckpt.pending is not None and not ckpt.pending.done()
+        ckpt.save(20)  # step 10's write is still going: this save waits for it
+        assert ckpt.stats.step == 20 and 0 < ckpt.stats.waited_s <= ckpt.stats.blocked_s
+        waited = [line for line in logs if "to finish writing" in line]
+        assert len(waited) == 1 and "the save of step 20 waited" in waited[0]
+        assert "the save of step 10 to finish writing" in waited[0]
+        assert "checkpoint.interval" in waited[0]  # a periodic save: the interval is short
+        real_wait()
+        assert ckpt.stats.step == 20 and ckpt.stats.total_s > 0 and ckpt.stats.bytes > 0
+        ckpt.save(30)  # nothing in flight: no wait, no line
+        real_wait()
+        assert len([line for line in logs if "to finish writing" in line]) == 1
+        assert ckpt.stats.step == 30 and ckpt.stats.waited_s < ckpt.stats.total_s
+    finally:
+        gate.set()
+        trainer.close()
 
 
 def test_folder_layout_marker_and_info(straight):

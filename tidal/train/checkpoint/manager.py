@@ -28,6 +28,7 @@ never shares a communicator with training.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -96,7 +97,11 @@ class SaveStats:
 
     step: int = 0
     blocked_s: float = 0.0
-    """Seconds the training thread spent in `save()`."""
+    """Seconds the training thread spent in `save()` (with `waited_s`)."""
+    waited_s: float = 0.0
+    """Of `blocked_s`, seconds spent waiting for the previous save to finish writing (one
+    save is in flight at a time: with saves coming faster than the disk writes them, each
+    waits for the one before, whatever the mode)."""
     total_s: float = 0.0
     """Seconds from the call until the checkpoint was complete on disk."""
     bytes: int = 0
@@ -238,7 +243,18 @@ class Checkpointer:
         if not self.saves_enabled:
             return
         start = time.perf_counter()
+        previous = self.stats.step
+        busy = self.pending is not None and not self.pending.done()
         self.wait()  # one save at a time; raises if the previous one failed
+        self.stats = SaveStats(step=step, waited_s=time.perf_counter() - start)
+        if busy:
+            periodic = not last and step % self.cfg.interval == 0
+            hint = "; saves come faster than they are written (checkpoint.interval)"
+            hint = hint if periodic else ""
+            self.log(
+                f"checkpoint: the save of step {step} waited {self.stats.waited_s:.2f}s for "
+                f"the save of step {previous} to finish writing{hint}"
+            )
         export = last and self.cfg.last_save_model_only
         model_only = export or seed
         flat = self._flat(step, model_only=model_only)
@@ -325,7 +341,7 @@ class Checkpointer:
         else:
             size = 0
         total = time.perf_counter() - start
-        self.stats = SaveStats(step=step, blocked_s=self.stats.blocked_s, total_s=total, bytes=size)
+        self.stats = dataclasses.replace(self.stats, total_s=total, bytes=size)
         how = f" ({self.cfg.async_mode}: the step waited {self.stats.blocked_s:.2f}s)"
         how = how if staged else ""
         self.log(f"checkpoint: saved {final} ({size / 2**20:,.1f} MiB) in {total:.2f}s{how}")

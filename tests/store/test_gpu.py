@@ -136,3 +136,26 @@ def test_async_copies_wait_for_the_callers_queued_work(memory):
         got = store.get_state_dict("sd")
         assert torch.equal(got["a"], torch.full((2048, 2048), 15.0))
         assert torch.equal(got["b"][0], torch.full((3, 2048), 8.0))
+
+
+def test_state_dict_copies_go_as_one_batched_call():
+    """A put and a get of a state dict in GPU memory issue one cuMemcpyBatchAsync per device
+    (tidal/store/transports/cuda_batch.py) where the driver has it, with the same bytes as
+    copies one at a time, also when plans are replayed and slots change."""
+    from tidal.store.transports import cuda_ipc
+
+    copier = cuda_ipc.copier()
+    if not copier.batching:
+        pytest.skip("this CUDA driver has no cuMemcpyBatchAsync (12.8 and later)")
+    sd = {f"w{i}": torch.randn(64 + i, 96, device="cuda") for i in range(24)}
+    into = {k: torch.empty_like(t) for k, t in sd.items()}
+    with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
+        before = copier.batches
+        for v in range(6):  # ring slots, kept plans replayed
+            for t in sd.values():
+                t.add_(1.0)
+            writer.put_state_dict(sd, "p", memory="cuda")
+            reader.get_state_dict("p", into=into)
+            for k in sd:
+                assert torch.equal(into[k], sd[k]), (v, k)
+        assert copier.batches - before >= 12  # a put and a get each round

@@ -48,6 +48,7 @@ from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
 from tidal.store.progress import Progress
 from tidal.store.transports import Gate, ReadJob, WriteJob
+from tidal.store.transports.cuda_batch import BatchCopier
 from tidal.store.transports.cuda_copies import CopyPlan, CopyPlans
 
 HANDLE_BYTES = ops.HANDLE_BYTES
@@ -131,6 +132,16 @@ def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
     f = getattr(lib, name)
     f.restype, f.argtypes = ctypes.c_int, argtypes
     return f
+
+
+@functools.cache
+def copier() -> BatchCopier:
+    """Issues this process's raw device copies: batched through the driver torch loaded
+    where it can (tidal/store/transports/cuda_batch.py), else one runtime call a copy."""
+    rt = runtime()
+    with open("/proc/self/maps") as f:
+        paths = {ln.split()[-1] for ln in f if "/libcuda.so" in ln}
+    return BatchCopier(sorted(paths)[0] if paths else None, rt.memcpy_async)
 
 
 @functools.cache
@@ -462,7 +473,7 @@ class CudaIpcTransport:
             return CopyPlan.of([dst_of(i) for i in range(len(jobs))], srcs)
 
         plan = self._write_plans.get(key, srcs, build)
-        plan.run(dst_of, srcs.__getitem__, runtime().memcpy_async)
+        plan.run(dst_of, srcs.__getitem__, copier())
         return plan.devices
 
     # -- reader side ----------------------------------------------------------------------
@@ -493,7 +504,7 @@ class CudaIpcTransport:
             return CopyPlan.of(dsts, [self._source(vol, j) for j in jobs])
 
         plan = self._read_plans.get(key, dsts, build)
-        plan.run(dsts.__getitem__, lambda i: self._source(vol, jobs[i]), runtime().memcpy_async)
+        plan.run(dsts.__getitem__, lambda i: self._source(vol, jobs[i]), copier())
 
     def _source(self, vol: dict[str, Any], job: ReadJob) -> torch.Tensor:
         """The bytes ``job`` reads, as a view of the device slot."""

@@ -1,0 +1,42 @@
+"""The batched device copier's choices, on any machine: no driver call, a failing one."""
+
+import pytest
+
+from tidal.store.transports.cuda_batch import Batch, BatchCopier
+
+
+def test_without_a_batched_call_every_pair_goes_through_the_loop():
+    calls = []
+    copier = BatchCopier(None, lambda pairs, stream: calls.append((pairs, stream)))
+    assert not copier.batching
+    pairs = [(16, 32, 8), (48, 64, 8)]
+    prepared = copier.prepare(pairs, 0)
+    assert prepared is pairs
+    copier.run(prepared, 7)
+    assert calls == [(pairs, 7)] and copier.batches == 0
+
+
+def test_a_failing_batch_falls_back_to_the_loop_once_and_for_good():
+    calls = []
+    copier = BatchCopier(None, lambda pairs, stream: calls.append((pairs, stream)))
+    tried = []
+    copier._call = lambda batch, stream: tried.append(batch.count) or 1  # CUDA_ERROR_INVALID_VALUE
+    pairs = [(16, 32, 8), (48, 64, 24), (80, 96, 4)]
+    prepared = copier.prepare(pairs, 0)
+    assert isinstance(prepared, Batch) and list(prepared.sizes) == [8, 24, 4]
+    assert list(prepared.dsts) == [16, 48, 80] and list(prepared.srcs) == [32, 64, 96]
+    with pytest.warns(RuntimeWarning, match="cuMemcpyBatchAsync failed"):
+        copier.run(prepared, 3)
+    assert tried == [3] and calls == [(pairs, 3)]
+    assert not copier.batching  # later plans are prepared for the loop
+    assert copier.prepare(pairs, 0) is pairs
+
+
+def test_one_pair_needs_no_batch():
+    copier = BatchCopier(None, lambda pairs, stream: None)
+    copier._call = lambda batch, stream: 0
+    pairs = [(16, 32, 8)]
+    assert copier.prepare(pairs, 0) is pairs
+    batch = copier.prepare(pairs * 2, 0)
+    copier.run(batch, 0)
+    assert copier.batches == 1

@@ -72,9 +72,10 @@ def tp_plan_block(sequence_parallel: bool = True) -> dict:
             "attention.wo": RowwiseParallel(output_layouts=Replicate()),
             "feed_forward.w2": RowwiseParallel(output_layouts=Replicate()),
         }
+    # Attention.forward(x, rope, mask, cache): only x is sharded (on the sequence).
     gather_input = PrepareModuleInput(
-        input_layouts=(Shard(1), None, None, None, None),
-        desired_input_layouts=(Replicate(), None, None, None, None),
+        input_layouts=(Shard(1), None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
     )
     return linears | {
         "attention_norm": SequenceParallel(),

@@ -391,6 +391,9 @@ def warm_up_generator(gen: Any, cfg: RLConfig, index: int, *, log: Log) -> None:
     params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)]
     if index == 0:
         params.append(SamplingParams(temperature=0.0))
+    if gen.device.type == "cuda":  # a compile scope "step" warm-up may take minutes
+        log(f"{generator_name(index)}: warming up (batch buckets {gen.buckets}, "
+            f"{len(params)} sampler variant(s)); it joins the job when done")  # fmt: skip
     seconds = gen.warm_up(params)
     if seconds:
         log(f"{generator_name(index)}: warmed up in {seconds:.1f} s ({gen.stats.graphs_captured} "

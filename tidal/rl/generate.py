@@ -43,8 +43,8 @@ tidal/rl/generator_types.py, the bookkeeping of cache rows in tidal/rl/slots.py.
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
 it in a `Generator` once, optionally `warm_up` (any weights: graphs survive weight loads),
 call `generate` for each batch of prompts and `load_weights` / `load_from_store` between
-calls. One Generator per process (per rank under tensor
-parallelism: every rank calls the same methods with the same arguments).
+calls. One Generator per process (per rank under tensor parallelism: every rank calls the
+same methods with the same arguments).
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@ Runs `--flavor` (default llama3_1b: dim 2048, 16 layers, vocab 128256, 1.5B para
 init, bf16 weights) on one GPU with random `--prompt-len`-token prompts (128) and
 `--new-tokens` (256) new tokens per row, no stop tokens, at each `--batches` size (1 64 256),
 greedy and sampled (temperature 1, `--top-p`), in the normal mode and in batch-invariant
-mode. Each configuration is warmed up until a whole `generate` call compiles and captures
-nothing (on CUDA that takes three calls, see `warm_up`), and is then timed; a compile or
-capture inside the timed call is reported (`compiles_in_timed_call`, and a warning).
-Printed per configuration: new tokens/s over the whole `generate` call (prefill
-included), the decode step time, the warm-up's seconds and dynamo graphs (its compiles,
-whose cost `--compile-scope step|blocks` sets: GeneratorConfig.compile_scope), and for CUDA
+mode. `--ragged` spreads the rows' prompt lengths (half to all of `--prompt-len`) and new
+tokens (1/batch to all of `--new-tokens`), so that continuous batching moves the rows down
+through every batch bucket, as in an RL step. Each configuration is warmed up by
+`Generator.warm_up` (every bucket of its sampler variant; see `warm_up`), run once untimed,
+then timed; a compile or capture in either call after the warm-up is reported
+(`compiles_after_warmup`, and a warning): the warm-up missed it. Printed per configuration:
+new tokens/s over the whole `generate` call (prefill included), the decode step time, the
+warm-up's seconds and dynamo graphs (its compiles, whose cost `--compile-scope
+step|blocks` sets: GeneratorConfig.compile_scope), and for CUDA
 the HBM bound of a decode step (the weights read once per step, the embedding table
 excepted, plus the KV cache read at the mean length) with the ratio to it. If
 `transformers` is importable, its `generate` runs on a Llama model of the same shape, batch
@@ -81,22 +84,42 @@ def compiles() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def warm_up(generate: Callable[[], object], stats, max_calls: int = 4) -> int:
-    """Call `generate` until one whole call compiles and captures nothing; returns the number
-    of calls made.
+def warm_up(gen, params, prompts, call_params) -> dict:
+    """`gen.warm_up` for `params`' sampler variant, then one untimed `generate(prompts,
+    call_params)`. Returns the warm-up's seconds and dynamo graphs, and the compiles and CUDA
+    graph captures of the call after it (0 unless the warm-up missed something: they would
+    have fallen inside the timed call, or in an RL step).
 
-    One call is not enough: a Generator's first call runs its prefill eagerly (that allocates
-    the KV cache outside compiled code), so the compiled prefill is traced by the second call.
-    With a single warm-up call, that compile (tens of seconds for llama3_1b with dynamic
-    shapes) fell inside the timed call: batch 1 greedy read 5 new tokens/s on an H200 while
-    its decode steps took 1.46 ms each (256 tokens in ~50 s, nearly all of it the prefill's
-    compile)."""
-    for n in range(1, max_calls + 1):
-        before = (compiles(), stats.graphs_captured)
-        generate()
-        if (compiles(), stats.graphs_captured) == before:
-            return n
-    return max_calls
+    A Generator compiles and captures at the first call that needs each piece; warming up
+    by calling `generate` instead needs a call per first use (its first prefill runs
+    eagerly, to allocate the KV cache, so the compiled prefill is traced by the second call),
+    and a call meets only the buckets its rows move through. With one warm-up call, the
+    prefill's compile (tens of seconds for llama3_1b with dynamic shapes) fell inside the
+    timed call: batch 1 greedy read 5 new tokens/s on an H200 while its decode steps took
+    1.46 ms each."""
+    device = gen.device
+    graphs0, start = compiles(), time.perf_counter()
+    gen.warm_up([params])
+    sync(device)
+    out = {"warmup_s": time.perf_counter() - start, "warmup_graphs": compiles() - graphs0}
+    before = compiles() + gen.stats.graphs_captured
+    gen.generate(prompts, call_params)
+    sync(device)
+    out["compiles_after_warmup"] = compiles() + gen.stats.graphs_captured - before
+    return out
+
+
+def ragged(params, prompts: list[list[int]], new_tokens: int):
+    """Per row: a prompt cut to between half and all of its length, and between
+    new_tokens / rows and new_tokens new tokens (continuous batching then walks down every
+    bucket)."""
+    import dataclasses
+
+    n = len(prompts)
+    cut = [p[: max(1, len(p) // 2 + (len(p) - len(p) // 2) * i // max(n - 1, 1))]
+           for i, p in enumerate(prompts)]  # fmt: skip
+    return cut, [dataclasses.replace(params, max_new_tokens=max(1, new_tokens * (i + 1) // n))
+                 for i in range(n)]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -151,18 +174,22 @@ def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dic
         stop_token_ids=(),
         seed=1,
     )
-    graphs0, warm0 = compiles(), time.perf_counter()
-    warmup_calls = warm_up(lambda: gen.generate(prompts.tolist(), params), gen.stats)
-    warmup_s, warmup_graphs = time.perf_counter() - warm0, compiles() - graphs0
+    call_prompts, call_params = prompts.tolist(), params
+    if args.ragged:
+        call_prompts, call_params = ragged(params, call_prompts, args.new_tokens)
+    warm = warm_up(gen, params, call_prompts, call_params)
     steps0, decode0 = gen.stats.decode_steps, gen.stats.decode_seconds
     compiled0 = compiles() + gen.stats.graphs_captured
     sync(device)
     start = time.perf_counter()
-    groups = gen.generate(prompts.tolist(), params)
+    groups = gen.generate(call_prompts, call_params)
     sync(device)
     seconds = time.perf_counter() - start
     new = sum(len(s.completion_ids) for grp in groups for s in grp)
-    assert new == batch * args.new_tokens, new
+    want = [p.max_new_tokens for p in call_params] if args.ragged else [args.new_tokens] * batch
+    assert new == sum(want), (new, sum(want))
+    # Compiles and captures after the warm-up: in the untimed call and in the timed one.
+    missed = warm["compiles_after_warmup"] + compiles() + gen.stats.graphs_captured - compiled0
     steps = gen.stats.decode_steps - steps0
     decode_s = gen.stats.decode_seconds - decode0
     step_ms = 1e3 * decode_s / max(steps, 1)
@@ -177,11 +204,11 @@ def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dic
         # Everything of the timed call but its decode steps and host checks: the prefill, its
         # row copies and the Python around them.
         "prefill_and_setup_s": seconds - decode_s,
-        "warmup_calls": warmup_calls,
-        # The warm-up calls: compiles (dynamo graphs made, inductor's kernels) and captures.
-        "warmup_s": warmup_s,
-        "warmup_graphs": warmup_graphs,
-        "compiles_in_timed_call": compiles() + gen.stats.graphs_captured - compiled0,
+        # Generator.warm_up: compiles (dynamo graphs made, inductor's kernels) and captures.
+        "warmup_s": warm["warmup_s"],
+        "warmup_graphs": warm["warmup_graphs"],
+        "graphs_captured": gen.stats.graphs_captured,
+        "compiles_after_warmup": missed,
         "kernels": kernels,
     }
 
@@ -308,6 +335,9 @@ def main() -> None:
                    help="also time each normal-mode configuration with the baseline sampler "
                    "of benchmarks/sampler.py (the one before row_stats)")  # fmt: skip
     p.add_argument("--check-every", type=int, default=8, help="GeneratorConfig.check_every")
+    p.add_argument("--ragged", action="store_true",
+                   help="rows of spread prompt lengths and new tokens: continuous batching "
+                   "moves them through every batch bucket")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="print the CUDA kernels of each configuration's decode step")  # fmt: skip
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
@@ -328,10 +358,12 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{args.flavor}: {n_params / 1e9:.2f}B parameters, {args.dtype}, {where}, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompts "
-          f"{args.prompt_len} + {args.new_tokens} new tokens, compile scope "
+          f"{args.prompt_len} + {args.new_tokens} new tokens"
+          f"{' (ragged: down to half and 1/batch)' if args.ragged else ''}, compile scope "
           f"{args.compile_scope}")  # fmt: skip
     results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype,
-                     "compile_scope": args.compile_scope, "runs": []}  # fmt: skip
+                     "compile_scope": args.compile_scope, "ragged": args.ragged,
+                     "runs": []}  # fmt: skip
     failures: list[str] = []
     for batch in args.batches:
         for mode in args.modes:
@@ -387,9 +419,10 @@ def print_row(row: dict) -> None:
         line += (f"{t['new_tokens_per_s']:>10,.0f} new tok/s, decode "
                  f"{t['decode_ms_per_step']:7.2f} ms/step, prefill+setup "
                  f"{1e3 * t['prefill_and_setup_s']:.1f} ms, warm-up {t['warmup_s']:.1f} s "
-                 f"({t['warmup_graphs']} graphs)")  # fmt: skip
-        if t["compiles_in_timed_call"]:
-            line += f" (WARNING: {t['compiles_in_timed_call']} compile(s) in the timed call)"
+                 f"({t['warmup_graphs']} graphs, {t['graphs_captured']} CUDA graphs)")  # fmt: skip
+        if t["compiles_after_warmup"]:
+            line += (f" (WARNING: {t['compiles_after_warmup']} compile(s)/capture(s) after "
+                     f"the warm-up)")  # fmt: skip
         if "hbm_bound_ms" in row:
             bound = row["hbm_bound_ms"]
             line += (f" (HBM bound {bound['weights']:.2f} ms weights, "

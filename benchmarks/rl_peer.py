@@ -12,7 +12,9 @@ Printed for each run: steps/hour, generated tokens/s, seconds per step, held-out
 and after, the trainer's idle share, and the time to reach the tidal sync run's final pass@1
 where a run reaches it. Step times leave out held-out evaluation (each run evaluates the same
 200 problems greedily every 10 steps; tidal's generator does it in the loop, TRL's in a
-callback), and the first step (warm-up). Then the ratios against the targets:
+callback), and the first step (warm-up); s/step is their mean, printed with the median and
+the slowest step (a mean above the median: outliers, such as compiles inside steps). Then
+the ratios against the targets:
 
 - tidal sync >= 10x TRL's steps/hour (TRL measured 3.39 s/step, 1,061 steps/hour, at this
   batch on a random-init model of this shape: ../shared/anchors/trl_grpo.py);
@@ -31,6 +33,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,6 +75,9 @@ def summarize(name: str, steps: list[dict], evals: list[dict], step_s: list[floa
         "name": name,
         "steps": len(steps),
         "step_s": mean_s,
+        # A mean well above the median: slow outliers (first-use compiles or captures).
+        "step_s_median": statistics.median(warm),
+        "step_s_max": max(warm),
         "steps_per_hour": 3600 / max(mean_s, 1e-9),
         "gen_tokens_per_s": sum(gen) / max(sum(warm), 1e-9),
         "pass1_before": evals[0]["eval_pass1"] if evals else None,
@@ -167,12 +173,13 @@ def trl_run(folder: Path, timeout: float) -> dict | None:
 
 def report(figs: list[dict]) -> None:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    print(f"{'run':<16}{'s/step':>8}{'steps/h':>9}{'gen tok/s':>11}{'pass@1':>16}"
-          f"{'to target':>11}{'trainer idle':>14}")  # fmt: skip
+    print(f"{'run':<16}{'s/step':>8}{'median':>8}{'max':>7}{'steps/h':>9}{'gen tok/s':>11}"
+          f"{'pass@1':>16}{'to target':>11}{'trainer idle':>14}")  # fmt: skip
     for f in figs:
         reach = f.get("time_to_target_s")
         idle = f.get("trainer_idle_frac")
-        print(f"{f['name']:<16}{f['step_s']:>8.3f}{f['steps_per_hour']:>9,.0f}"
+        print(f"{f['name']:<16}{f['step_s']:>8.3f}{f.get('step_s_median', f['step_s']):>8.3f}"
+              f"{f.get('step_s_max', f['step_s']):>7.2f}{f['steps_per_hour']:>9,.0f}"
               f"{f['gen_tokens_per_s']:>11,.0f}"
               f"{pct(f['pass1_before']) + ' -> ' + pct(f['pass1_after']):>16}"
               f"{'-' if reach is None else f'{reach:.0f}s':>11}"

@@ -131,6 +131,47 @@ def test_compiled_blocks_share_one_graph_across_layers_and_batches(model):
     torch._dynamo.reset()
 
 
+def test_compiled_blocks_marked_dynamic_compile_once_for_every_batch():
+    """Decode batches 8, 4, 2, 1 through one compiled block function. Dynamo's automatic
+    dynamic shapes alone compile batch 8 static, recompile dynamic at 4 and specialize 1
+    (three graphs, the second one inside whatever step first meets a second size). With the
+    batch dimension of what a forward hands the blocks marked dynamic (`maybe_mark_dynamic`,
+    as tidal/rl/warmup.py's compiled blocks do), the first graph is the dynamic one: two
+    graphs, batch 1 the other."""
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = tiny()
+
+    def run_block(block, x_BTD, rope, mask, layer_cache):
+        return block(x_BTD, rope, mask, layer_cache)
+
+    compiled = torch.compile(run_block, backend=counter)
+
+    def first(block, x_BTD, rope, mask, layer_cache):
+        for t in (x_BTD, *rope, mask.positions):  # the batch of what every block gets
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(block, x_BTD, rope, mask, layer_cache)
+
+    blocks = [functools.partial(first if i == 0 else compiled, b)
+              for i, b in enumerate(model.layers.values())]  # fmt: skip
+    tokens = torch.randint(0, 97, (8, 6))
+    cache = KVCache.for_model(model, batch_size=8, capacity=32)
+    frames = []
+    with torch.no_grad():
+        model(tokens[:, :5], cache=cache)  # prefill eagerly: the first write allocates
+        cache.advance(5)
+        for b in (8, 4, 2, 1):
+            model(tokens[:b, 5:], positions=cache.lengths[:b, None], cache=cache, blocks=blocks)
+            frames.append(counter.frame_count)
+    assert frames == [1, 1, 1, 2], frames
+    torch._dynamo.reset()
+
+
 def test_positions_argument(model):
     tokens = torch.randint(0, 97, (1, 8))
     torch.testing.assert_close(model(tokens, positions=torch.arange(8)), model(tokens))

@@ -302,9 +302,12 @@ def test_bad_input_is_a_clear_error(model, tokenizer):
 
 def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatch):
     """compile_scope="blocks" with dynamo on CPU (a counting backend that runs the traced
-    graphs as they are): the same tokens as eager, and the 4 layers x 4 buckets x prefill of
-    continuous batching cost a few block graphs (the block function's), not one per layer
-    or bucket. CUDA compiles and captures the same code (tests/rl/test_gpu.py)."""
+    graphs as they are): after `warm_up`, the same tokens as eager, and nothing more compiles
+    whatever the batch buckets (continuous batching walks 8, 4, 2, 1), the prompts' count and
+    widths and the sampler variants warmed. The 4 layers x 4 buckets x prefill cost 4 block
+    graphs, each dynamic in the batch and time from its first shape (no static graph
+    recompiled at the second size); size 1 is a graph of its own. CUDA compiles and captures
+    the same code (tests/rl/test_gpu.py)."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
@@ -319,6 +322,7 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
     with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):
         gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64,
                                                       compile_scope="blocks"))  # fmt: skip
+    assert gen.warm_up() == 0.0 and gen.stats.warmup_seconds == 0  # eager: nothing to pay
     monkeypatch.setattr(torch, "compile", counting_compile)
     gen._compile_on = True  # what compile=None gives on CUDA
     gen._setup_compile()
@@ -326,13 +330,19 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
     # Lengths that end at different steps: the rows left run in buckets 8, 4, 2 and 1.
     params = [SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=n, seed=n)
               for n in (3, 9, 17, 30)]  # fmt: skip
-    for p in (params, GREEDY):
-        for _ in range(2):  # the first call prefills eagerly (it allocates the cache)
-            assert ids(gen.generate(PROMPTS, p)) == ids(ref.generate(PROMPTS, p))
-    blocks = counters["_run_block"].frame_count
-    # Decode: bucket 1 static, then one graph dynamic in the batch; prefill: the same.
-    assert 2 <= blocks <= 4, blocks
-    assert {"_record_greedy", "_record_truncated"} <= counters.keys()
+    with pytest.raises(ValueError, match=r"warm_up buckets \[3\] are not batch buckets"):
+        gen.warm_up(buckets=[3])
+    assert gen.warm_up([params[0], GREEDY]) > 0  # the truncated and greedy variants
+    frames = {name: c.frame_count for name, c in counters.items()}
+    # Decode: bucket 1 and one graph for the others; prefill: one prompt, and one for more.
+    assert frames == {"run_block": 4, "_record_greedy": 2, "_record_truncated": 2}, frames
+    assert gen.stats.prefill_calls == gen.stats.decode_steps == 0  # warm-up not counted
+    assert gen.stats.warmup_seconds > 0
+    ragged = [[3] * 40, [5, 6], *PROMPTS[:3]]  # other widths and prompt counts
+    for prompts, p in [(PROMPTS, params), (PROMPTS, GREEDY), (ragged[:3], params[1]),
+                       (ragged[:1], GREEDY), (ragged, params[2])]:  # fmt: skip
+        assert ids(gen.generate(prompts, p)) == ids(ref.generate(prompts, p))
+    assert {name: c.frame_count for name, c in counters.items()} == frames
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="compile_scope must be 'step' or 'blocks'"):
         GeneratorConfig(compile_scope="layers")  # type: ignore[arg-type]
@@ -353,3 +363,25 @@ def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
     with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):  # CPU
         gen = build_generator(cfg, src)
     assert gen.config.compile_scope == "blocks"
+
+
+def test_the_rl_generator_warms_up_the_variants_it_runs(monkeypatch):
+    """The RL role warms its rollouts' sampler variant, and greedy where it evaluates
+    (generator 0), before it says it is ready; on CPU the warm-up does nothing."""
+    from tidal.rl.configs import get_rl_config
+    from tidal.rl.roles import warm_up_generator
+    from tidal.rl.warmup import variant_of
+    from tidal.train.config_parse import apply_overrides
+
+    gen = Generator(tiny_model(), config=GeneratorConfig(max_batch=4, max_seq_len=64))
+    cfg = apply_overrides(get_rl_config("rl_addition"), ["--rollout.top_p", "0.95"])
+    lines: list[str] = []
+    warm_up_generator(gen, cfg, 0, log=lines.append)
+    assert lines == [] and gen.stats.warmup_seconds == 0  # CPU: nothing compiled or captured
+    asked = []
+    monkeypatch.setattr(gen, "warm_up", lambda params: asked.append(params) or 1.5)
+    for index in (0, 1):
+        warm_up_generator(gen, cfg, index, log=lines.append)
+    variants = [sorted(variant_of(p) for p in ps) for ps in asked]
+    assert variants == [["greedy", "truncated"], ["truncated"]]
+    assert lines[0].startswith("generator 0: warmed up in 1.5 s")

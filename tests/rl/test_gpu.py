@@ -173,3 +173,28 @@ def test_continuous_batching_on_cuda_finishes_everything(scope):
         33,
         33,
     ]
+
+
+@SCOPES
+def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
+    """`Generator.warm_up` compiles and captures every bucket and sampler variant asked for:
+    afterwards continuous batching through buckets 8, 4, 2, 1, prompts of other counts and
+    widths, greedy and sampled, make no dynamo graph and capture no CUDA graph, and give
+    eager's tokens (the warm-up leaves the rows as they were)."""
+    model = _model()
+    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256,
+                                                  compile_scope=scope))  # fmt: skip
+    sampled = [SamplingParams(n=2, temperature=1.0, max_new_tokens=n, seed=n)
+               for n in (5, 40, 17, 3, 24)]  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_new_tokens=24)
+    seconds = gen.warm_up([sampled[0], greedy])
+    captured, graphs = gen.stats.graphs_captured, _graphs()
+    print(f"{scope}: warm-up {seconds:.1f} s, {graphs} dynamo graphs, {captured} CUDA graphs")
+    assert captured == 2 * len(gen.buckets) and gen.stats.prefill_calls == 0
+    if scope == "blocks":  # the block: 4 (decode, prefill: batch 1, the others); sampler: 2 x 2
+        assert graphs <= 10, graphs
+    ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **EAGER))
+    for prompts, params in [(PROMPTS, sampled), (PROMPTS, greedy), (PROMPTS[1:4], sampled[:3]),
+                            (PROMPTS[4:], greedy), (PROMPTS[:2], sampled[1])]:  # fmt: skip
+        assert _ids(gen.generate(prompts, params)) == _ids(ref.generate(prompts, params))
+    assert (gen.stats.graphs_captured, _graphs()) == (captured, graphs)

@@ -36,9 +36,10 @@ class Clock:
         return self.now
 
 
-def beat(store, g: int, ident: str, t: float) -> None:
+def beat(store, g: int, ident: str, t: float, ready: bool = True) -> None:
     """What generator g's Link puts every heartbeat."""
-    store.put_state_dict({"role": f"generator {g}", "t": t, "id": ident}, f"alive/generator{g}")
+    store.put_state_dict({"role": f"generator {g}", "t": t, "id": ident, "ready": ready},
+                         f"alive/generator{g}")  # fmt: skip
 
 
 def test_the_trainer_sees_generators_join_get_lost_come_back_restart_and_leave(store):
@@ -187,6 +188,46 @@ def test_the_last_generator_lost_for_a_pause_is_waited_for_until_dead_after_s(st
     m.poll(force=True)
     assert m.gone(0, "a")
     with pytest.raises(RoleStopped, match="fewer than rl.min_generators=1: generator 0 lost"):
+        m.require("waiting")
+
+
+def test_a_generator_warming_up_beats_and_joins_once_ready(store):
+    """A generator beats from its start but says it is ready only after its warm-up
+    (compiles, CUDA graphs): until then it is no member (no prompts, the trainer's steps do
+    not wait for its compiles), yet the run does not stop for want of it while it beats. A
+    restart under the same index drops the old process at once; the new one joins when
+    ready."""
+    cfg = apply_overrides(tiny(), ["--rl.dead_after_s", "6"])
+    clock, lines = Clock(), []
+    m = Members(store, cfg, log=lines.append, clock=clock)
+    link = Link(store, "generator 0", watch=[], loop=cfg.rl, ready=False)
+    link.ident = "a"
+    for _ in range(3):
+        link._put_beat()  # what its beating thread puts every rl.heartbeat_s
+        m.poll(force=True)
+        clock.now += 1.0
+    assert store.get_state_dict("alive/generator0")["ready"] is False
+    assert m.live() == [] and lines == [] and not m.gone(0, "a")
+    m.require("waiting")  # it is coming: no error
+    link.set_ready()
+    link._put_beat()
+    m.poll(force=True)
+    assert m.is_live(0, "a") and lines == ["trainer: generator 0 joined (1 live)"]
+
+    beat(store, 0, "b", 10.0, ready=False)  # restarted: the new process warms up
+    m.poll(force=True)
+    assert m.gone(0, "a") and not m.is_live(0, "b") and m.live() == []
+    assert "generator 0 restarted as a new process" in lines[-1]
+    m.require("waiting")
+    beat(store, 0, "b", 11.0)
+    m.poll(force=True)
+    assert m.is_live(0, "b") and lines[-1] == "trainer: generator 0 joined again (1 live)"
+
+    beat(store, 0, "c", 12.0, ready=False)  # restarted again, and silent while warming up
+    m.poll(force=True)
+    clock.now += 6.5
+    m.poll(force=True)
+    with pytest.raises(RoleStopped, match="fewer than rl.min_generators=1"):
         m.require("waiting")
 
 

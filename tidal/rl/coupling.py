@@ -17,6 +17,7 @@ Keys of a run (one run per store at a time; the trainer clears an earlier run's 
     control/left/<g>     plain values: generator g left the job, and why
     alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive",
                          with the process's random id (a restarted generator has a new one)
+                         and whether it is ready (a generator is not while it warms up)
 
 Liveness: each role runs a `Link`, whose background thread puts a heartbeat under
 `alive/<role>` every `heartbeat_s`. Waiting for another role's output is `Link.wait`: it
@@ -32,7 +33,8 @@ each check also asks that it is still there: a store whose controller was restar
 nothing of the run, and every role then stops saying so.
 
 Lifecycle (in every role process): `Link(store, name, watch=[...], loop=cfg.rl)` after
-connecting, `link.start()` to begin beating, `link.wait(...)` for each input, `link.stop(why)`
+connecting (`ready=False` for a generator, which says `link.set_ready()` once its warm-up is
+done), `link.start()` to begin beating, `link.wait(...)` for each input, `link.stop(why)`
 on an error or Ctrl-C (the others see it within a heartbeat), `link.close()` at the end.
 """
 
@@ -104,10 +106,14 @@ class Link:
         watch: the roles whose output this one waits for; their silence stops the wait.
         loop: the timeouts (`rl.wait_timeout_s`, `rl.heartbeat_s`, `rl.dead_after_s`).
         beat: put heartbeats (one process per role does: trainer rank 0, each generator).
+        ready: what the heartbeats say until `set_ready()`: a generator beats from its
+            start, not ready while it builds and warms up its Generator (the trainer counts
+            it as a member only once it is ready: tidal/rl/membership.py).
     """
 
     def __init__(self, store: Any, name: str, *, watch: list[str], loop: LoopConfig,
-                 beat: bool = True, log: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 beat: bool = True, log: Callable[[str], None] | None = None,
+                 ready: bool = True) -> None:  # fmt: skip
         self.store, self.name, self.watch, self.loop = store, name, list(watch), loop
         self.log = log
         self._torn: set[str] = set()
@@ -125,6 +131,8 @@ class Link:
         self.beat_error: BaseException | None = None
         self.ident = secrets.token_hex(8)
         """This process's id in its heartbeats: a restarted role beats with a new one."""
+        self.ready = ready
+        """Said in every heartbeat (see `set_ready`)."""
 
     @staticmethod
     def key(role: str) -> str:
@@ -140,8 +148,12 @@ class Link:
         self._thread.start()
 
     def _put_beat(self) -> None:
-        self.store.put_state_dict({"role": self.name, "t": time.time(), "id": self.ident},
-                                  self.key(self.name))  # fmt: skip
+        self.store.put_state_dict({"role": self.name, "t": time.time(), "id": self.ident,
+                                   "ready": self.ready}, self.key(self.name))  # fmt: skip
+
+    def set_ready(self) -> None:
+        """Say from the next heartbeat on (within `heartbeat_s`) that this role is ready."""
+        self.ready = True
 
     def follow_run(self) -> None:
         """From now on every check asks that the run's `control/start` is still in the store

@@ -29,6 +29,9 @@ Design (after gpt-fast's generate.py and nanochat's engine.py, written for tidal
   batch-invariant mode the step is not compiled (inductor would fuse the ops into kernels the
   trainer does not run) but still captured: a graph replays exactly the eager kernels.
   CPU: eager.
+- Warm-up: each compile and capture happens at the first call that needs it, unless
+  `warm_up` paid for them first (every bucket and sampler variant asked for; the compiled
+  blocks are dynamic in the batch and time from their first shape): tidal/rl/warmup.py.
 
 Randomness: per sample, a counter-based hash of (request seed, sample index, completion
 index, token id) (tidal/rl/sampling.py): the same request and seed give the same tokens in
@@ -38,9 +41,10 @@ Files: this one holds the engine; its config, samples and counters are in
 tidal/rl/generator_types.py, the bookkeeping of cache rows in tidal/rl/slots.py.
 
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
-it in a `Generator` once, call `generate` for each batch of prompts and `load_weights` /
-`load_from_store` between calls. One Generator per process (per rank under tensor
-parallelism: every rank calls the same methods with the same arguments).
+it in a `Generator` once, optionally `warm_up` (any weights: graphs survive weight loads),
+call `generate` for each batch of prompts and `load_weights` / `load_from_store` between
+calls. One Generator per process (per rank under tensor parallelism: every rank calls the
+same methods with the same arguments).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from tidal.models.transformer import Transformer
 from tidal.rl.generator_types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
 from tidal.rl.sampling import SamplingParams, sample, sample_key
 from tidal.rl.slots import Request, Rows, Slot, buckets, round_up
+from tidal.rl.warmup import compiled_blocks, mark_batch, variant, warm_up
 
 _PREFILL_PAD = 16  # prompts are right-padded to a multiple of this many tokens
 
@@ -150,16 +155,15 @@ class Generator:
         """The compiled pieces `_compile_on` and `compile_scope` ask for. "step": the prefill
         whole, with dynamic shapes (decode steps are compiled at their first use, in
         `_step_fn`). "blocks": one block function shared by every layer, for the prefill and
-        the decode steps alike (the batch and time dimensions become dynamic at their second
-        size, so a few graphs serve every bucket)."""
+        the decode steps alike (the batch and time dimensions dynamic from the first call, so
+        a few graphs serve every bucket: `compiled_blocks`)."""
         self._prefill_fn, self._blocks = self._prefill_forward, None
         if not self._compile_on:
             return
         if self.config.compile_scope == "step":
             self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True)
             return
-        block_fn = torch.compile(_run_block, options=self._inductor_options())
-        self._blocks = [functools.partial(block_fn, b) for b in self.model.layers.values()]
+        self._blocks = compiled_blocks(list(self.model.layers.values()), self._inductor_options())
 
     def _inductor_options(self) -> dict[str, Any] | None:
         return {"coordinate_descent_tuning": True} if self.config.tune_kernels else None
@@ -256,6 +260,38 @@ class Generator:
         return version
 
     # -- generation -----------------------------------------------------------------------
+
+    def warm_up(
+        self,
+        params: Sequence[SamplingParams] | None = None,
+        *,
+        buckets: Sequence[int] | None = None,
+    ) -> float:
+        """Compile and capture now what `generate` would at its first use of each piece: the
+        prefill (one prompt and several; the first prefill, which allocates the KV cache,
+        as well) and the decode step of every batch bucket in every sampler variant of
+        `params`, with its CUDA graph. Afterwards, `generate` calls with those variants
+        compile and capture nothing, whatever buckets continuous batching moves through and
+        whatever the prompts' lengths. Returns the seconds it took (also added up in
+        `stats.warmup_seconds`; `stats.graphs_captured` counts its graphs, the other
+        counters are left as they were). Does nothing on a Generator that compiles nothing
+        and captures nothing (CPU, or both off). The weights are only read: warm up before
+        loading the real ones or after, the graphs stay valid.
+
+        Args:
+            params: the sampling settings `generate` will get; only their variant counts
+                (greedy: temperature 0; sampled; sampled with top-k / top-p). None: all three.
+            buckets: the decode batch sizes to warm (of `self.buckets`); None: all of them.
+
+        Raises:
+            ValueError: a bucket that is not one of `self.buckets`.
+
+        Example::
+
+            gen = Generator(model, config=GeneratorConfig(max_batch=128, compile_scope="blocks"))
+            gen.warm_up([SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)])
+        """
+        return warm_up(self, params, buckets)
 
     @torch.no_grad()
     def generate(
@@ -550,7 +586,7 @@ class Generator:
     # compile_scope="blocks": the step runs eagerly around the compiled blocks, and the
     # sampler and row updates are compiled apart, again one entry point per variant.
     def _step_blocks(self, record: Callable[[torch.Tensor], None], b: int) -> None:
-        record(self._decode_logits(b))
+        record(mark_batch(self._decode_logits(b)))  # compiled dynamic in the batch at once
 
     def _record_greedy(self, logits_BV: torch.Tensor) -> None:
         self._record(logits_BV, False, False)
@@ -562,18 +598,18 @@ class Generator:
         self._record(logits_BV, True, True)
 
     def _step_fn(self, b: int, sampled: bool, truncate: bool):
-        variant = "truncated" if truncate else "sampled" if sampled else "greedy"
-        step = self._steps.get(variant)
+        name = variant(sampled, truncate)
+        step = self._steps.get(name)
         if step is None:
-            step = getattr(self, f"_step_{variant}")
+            step = getattr(self, f"_step_{name}")
             if self._compile_on and self.config.compile_scope == "step":
                 step = torch.compile(step, dynamic=False, options=self._inductor_options())
             elif self._compile_on:
                 record = torch.compile(
-                    getattr(self, f"_record_{variant}"), options=self._inductor_options()
+                    getattr(self, f"_record_{name}"), options=self._inductor_options()
                 )
                 step = functools.partial(self._step_blocks, record)
-            self._steps[variant] = step
+            self._steps[name] = step
         if not self._graphs_on:
             return lambda: step(b)
         key = (b, sampled, truncate)
@@ -733,18 +769,6 @@ class Generator:
             return contextlib.nullcontext()
         # No cast cache: a captured graph must cast the current weights on every replay.
         return torch.autocast(dev, dtype=amp, cache_enabled=False)
-
-
-def _run_block(
-    block: torch.nn.Module,
-    x_BTD: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    mask: Any,
-    cache: Any,
-) -> torch.Tensor:
-    """`block(...)`, as a function of the block: compiled once (compile_scope="blocks"), it
-    serves every layer, whose weights and cache buffers are inputs of the same graphs."""
-    return block(x_BTD, rope, mask, cache)
 
 
 def _few(names: list[str], n: int = 8) -> str:

@@ -35,21 +35,23 @@ class GeneratorConfig:
     """torch.compile the decode step and prefill. None: on for CUDA outside batch-invariant
     mode, for models without DTensor parameters (no FSDP or tensor parallel)."""
     cuda_graphs: bool | None = None
-    """Capture the decode step in CUDA graphs per (batch bucket, sampler variant). None: on
-    for CUDA models without DTensor parameters."""
+    """Capture the decode step in CUDA graphs per (batch bucket, sampler variant), at its
+    first use or in `Generator.warm_up`. None: on for CUDA models without DTensor
+    parameters."""
     compile_scope: Literal["step", "blocks"] = "step"
     """What `compile` compiles. "step": each decode step whole (every layer, the sampler and
     the row updates in one graph, static shapes) per (batch bucket, sampler variant), and the
     prefill whole with dynamic shapes: the fastest steps, but every compile traces every
     layer, and an RL run meets many buckets (SmolLM2-135M's 30 layers on one H200: over
     280 s of cold compiles). "blocks": one transformer-block function, compiled once for
-    every layer, with the batch and time dimensions dynamic from their second size (about
-    two graphs for the decode steps and two for the prefill, whatever the buckets), plus the
-    sampler and row updates per sampler variant; the embedding, final norm and LM head run
-    eagerly, and CUDA graphs still capture the whole step per bucket. Compiles cost about one
-    block's worth instead of the whole model's per bucket and variant; steps may be a little
-    slower (more kernels, no fusion across blocks). Choose "blocks" when compile time counts
-    (many buckets, deep models, short jobs); docs/generate.md."""
+    every layer, with the batch and time dimensions dynamic from the first call (two graphs
+    for the decode steps, batch 1 and the others, and two for the prefill, whatever the
+    buckets), plus the sampler and row updates per sampler variant; the embedding, final
+    norm and LM head run eagerly, and CUDA graphs still capture the whole step per bucket.
+    Compiles cost about one block's worth instead of the whole model's per bucket and
+    variant; steps may be a little slower (more kernels, no fusion across blocks). Choose
+    "blocks" when compile time counts (many buckets, deep models, short jobs);
+    docs/generate.md. `Generator.warm_up` pays for either scope's compiles up front."""
     tune_kernels: bool = False
     """Compile the decode step with inductor's coordinate-descent tuning of each kernel's
     launch configuration (``coordinate_descent_tuning``). On one H200, llama3_1b bf16 at
@@ -139,3 +141,5 @@ class GeneratorStats:
     """Versions swapped in between decode steps by `Generator.swap_hook`."""
     decode_seconds: float = 0.0
     """Host time spent in decode steps and checks (device-synchronized at each check)."""
+    warmup_seconds: float = 0.0
+    """Time spent in `Generator.warm_up` (its compiles and captures)."""

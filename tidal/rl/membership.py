@@ -4,9 +4,11 @@ A generator is a member while its heartbeat (`alive/generator<g>`, put by its
 `coupling.Link`) advances. Trainer rank 0 keeps a `Members` and polls it between the slices
 of its waits. A generator's state, as the trainer sees it:
 
-    joined  its heartbeat advanced since the trainer began watching (a late `tidal rl
-            generator --index k` joins this way; a heartbeat left by an earlier run or a dead
-            process does not advance and never counts)
+    joined  its heartbeat advanced since the trainer began watching, saying it is ready (a
+            late `tidal rl generator --index k` joins this way; a heartbeat left by an earlier
+            run or a dead process does not advance and never counts; a generator beats from
+            its start but says it is ready only after its warm-up, tidal/rl/warmup.py, so
+            neither the first step nor a late joiner's first batch waits for compiles)
     lost    no new heartbeat for `rl.lost_after_s` (killed, hung, or its host gone): the
             trainer says so and goes on with the others
     left    it deleted its heartbeat key at a clean exit (`leave`), after putting its reason
@@ -67,6 +69,8 @@ class Member:
     """unknown (a heartbeat seen, not yet advancing), live, lost or left."""
     why: str = ""
     """What happened to it (lost or left)."""
+    ready: bool = True
+    """Its last heartbeat said it is ready (False while it warms up)."""
 
 
 class Members:
@@ -130,9 +134,11 @@ class Members:
 
     def _may_return(self, m: Member) -> bool:
         """A lost generator silent for less than rl.dead_after_s may still come back (a pause,
-        not a death): the run does not stop for want of it yet."""
-        return (m.state == "lost" and m.why.startswith("lost:")
-                and self.clock() - m.seen < self.cfg.rl.dead_after_s)  # fmt: skip
+        not a death), and one that beats while it warms up is coming: the run does not stop
+        for want of it yet."""
+        paused = m.state == "lost" and m.why.startswith("lost:")
+        warming = m.state != "live" and not m.ready
+        return (paused or warming) and self.clock() - m.seen < self.cfg.rl.dead_after_s
 
     def gone(self, index: int, ident: str) -> bool:
         """Whether generator `index`'s process `ident` is gone for good: it left, was
@@ -145,7 +151,7 @@ class Members:
 
     def require(self, doing: str) -> None:
         """Raise RoleStopped when fewer than rl.min_generators are live (a lost one counts
-        until rl.dead_after_s: it may come back)."""
+        until rl.dead_after_s: it may come back; one warming up counts while it beats)."""
         live, need = self.live(), self.cfg.rl.min_generators
         if len(live) >= need:
             return
@@ -185,15 +191,21 @@ class Members:
             except (KeyNotFoundError, VersionNotFoundError):
                 continue  # it left between the two calls
             present.add(g)
-            token = (beat.get("id"), beat.get("t"))
+            token, ready = (beat.get("id"), beat.get("t")), bool(beat.get("ready", True))
             m = self.gens.get(g)
             if m is None:  # first sighting: a member once it beats again
-                self.gens[g] = Member(index=g, id=str(beat.get("id")), token=token, seen=now)
+                self.gens[g] = Member(index=g, id=str(beat.get("id")), token=token, seen=now,
+                                      ready=ready)  # fmt: skip
                 continue
             if token != m.token:
-                m.token, m.seen = token, now
-                if m.state != "live" or m.id != beat.get("id"):
-                    self._join(m, str(beat.get("id")))
+                m.token, m.seen, m.ready = token, now, ready
+                ident = str(beat.get("id"))
+                if not ready:  # warming up: a member once it is ready
+                    if m.state == "live" and m.id != ident:  # the old process is gone
+                        self._gone(m, "lost", "restarted as a new process")
+                    m.id = ident
+                elif m.state != "live" or m.id != ident:
+                    self._join(m, ident)
             elif m.state == "live" and now - m.seen > self.cfg.rl.lost_after_s:
                 self._gone(m, "lost", f"lost: no heartbeat for {now - m.seen:.1f} s "
                            f"(rl.lost_after_s={self.cfg.rl.lost_after_s:g})")  # fmt: skip
@@ -240,12 +252,17 @@ class Members:
             link.wait(f"{count} generator(s) to join", attempt)
         except TimeoutError:
             live = self.live()
+            with self._lock:
+                warming = [m.index for _, m in sorted(self.gens.items()) if not m.ready]
+            hint = "start them with `tidal rl generator --store ADDR --index i`"
+            if warming:
+                hint = (f"generator(s) {warming} beat but were still warming up (compiles "
+                        f"and CUDA graphs): raise rl.wait_timeout_s")  # fmt: skip
             if len(live) < self.cfg.rl.min_generators:
                 raise TimeoutError(
                     f"trainer: {len(live)} of generator.count={count} generators joined within "
                     f"rl.wait_timeout_s={self.cfg.rl.wait_timeout_s:g} s (rl.min_generators="
-                    f"{self.cfg.rl.min_generators}); start them with `tidal rl generator "
-                    f"--store ADDR --index i`"
+                    f"{self.cfg.rl.min_generators}); {hint}"
                 ) from None
             self.log(f"trainer: {len(live)} of generator.count={count} generators joined within "
                      f"rl.wait_timeout_s; going on with them")  # fmt: skip
@@ -257,12 +274,21 @@ class Members:
         version + 1 (prompts_per_step split evenly, the remainder to the first). Returns it.
 
         Raises:
-            RoleStopped: fewer than rl.min_generators are live."""
+            RoleStopped: fewer than rl.min_generators are live, or none for
+                rl.wait_timeout_s (while one warms up)."""
         self.poll(force=True)
-        while True:  # none live, one may come back: wait for it (at most rl.dead_after_s)
+        deadline = time.monotonic() + self.cfg.rl.wait_timeout_s
+        # None live, one may come back (within rl.dead_after_s) or is warming up: wait for it.
+        while True:
             self.require(f"publishing policy version {version}")
             if live := self.live():
                 break
+            if time.monotonic() > deadline:
+                raise RoleStopped(
+                    f"trainer: no generator live for rl.wait_timeout_s="
+                    f"{self.cfg.rl.wait_timeout_s:g} s while publishing policy version "
+                    f"{version} (the ones beating are still warming up)"
+                )
             time.sleep(self.cfg.rl.heartbeat_s / 4)
             self.poll(force=True)
         share, extra = divmod(self.cfg.rollout.prompts_per_step, len(live))

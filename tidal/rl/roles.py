@@ -13,8 +13,10 @@ Lifecycle:
   step (`control/start`), publishes version 0 and runs `train_loop`; rank 0 logs.
 - `run_generator` (each generator process, or each rank of a tensor-parallel generator:
   tidal/rl/layouts.py): builds the model from the policy's architecture in the generator's
-  layout (its weights come from the store only, each rank reading its own shards), waits
-  for `control/start` and runs `generate_loop`; rank 0 alone beats and puts rollouts.
+  layout (its weights come from the store only, each rank reading its own shards), warms
+  up its Generator (compiles and CUDA graphs; its heartbeats say it is ready only then, so
+  the trainer's steps never wait for them), waits for `control/start` and runs
+  `generate_loop`; rank 0 alone beats and puts rollouts.
 The roles share nothing but the store (tidal/rl/coupling.py); each also runs alone against a
 store address (`tidal store serve`) on a cluster.
 """
@@ -379,6 +381,25 @@ def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local
     return Generator(model, tokenizer=src.tokenizer, config=config)
 
 
+def warm_up_generator(gen: Any, cfg: RLConfig, index: int, *, log: Log) -> None:
+    """Compile and capture now (`Generator.warm_up`) every decode bucket of the sampler
+    variants generator `index` runs: its rollouts', and greedy for generator 0's held-out
+    evaluations. Nothing is done where nothing is compiled or captured (CPU)."""
+    from tidal.rl.sampling import SamplingParams
+
+    r = cfg.rollout
+    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)]
+    if index == 0:
+        params.append(SamplingParams(temperature=0.0))
+    if gen.device.type == "cuda":  # a compile scope "step" warm-up may take minutes
+        log(f"{generator_name(index)}: warming up (batch buckets {gen.buckets}, "
+            f"{len(params)} sampler variant(s)); it joins the job when done")  # fmt: skip
+    seconds = gen.warm_up(params)
+    if seconds:
+        log(f"{generator_name(index)}: warmed up in {seconds:.1f} s ({gen.stats.graphs_captured} "
+            f"CUDA graphs; batch buckets {gen.buckets})")  # fmt: skip
+
+
 def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
                   log: Log = print) -> None:  # fmt: skip
     """Generator `index`'s role (in each of its ranks; `dist_info`: torchrun's, for a
@@ -412,7 +433,8 @@ def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, i
     name, main = generator_name(index), info.is_main
     if main:  # the beating rank speaks for the generator
         _check_index_free(store, name, cfg)
-    link = Link(store, name, watch=["trainer"], loop=cfg.rl, beat=main, log=log)
+    # Beating from the start (alive), ready once warmed up (then the trainer counts it).
+    link = Link(store, name, watch=["trainer"], loop=cfg.rl, beat=main, log=log, ready=False)
     link.start()
 
     def on_sigterm(signum, frame) -> None:  # leave at the next wait (after a batch in progress)
@@ -421,6 +443,8 @@ def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, i
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         gen = build_generator(cfg, src, mesh=mesh, local_rank=info.local_rank)
+        warm_up_generator(gen, cfg, index, log=log)
+        link.set_ready()
         pad = src.tokenizer.eos_id
         policy = Policy(generator=gen, encoder=src.encoder, pad_id=pad,
                         max_prompt_tokens=cfg.rollout.max_prompt_tokens)  # fmt: skip

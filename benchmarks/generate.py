@@ -213,6 +213,17 @@ def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dic
     }
 
 
+def _beside(label: str, t: dict | None, other: dict | None, ratio: Callable[[float], str]) -> str:
+    """Another configuration's figures beside tidal's on one line, with ratio(tidal / it)."""
+    if other is None:
+        return f" | {label} FAILED"
+    out = (f" | {label} {other['new_tokens_per_s']:,.0f} tok/s, "
+           f"{other['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
+    if t is not None:
+        out += f" ({ratio(t['new_tokens_per_s'] / other['new_tokens_per_s'])})"
+    return out
+
+
 def profile_step(gen, batch: int, variant: str, steps: int = 20) -> dict:
     """The CUDA kernels of one decode step: the compiled step (not its graph, whose kernels
     are the same) run `steps` times under torch.profiler after the timed call (its rows are
@@ -434,17 +445,9 @@ def print_row(row: dict) -> None:
         if t is not None and h is not None:
             line += f", tidal/transformers {t['new_tokens_per_s'] / h['new_tokens_per_s']:.1f}x"
     if "batch_invariant" in row:
-        line += " | batch-invariant " + ("FAILED" if b is None else
-                                         f"{b['new_tokens_per_s']:,.0f} tok/s, "
-                                         f"{b['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
-        if t is not None and b is not None:
-            line += f" ({t['new_tokens_per_s'] / b['new_tokens_per_s']:.2f}x slower)"
+        line += _beside("batch-invariant", t, b, lambda r: f"{r:.2f}x slower")
     if "plain_sampler" in row:
-        line += " | plain sampler " + ("FAILED" if ps is None else
-                                       f"{ps['new_tokens_per_s']:,.0f} tok/s, "
-                                       f"{ps['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
-        if t is not None and ps is not None:
-            line += f" (tidal {t['new_tokens_per_s'] / ps['new_tokens_per_s']:.3f}x)"
+        line += _beside("plain sampler", t, ps, lambda r: f"tidal {r:.3f}x")
     print(line, flush=True)
     for name in ("tidal", "plain_sampler"):
         r = ok(name)

@@ -1,5 +1,7 @@
 """The batched device copier's choices, on any machine: no driver call, a failing one."""
 
+import warnings
+
 import pytest
 
 from tidal.store.transports.cuda_batch import Batch, BatchCopier
@@ -38,5 +40,25 @@ def test_one_pair_needs_no_batch():
     pairs = [(16, 32, 8)]
     assert copier.prepare(pairs, 0) is pairs
     batch = copier.prepare(pairs * 2, 0)
-    copier.run(batch, 0)
+    copier.run(batch, 5)
     assert copier.batches == 1
+
+
+def test_the_legacy_default_stream_is_refused_before_the_driver_sees_it():
+    copier = BatchCopier(None, lambda pairs, stream: None)
+    copier._call = lambda batch, stream: 0
+    with pytest.raises(ValueError, match="legacy default stream"):
+        copier.run(copier.prepare([(16, 32, 8)] * 2, 0), 0)
+
+
+def test_a_batch_prepared_before_a_failure_goes_through_the_loop_without_a_second_warning():
+    calls = []
+    copier = BatchCopier(None, lambda pairs, stream: calls.append(pairs))
+    copier._call = lambda batch, stream: 1
+    first, second = copier.prepare([(16, 32, 8)] * 2, 0), copier.prepare([(48, 64, 8)] * 3, 0)
+    with pytest.warns(RuntimeWarning):
+        copier.run(first, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copier.run(second, 3)
+    assert calls == [first.pairs, second.pairs]

@@ -15,8 +15,12 @@ its arguments between 12.8 and 13.0. Device pointers and stream handles are the 
 in both APIs, and the runtime makes the device's primary context current
 (``torch.cuda.device``) before a call.
 
-Not yet run on a GPU when written (2026-12-02): tests/store/test_gpu.py checks its bytes
-against the one-at-a-time copies and that the batch was the path taken.
+The call refuses the legacy default stream (handle 0: torch's default stream) with
+``CUDA_ERROR_INVALID_VALUE``, so callers on that stream issue the batch on a side stream
+ordered after and before it (:class:`~tidal.store.transports.cuda_copies.CopyPlan`); the
+first H200 run, which passed stream 0, fell back to the loop with that error.
+tests/store/test_gpu.py checks the bytes against the one-at-a-time copies and that the batch
+was the path taken.
 """
 
 from __future__ import annotations
@@ -71,10 +75,12 @@ class BatchCopier:
         self._call: Callable[[Batch, int], int] | None = None
         if driver_path is not None:
             self._call = _batch_call(ctypes.CDLL(driver_path))
+        self.supported = self._call is not None  # the driver has the call
         self.batches = 0  # batched calls made (tidal.store.testing, the GPU tests)
 
     @property
     def batching(self) -> bool:
+        """Whether copies go batched: the driver has the call and no batch has failed."""
         return self._call is not None
 
     def prepare(self, pairs: Pairs, device: int) -> Batch | Pairs:
@@ -86,7 +92,12 @@ class BatchCopier:
             self._loop(prepared, stream)
             return
         call = self._call
-        rc = call(prepared, stream) if call is not None else -1
+        if call is None:  # prepared before a batch failed
+            self._loop(prepared.pairs, stream)
+            return
+        if stream == 0:
+            raise ValueError("cuMemcpyBatchAsync refuses the legacy default stream")
+        rc = call(prepared, stream)
         if rc == 0:
             self.batches += 1
             return

@@ -29,8 +29,21 @@ class Copier(Protocol):
     """Issues raw device copies on a stream (tidal/store/transports/cuda_batch.py): ``prepare``
     once per plan and device, ``run`` at every replay."""
 
+    @property
+    def batching(self) -> bool: ...  # whose calls refuse the legacy default stream
     def prepare(self, pairs: list[tuple[int, int, int]], device: int) -> Any: ...
     def run(self, prepared: Any, stream: int) -> None: ...
+
+
+_sides: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of ``device`` for batched copies asked for on its legacy default stream."""
+    side = _sides.get(device)
+    if side is None:
+        side = _sides.setdefault(device, torch.cuda.Stream(device))
+    return side
 
 
 @dataclass(slots=True)
@@ -90,7 +103,17 @@ class CopyPlan:
                 prepared = self.prepared.get(device)
                 if prepared is None:
                     prepared = self.prepared[device] = copier.prepare(pairs, device.index)
-                copier.run(prepared, torch.cuda.current_stream(device).cuda_stream)
+                stream = torch.cuda.current_stream(device)
+                if stream.cuda_stream or not copier.batching:
+                    copier.run(prepared, stream.cuda_stream)
+                    continue
+                # The batched call refuses the legacy default stream: run it on a side
+                # stream that starts after the work queued so far and that the caller's
+                # later work (and a synchronize of the default stream) waits for.
+                side = _side_stream(device)
+                side.wait_stream(stream)
+                copier.run(prepared, side.cuda_stream)
+                stream.wait_stream(side)
 
 
 class CopyPlans:

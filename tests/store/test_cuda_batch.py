@@ -62,3 +62,29 @@ def test_a_batch_prepared_before_a_failure_goes_through_the_loop_without_a_secon
         warnings.simplefilter("error")
         copier.run(second, 3)
     assert calls == [first.pairs, second.pairs]
+
+
+def test_gather_rows_cut_copies_into_chunks_of_words():
+    from tidal.store.transports.cuda_gather import CHUNK_BYTES, _aligned, _rows
+
+    rows = _rows([(1 << 32, 1 << 33, 2 * CHUNK_BYTES + 8), (4096, 8192, 12)])
+    assert rows == [
+        (1 << 32, 1 << 33, CHUNK_BYTES // 4),
+        ((1 << 32) + CHUNK_BYTES, (1 << 33) + CHUNK_BYTES, CHUNK_BYTES // 4),
+        ((1 << 32) + 2 * CHUNK_BYTES, (1 << 33) + 2 * CHUNK_BYTES, 2),
+        (4096, 8192, 3),
+    ]
+    assert not _aligned((4096, 8194, 8)) and not _aligned((4096, 8192, 6))
+
+
+def test_gather_copier_leaves_single_pairs_and_a_failed_kernel_to_the_batch_copier():
+    from tidal.store.transports.cuda_gather import GatherCopier
+
+    calls = []
+    gather = GatherCopier(BatchCopier(None, lambda pairs, stream: calls.append(pairs)))
+    one = [(16, 32, 8)]
+    gather.run(gather.prepare(one, 0), 3)
+    gather.failed = True
+    two = [(16, 32, 8), (48, 64, 8)]
+    gather.run(gather.prepare(two, 0), 3)
+    assert calls == [one, two] and gather.launches == 0

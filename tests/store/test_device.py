@@ -12,10 +12,11 @@ from tidal.store import ProtocolError, StoreError, VolumeLostError, ops, testing
 
 HANDLE = bytes(range(64))
 GPU = "GPU-00000000-fake"
+EVENT = bytes(range(64, 128))
 
 
 def _handle(slot: int, handle: bytes = HANDLE) -> dict:
-    return {"slot": slot, "uuid": GPU, "handle": handle}
+    return {"slot": slot, "uuid": GPU, "handle": handle, "event": EVENT}
 
 
 class Writer:

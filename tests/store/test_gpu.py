@@ -114,6 +114,48 @@ def test_device_memory_across_processes(monkeypatch):
                 proc.kill()
 
 
+def test_a_put_of_gpu_memory_is_ordered_on_the_callers_stream():
+    """A put of GPU memory returns once its copies are queued: they run after the caller's
+    queued work and before its later work (tidal/store/transports/cuda_ipc.py, Ordering)."""
+    with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
+        src = torch.zeros(64 << 20, device="cuda")  # 256 MB
+        for v in range(3):
+            torch.cuda._sleep(300_000_000)  # keeps the caller's stream busy for ~0.15 s
+            src.fill_(float(v))  # queued behind the sleep: the value to store
+            writer.put("x", src, memory="cuda")
+            src.fill_(-1.0)  # queued after the put: must not reach the stored bytes
+            assert torch.equal(reader.get("x", into=torch.empty_like(src)), torch.full_like(src, v))
+
+
+def test_a_reader_in_another_process_waits_for_the_writers_copies():
+    """The writer commits before its copies have run (its stream is busy); the reader's
+    copies wait for the writer's interprocess event, so it never sees old bytes."""
+    import torch.multiprocessing as mp
+
+    from tests.store import _gpu_procs
+
+    ctx = mp.get_context("spawn")
+    with tidal.store.connect(keep=1) as store:
+        writer = tidal.store.connect(store.address)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_gpu_procs.reader, args=(child, store.address))
+        proc.start()
+        child.close()
+        try:
+            for v in range(4):
+                torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after commit
+                writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
+                parent.send(("get", "p", v))  # the reader checks every byte
+                assert parent.recv() == ("ok", v)
+            parent.send(None)
+            proc.join(60)
+            assert proc.exitcode == 0
+        finally:
+            writer.close()
+            if proc.is_alive():
+                proc.kill()
+
+
 @pytest.mark.parametrize("memory", ["host", "cuda"])
 def test_async_copies_wait_for_the_callers_queued_work(memory):
     """put_async/get_async copy on a side stream, but only after the work the caller queued
@@ -138,19 +180,41 @@ def test_async_copies_wait_for_the_callers_queued_work(memory):
         assert torch.equal(got["b"][0], torch.full((3, 2048), 8.0))
 
 
-def test_state_dict_copies_go_as_one_batched_call():
-    """A put and a get of a state dict in GPU memory issue one cuMemcpyBatchAsync per device
-    (tidal/store/transports/cuda_batch.py) where the driver has it, with the same bytes as
-    copies one at a time, also when plans are replayed and slots change."""
+def _copiers():
+    from tidal.store.transports import cuda_ipc
+    from tidal.store.transports.cuda_gather import GatherCopier
+
+    chosen = cuda_ipc.copier()
+    if isinstance(chosen, GatherCopier):
+        return {"kernel": chosen, "batch": chosen.fallback}
+    return {"batch": chosen}
+
+
+@pytest.mark.parametrize("path", ["kernel", "batch"])
+def test_state_dict_copies_go_as_one_call(path, monkeypatch):
+    """A put and a get of a state dict in GPU memory issue one gather kernel
+    (tidal/store/transports/cuda_gather.py: Triton) or one cuMemcpyBatchAsync
+    (cuda_batch.py) per device, with the same bytes as copies one at a time, also when
+    plans are replayed and slots change; pairs the kernel does not take (2-byte sizes) and
+    tensors of several chunks included."""
     from tidal.store.transports import cuda_ipc
 
-    copier = cuda_ipc.copier()
-    if not copier.supported:
+    copier = _copiers().get(path)
+    if copier is None:
+        pytest.skip("Triton is not installed: no gather kernel")
+    if path == "batch" and not copier.supported:
         pytest.skip("this CUDA driver has no cuMemcpyBatchAsync (12.8 and later)")
+    monkeypatch.setattr(cuda_ipc, "copier", lambda: copier)
     sd = {f"w{i}": torch.randn(64 + i, 96, device="cuda") for i in range(24)}
+    sd["odd"] = torch.randn(3, 5, device="cuda", dtype=torch.bfloat16)  # 30 bytes
+    sd["big"] = torch.randn(3 * 262144 + 3, device="cuda")  # 3 MB and 12 bytes: 4 chunks
     into = {k: torch.empty_like(t) for k, t in sd.items()}
+    count = (lambda: copier.launches) if path == "kernel" else (lambda: copier.batches)
     with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
-        before = copier.batches
+        writer.put_state_dict(sd, "p", memory="cuda")  # starts building the kernel
+        if path == "kernel":
+            assert copier.ready(timeout=120), "the kernel did not build (see the warning)"
+        before = count()
         for v in range(6):  # ring slots, kept plans replayed
             for t in sd.values():
                 t.add_(1.0)
@@ -158,5 +222,6 @@ def test_state_dict_copies_go_as_one_batched_call():
             reader.get_state_dict("p", into=into)
             for k in sd:
                 assert torch.equal(into[k], sd[k]), (v, k)
-        assert copier.batching, "a batched copy failed (see the RuntimeWarning)"
-        assert copier.batches - before >= 12  # a put and a get each round
+        assert not getattr(copier, "failed", False), "the kernel failed (see the warning)"
+        assert copier.batching or path == "kernel", "a batched copy failed (see the warning)"
+        assert count() - before >= 12  # a put and a get each round

@@ -247,7 +247,12 @@ def test_device_volumes_of_another_writer(victim):
     with pytest.raises(ValueError, match="GPU memory of another writer"):
         thief.request(ops.PUT_DECLARE, key="g", kind="tensor", writers=1, keep=None,
                       host=testing.host(store), volume="cuda.1.aa", tensors=[_decl(4)])  # fmt: skip
-    handle = {"slot": 1, "uuid": "GPU-evil", "handle": b"\xaa" * ops.HANDLE_BYTES}
+    handle = {
+        "slot": 1,
+        "uuid": "GPU-evil",
+        "handle": b"\xaa" * ops.HANDLE_BYTES,
+        "event": b"\xbb" * ops.HANDLE_BYTES,
+    }
     with pytest.raises(ValueError, match="GPU memory of another writer"):
         thief.request(ops.PUT_HANDLES, volume_id="cuda.1.aa", handles=[handle])
     # The owner may not hand out handles for slots that are not its volume's either.

@@ -124,7 +124,7 @@ class Session:
     def cuda(self) -> CudaIpcTransport:
         with self._lock:
             if self._cuda is None:
-                self._cuda = CudaIpcTransport(self.host, self.writer_conn, self.main)
+                self._cuda = CudaIpcTransport(self.host, self.writer_conn, self.main, self.timeout)
             return self._cuda
 
     def transport_for(self, vol: dict[str, Any], slot: int | None = None) -> Transport:

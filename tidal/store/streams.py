@@ -10,7 +10,8 @@ involved; the side stream waits for it before its first copy, so the copies see 
 the caller queued before the call (an optimizer step, say). The tensors are marked as used by
 the side stream (``record_stream``), so the caching allocator does not hand their memory to
 someone else while the copies run. As with every non-blocking call, the caller must not
-modify the sources (or read the destinations) until the future is done.
+modify the sources (or read the destinations) until the future is done; it is done once the
+copies have finished on the device, not only been queued.
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ class SideStreams:
                     for t in tensors:
                         if t.device == d:
                             t.record_stream(side)
-                return fn()
+                out = fn()
+                # A put of GPU memory returns once its copies are queued (they are ordered
+                # before this stream's later work): the future is done when they are.
+                for d in devices:
+                    self._stream(d).synchronize()
+                return out
 
         return run

@@ -25,6 +25,22 @@ Lifecycle:
 - Within one process (two store handles, or a handle reading its own writes) IPC handles
   cannot be opened; the reader uses the writer's tensors directly (``_LOCAL``).
 
+Ordering: a put does not wait for its copies. It queues them on the volume's copy stream of
+each GPU (one stream per GPU for every put: :meth:`DeviceVolume.copy_stream`), which starts
+after the work the caller queued on its current stream; the caller's stream then waits for
+the copy stream, so the caller's later kernels (an optimizer step rewriting the weights)
+run after the copies. After the copies the put records the volume's interprocess event of
+that GPU and commits. A reader opens that event once (its IPC handle travels with the
+slots' handles) and, before issuing its copies, waits for it from the host with a deadline
+(:func:`_await_writer`: usually it has long completed, one query); a device-side wait could
+hang the reader's stream for good if the writer died mid-put. Its own copies are then waited
+for with a plain stream synchronize before its lease is released. The event's latest record
+follows every earlier put (one copy stream), so a reader never copies bytes still being
+written. On the H200 the put's host wait for its own copies was 1.1 ms of a 3.1 ms
+put. A put with a streaming reader (``get(..., wait=)`` already waiting) still copies slot
+by slot and waits, since each progress report promises written bytes. ``put_async`` and
+friends wait for the copies before their future is done (tidal/store/streams.py).
+
 CUDA runtime calls go through ``ctypes`` to the ``libcudart`` that torch loaded; no extension
 is compiled.
 """
@@ -34,9 +50,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib.util
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +68,7 @@ from tidal.store.progress import Progress
 from tidal.store.transports import Gate, ReadJob, WriteJob
 from tidal.store.transports.cuda_batch import BatchCopier
 from tidal.store.transports.cuda_copies import CopyPlan, CopyPlans
+from tidal.store.transports.cuda_gather import GatherCopier
 
 HANDLE_BYTES = ops.HANDLE_BYTES
 _LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -135,13 +154,15 @@ def _fn(lib: ctypes.CDLL, name: str, argtypes: list[Any]) -> Any:
 
 
 @functools.cache
-def copier() -> BatchCopier:
-    """Issues this process's raw device copies: batched through the driver torch loaded
-    where it can (tidal/store/transports/cuda_batch.py), else one runtime call a copy."""
+def copier() -> GatherCopier | BatchCopier:
+    """Issues this process's raw device copies: one gather kernel where Triton is installed
+    (tidal/store/transports/cuda_gather.py), else batched through the driver torch loaded
+    (tidal/store/transports/cuda_batch.py), else one runtime call a copy."""
     rt = runtime()
     with open("/proc/self/maps") as f:
         paths = {ln.split()[-1] for ln in f if "/libcuda.so" in ln}
-    return BatchCopier(sorted(paths)[0] if paths else None, rt.memcpy_async)
+    batch = BatchCopier(sorted(paths)[0] if paths else None, rt.memcpy_async)
+    return GatherCopier(batch) if importlib.util.find_spec("triton") else batch
 
 
 @functools.cache
@@ -208,8 +229,36 @@ class DeviceVolume:
         self._writing: set[int] = set()  # slots a put of this process is filling
         self._deferred: list[int] = []  # released while being written: pooled at the end
         self._views: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}  # slot -> typed views
+        self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # device -> (event, handle)
+        self._streams: dict[int, torch.cuda.Stream] = {}  # device -> the puts' copy stream
         self._lock = threading.Lock()
         _LOCAL[volume_id] = self
+
+    def event(self, device: int) -> tuple[torch.cuda.Event, bytes]:
+        """The interprocess event recorded after this volume's copies on ``device``, and
+        its IPC handle (sent with the slots' handles: readers' copies wait for it)."""
+        with self._lock:
+            have = self._events.get(device)
+            if have is None:
+                with torch.cuda.device(device):
+                    ev = torch.cuda.Event(interprocess=True)
+                    ev.record()  # creates it on this device
+                have = self._events[device] = (ev, bytes(ev.ipc_handle()))
+            return have
+
+    def events(self) -> list[torch.cuda.Event]:
+        """Every device's event (same-process readers wait on these objects directly)."""
+        with self._lock:
+            return [ev for ev, _ in self._events.values()]
+
+    def copy_stream(self, device: int) -> torch.cuda.Stream:
+        """The stream every put of this volume copies on, per device: one stream, so the
+        event recorded after a put's copies also follows every earlier put's."""
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = torch.cuda.Stream(device)
+            return s
 
     def slot(self, slot: int, nbytes: int, device: int) -> tuple[torch.Tensor, bytes | None]:
         """The memory of ``slot``; for a slot new to this volume also its IPC handle (to be
@@ -303,6 +352,7 @@ class Imports:
     def __init__(self) -> None:
         self._open: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
         self._views: dict[tuple[str, int], dict[tuple[Any, ...], torch.Tensor]] = {}
+        self._events: dict[tuple[str, str], torch.cuda.Event] = {}  # (volume, GPU uuid)
         self._lock = threading.Lock()
 
     def missing(self, volume_id: str, slots: list[int]) -> list[int]:
@@ -313,11 +363,19 @@ class Imports:
         with self._lock:
             return {v for v, _ in self._open}
 
-    def add(self, volume_id: str, slot: int, uuid: str, handle: bytes, nbytes: int) -> None:
+    def add(
+        self, volume_id: str, slot: int, uuid: str, handle: bytes, nbytes: int, event: bytes
+    ) -> None:
         with self._lock:
             if (volume_id, slot) in self._open:
                 return
         device = device_index(uuid)
+        with self._lock:
+            opened = (volume_id, uuid) in self._events
+        if not opened:
+            ev = torch.cuda.Event.from_ipc_handle(device, event)
+            with self._lock:
+                self._events.setdefault((volume_id, uuid), ev)
         with torch.cuda.device(device):
             ptr = runtime().open(handle)
             t = as_tensor(ptr, nbytes, device)
@@ -335,11 +393,18 @@ class Imports:
             closing = [self._open.pop(k)[0] for k in dead]
             for k in dead:
                 self._views.pop(k, None)
+            for k in [k for k in self._events if k[0] in gone]:
+                del self._events[k]
         for ptr in closing:
             try:
                 runtime().close(ptr)
             except StoreError:
                 pass  # the exporter is gone: its memory went with it
+
+    def events(self, volume_id: str) -> list[torch.cuda.Event]:
+        """The writer's events of ``volume_id`` (one per GPU its slots are on)."""
+        with self._lock:
+            return [ev for (v, _), ev in self._events.items() if v == volume_id]
 
     def get(self, volume_id: str, slot: int) -> torch.Tensor:
         local = _LOCAL.get(volume_id)
@@ -377,8 +442,11 @@ class CudaIpcTransport:
     on it); ``control`` the one reads ask for handles on.
     """
 
-    def __init__(self, host: str, writer_conn: Callable[[], Conn], control: Conn) -> None:
+    def __init__(
+        self, host: str, writer_conn: Callable[[], Conn], control: Conn, timeout: float = 60.0
+    ) -> None:
         self.host = host
+        self._timeout = timeout  # seconds a read waits for its device copies
         self._writer_conn = writer_conn
         self._control = control
         self._device: DeviceVolume | None = None
@@ -426,7 +494,8 @@ class CudaIpcTransport:
             index = src.device.index if src.is_cuda else torch.cuda.current_device()
             _, handle = device.slot(slot, job.nbytes, index)
             if handle is not None:
-                fresh.append({"slot": slot, "uuid": device_uuid(index), "handle": handle})
+                fresh.append({"slot": slot, "uuid": device_uuid(index), "handle": handle,
+                              "event": device.event(index)[1]})  # fmt: skip
         if fresh:
             try:
                 self._writer_conn().request(
@@ -439,51 +508,53 @@ class CudaIpcTransport:
     def write(
         self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
+        """Queue every job's copy on the volume's copy streams and return (see "Ordering" in
+        the module docstring); with a streaming reader (``progress.reporting``), copy slot
+        by slot and wait for the copies, as the reports promise written bytes."""
         if not jobs:
             return
         device = self._device
         assert device is not None and vol["id"] == device.volume_id, vol["id"]
         slots = [j.slot for j in jobs]
         srcs = [j.src for j in jobs]
-        with device.writing(slots):
+        with device.writing(slots), torch.no_grad():
             self.prepare(jobs)
-            with torch.no_grad():
-                if progress.reporting:
-                    for job in jobs:
-                        dst = device.typed(job.slot, job.dtype, tuple(job.src.shape))
+            if progress.reporting:
+                dsts = [device.typed(j.slot, j.dtype, tuple(j.src.shape)) for j in jobs]
+                devices = {d.device for d in dsts} | {t.device for t in srcs if t.is_cuda}
+                with _on_copy_streams(device, devices):
+                    for job, dst in zip(jobs, dsts, strict=True):
                         dst.copy_(job.src, non_blocking=True)
                         progress.add(job.slot, job.nbytes, dst.device)
-                else:  # nobody streams it: the copies of a kept plan, no per-slot work
-                    for d in self._copy_in(device, jobs, slots, srcs):
-                        progress.add(0, 0, d)
-            progress.synchronize()
+                    progress.synchronize()
+            else:  # nobody streams it: the copies of a kept plan, no per-slot work
+                plan = self._write_plan(device, jobs, slots, srcs)
+                with _on_copy_streams(device, plan.devices):
+                    plan.run(lambda i: plan_dst(device, jobs, srcs, i), srcs.__getitem__,
+                             copier())  # fmt: skip
 
-    def _copy_in(
+    def _write_plan(
         self, device: DeviceVolume, jobs: list[WriteJob], slots: list[int], srcs: list[torch.Tensor]
-    ) -> set[torch.device]:
-        """Issue every job's copy into its slot, with the plan kept for these slots and
-        sources; returns the devices they run on."""
+    ) -> CopyPlan:
+        """The copy plan kept for these slots and sources (built on first use)."""
         key = (tuple(slots), tuple([j.dtype for j in jobs]),
                tuple(map(torch.Tensor.data_ptr, srcs)), tuple([t.dtype for t in srcs]))  # fmt: skip
 
-        def dst_of(i: int) -> torch.Tensor:
-            return device.typed(jobs[i].slot, jobs[i].dtype, tuple(srcs[i].shape))
-
         def build() -> CopyPlan:
-            return CopyPlan.of([dst_of(i) for i in range(len(jobs))], srcs)
+            return CopyPlan.of([plan_dst(device, jobs, srcs, i) for i in range(len(jobs))], srcs)
 
-        plan = self._write_plans.get(key, srcs, build)
-        plan.run(dst_of, srcs.__getitem__, copier())
-        return plan.devices
+        return self._write_plans.get(key, srcs, build)
 
     # -- reader side ----------------------------------------------------------------------
 
     def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
+        """Copy what ``jobs`` read, after the writer's copies of the version (its event),
+        and wait for them: the caller's lease is released next."""
         devices: set[torch.device] = {j.dst.device for j in jobs if j.dst.is_cuda}
         with torch.no_grad():
             if gate is None:
-                self._copy(vol, jobs)
-            else:
+                devices |= self._copy(vol, jobs)
+            else:  # a streaming read: each slot is reported once its copies are done
                 for job in jobs:
                     gate(job.slot)
                     self._open(vol, [job])  # a slot's handle is registered before it is written
@@ -492,9 +563,10 @@ class CudaIpcTransport:
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
 
-    def _copy(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
+    def _copy(self, vol: dict[str, Any], jobs: list[ReadJob]) -> set[torch.device]:
         """Issue every job's copy, with the plan kept for these slots and destinations (a
-        steady reader opens nothing and decides nothing again)."""
+        steady reader opens nothing and decides nothing again), after the writer's event;
+        returns the devices they run on."""
         key = (vol["id"], tuple([(j.slot, j.dtype, j.shard_shape, j.src_off, j.sizes,
                                   j.dst.data_ptr(), j.dst.dtype) for j in jobs]))  # fmt: skip
         dsts = [j.dst for j in jobs]
@@ -504,7 +576,11 @@ class CudaIpcTransport:
             return CopyPlan.of(dsts, [self._source(vol, j) for j in jobs])
 
         plan = self._read_plans.get(key, dsts, build)
+        local = _LOCAL.get(vol["id"])  # the writer's copies of this version come first
+        events = local.events() if local is not None else self._imports.events(vol["id"])
+        _await_writer(events, self._timeout, f"volume {vol['id']!r}")
         plan.run(dsts.__getitem__, lambda i: self._source(vol, jobs[i]), copier())
+        return plan.devices
 
     def _source(self, vol: dict[str, Any], job: ReadJob) -> torch.Tensor:
         """The bytes ``job`` reads, as a view of the device slot."""
@@ -542,7 +618,8 @@ class CudaIpcTransport:
         if missing:
             got = self._control.request(ops.SLOT_HANDLES, volume_id=vid, slots=missing)
             for h in got["handles"]:
-                self._imports.add(vid, h["slot"], h["uuid"], h["handle"], sizes[h["slot"]])
+                self._imports.add(vid, h["slot"], h["uuid"], h["handle"], sizes[h["slot"]],
+                                  h["event"])  # fmt: skip
 
     def close(self) -> None:
         self._read_plans.clear()
@@ -554,6 +631,52 @@ class CudaIpcTransport:
     def allocations(self) -> int:
         """Device allocations this handle made (tidal.store.testing)."""
         return 0 if self._device is None else len(self._device._owned)
+
+
+def plan_dst(
+    device: DeviceVolume, jobs: list[WriteJob], srcs: list[torch.Tensor], i: int
+) -> torch.Tensor:
+    """Where job ``i`` of a put copies to: its slot, viewed as the source's shape."""
+    return device.typed(jobs[i].slot, jobs[i].dtype, tuple(srcs[i].shape))
+
+
+@contextlib.contextmanager
+def _on_copy_streams(volume: DeviceVolume, devices: set[torch.device]) -> Iterator[None]:
+    """Run the block's copies on ``volume``'s copy stream of each device: after the work the
+    caller queued so far, and before the caller's later work; then record the volume's
+    event there, for readers to wait on."""
+    streams = []
+    for d in devices:
+        current, copy = torch.cuda.current_stream(d), volume.copy_stream(d.index)
+        copy.wait_stream(current)
+        streams.append((d, current, copy))
+    with contextlib.ExitStack() as stack:
+        for _, _, copy in streams:
+            stack.enter_context(torch.cuda.stream(copy))
+        try:
+            yield
+        finally:
+            for d, current, copy in streams:
+                volume.event(d.index)[0].record(copy)
+                current.wait_stream(copy)
+
+
+def _await_writer(events: list[torch.cuda.Event], timeout: float, what: str) -> None:
+    """Wait until the writer's copies recorded on ``events`` are done, at most ``timeout``
+    seconds (polled: a writer that died mid-put never completes its event)."""
+    deadline = None
+    for ev in events:
+        polls = 0
+        while not ev.query():
+            now = time.monotonic()
+            deadline = deadline or now + timeout
+            if now > deadline:
+                raise StoreError(
+                    f"the writer's device copies into {what} did not finish in {timeout:g} s "
+                    "(did its process die during a put?)"
+                )
+            polls += 1
+            time.sleep(0 if polls < 1000 else 0.0005)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

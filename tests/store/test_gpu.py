@@ -32,6 +32,25 @@ def test_cuda_round_trip(transport):
         assert torch.equal(got["a"], x) and torch.equal(got["b"]["c"], sd["b"]["c"])
 
 
+def test_cuda_tensors_over_several_part_files(monkeypatch):
+    """Host slots larger than a part (``PART_BYTES`` made 64 KB): each is one range of
+    several file mappings, registered with CUDA as one, and copied to and from by DMA."""
+    from tidal.store import volume
+
+    monkeypatch.setattr(volume, "PART_BYTES", 64 << 10)
+    with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
+        x = torch.randn(1000, 257, device="cuda")  # 1028000 bytes: 16 parts, the last short
+        sd = {"x": x, "y": torch.arange(3 * 65536 // 8, device="cuda")}  # 3 parts exactly
+        for v in range(4):  # fresh slots, then the ring
+            writer.put_state_dict({k: t + v for k, t in sd.items()}, "sd")
+            got = {k: torch.empty_like(t) for k, t in sd.items()}
+            reader.get_state_dict("sd", into=got)
+            for k, t in sd.items():
+                assert torch.equal(got[k], t + v), (v, k)
+            assert torch.equal(writer.get_state_dict("sd")["x"].cuda(), x + v)
+        assert testing.pinned_segments(writer) >= 2 and testing.pinned_segments(reader) >= 2
+
+
 def _sd(v: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(v)
     return {

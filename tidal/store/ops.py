@@ -97,7 +97,8 @@ s_grant = s_bytes(GRANT_BYTES)
 s_handle = s_map({"slot": s_slot, "uuid": s_str(128), "handle": s_bytes(HANDLE_BYTES),
                   "event": s_bytes(HANDLE_BYTES)})  # fmt: skip
 # Where a volume's bytes are. shm volumes: segments ``<shm_dir>/tidal-<store_id>-<id>-<slot>``
-# readable on ``host``, and ``address`` for TCP; cuda volumes: a writer's GPU memory.
+# (and ``.<part>`` files for slots over volume.PART_BYTES) readable on ``host``, and
+# ``address`` for TCP; cuda volumes: a writer's GPU memory.
 s_volume = s_map(
     {
         "id": s_volume_id,

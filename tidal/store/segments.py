@@ -1,10 +1,13 @@
 """A client's mappings of volumes' shared-memory segments (the same-host transport).
 
-Read-write mappings serve the copies of puts and gets, and are registered with CUDA on the
-first device copy so that copy runs as DMA; read-only mappings back zero-copy views
-(tidal/store/views.py). A segment mapped for the first time is populated before the copy:
-its pages are faulted in (and, for a fresh slot, allocated) by a pool of threads, a few tens
-of MB each, rather than one 4 KB fault at a time inside the copy (:meth:`Segments.map_all`;
+A segment is a slot's part files (tidal/store/volume.py), mapped as one flat range and named
+here by the path of its part 0. Read-write mappings serve the copies of puts and gets, and
+are registered with CUDA on the first device copy so that copy runs as DMA; read-only
+mappings back zero-copy views (tidal/store/views.py). Segments mapped for the first time are
+populated before the copy: their pages are faulted in (and, for a fresh slot, allocated) by a
+pool of threads, a few tens of MB each, the pieces of every segment of the call at once
+rather than segment by segment (fresh pages fill in parallel across part files, hardly within
+one), and rather than one 4 KB fault at a time inside the copy (:meth:`Segments.map_all`;
 benchmarks/store_sync.py's cold-put row measures it). Both are cached per segment path:
 slots are reused as a ring, so a steady training loop maps nothing new after its first
 versions. The caches are bounded (LRU), and swept of segments whose files are gone (deleted
@@ -14,7 +17,6 @@ its memory alive.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections import OrderedDict
@@ -25,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from tidal.store.errors import StoreError
-from tidal.store.volume import Mapping, as_bytes, fallocate, map_segment, populate
+from tidal.store.volume import Mapping, as_bytes, map_segment, populate
 
 M = TypeVar("M")
 _LIMIT = 65536  # mappings per cache
@@ -69,7 +71,7 @@ class Segments:
 
     def map_all(self, segments: list[tuple[str, int]]) -> list[torch.Tensor]:
         """``readwrite`` of each (path, nbytes), populating the ones mapped for the first
-        time in parallel threads before returning."""
+        time, all at once over the pool's threads, before returning."""
         out: list[torch.Tensor | None] = []
         fresh: list[tuple[int, str, int]] = []
         with self._lock:
@@ -81,10 +83,10 @@ class Segments:
                 if hit is None:
                     fresh.append((i, path, n))
         if fresh:
-            pool = self.threads()
-            for i, p, n in fresh:
-                seg = _map_rw(p, n)
-                populate(seg.data_ptr(), n, p, pool, fallback=functools.partial(fallocate, p, n))
+            segs = [_map_rw(p, n) for _, p, n in fresh]
+            populate([(seg.data_ptr(), n, p) for seg, (_, p, n) in zip(segs, fresh, strict=True)],
+                     self.threads())  # fmt: skip
+            for seg, (i, p, _) in zip(segs, fresh, strict=True):
                 out[i] = self._insert(p, seg)
         return out  # type: ignore[return-value]  # every entry is filled above
 
@@ -168,13 +170,19 @@ class Segments:
         """Register a read-write mapping with CUDA (once) so device copies run as DMA: on
         the H200 host an unpinned segment moved 11 GB/s device->host and 7 GB/s host->device
         (benchmarks/store_sync.py --device cuda). Returns True when a device copy may be
-        asynchronous. Fallback: where registration fails, copies stay pageable."""
+        asynchronous. A slot of several part files is one range of several mappings, which
+        one registration covers. Fallback: where registration fails, copies stay pageable."""
         with self._lock:
             ok = self._pinned.get(path)
             if ok is None and seg.numel():
                 rc = torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 1)
                 ok = self._pinned[path] = int(rc) == 0
         return bool(ok)
+
+    def pinned(self) -> int:
+        """How many mappings are registered with CUDA."""
+        with self._lock:
+            return sum(self._pinned.values())
 
     def _unpin(self, path: str, seg: torch.Tensor) -> None:
         self._typed.pop(path, None)  # every read-write mapping that goes passes here

@@ -9,8 +9,8 @@ goes through these functions, so the internals can change without touching the t
 - :func:`on_request`: watch (or hold up) the requests a handle sends;
 - :func:`write_slot` / :func:`read_slot`: a shared-memory slot's bytes, as a same-host
   writer or reader sees them;
-- :func:`mapped_segments`, :func:`device_allocations`, :func:`connection_open`: what a
-  handle holds.
+- :func:`mapped_segments`, :func:`pinned_segments`, :func:`device_allocations`,
+  :func:`connection_open`: what a handle holds.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def write_slot(volume: dict[str, Any], slot: int, data: torch.Tensor) -> None:
 def mapped_segments(store: Store) -> int:
     """Shared-memory segments ``store`` has mapped."""
     return len(store._s.segments)
+
+
+def pinned_segments(store: Store) -> int:
+    """Shared-memory segments ``store`` has registered with CUDA (device copies as DMA)."""
+    return store._s.segments.pinned()
 
 
 def device_allocations(store: Store) -> int:

@@ -7,11 +7,17 @@ the host, DMA for CUDA tensors once the mapping is registered with CUDA).
 
 Cold paths, where a mapping would cost a page fault per 4 KB before a single copy:
 - a slot that was never written (``WriteJob.fresh``) is filled with ``pwrite`` from a
-  contiguous host tensor, several slots at once in a thread pool: the kernel allocates the
-  pages as it copies, with no zeroing pass and no faults (on the 2-core dev VM: 2.1 GB/s
-  against 1.0 for mapping and populating, memcpy 4.2; benchmarks/store_sync.py's cold put);
+  contiguous host tensor: the kernel allocates the pages as it copies, with no zeroing pass
+  and no faults (on the 2-core dev VM: 2.1 GB/s against 1.0 for mapping and populating,
+  memcpy 4.2; benchmarks/store_sync.py's cold put). Each part file of each fresh slot
+  (tidal/store/volume.py, ``PART_BYTES``) is one job, the jobs of all slots go to the thread
+  pool at once, biggest first: fresh tmpfs pages fill in parallel across files but hardly
+  within one, so a 525 MB slot is written by 9 threads into 9 files rather than by one
+  (before part files, the H200 host's cold put took 0.336 s, 25% of memcpy; with them it is
+  not yet measured there);
 - a slot this process has not read before is read with ``preadv`` into a contiguous host
-  destination of the stored dtype, when the bytes wanted are contiguous in the slot.
+  destination of the stored dtype, when the bytes wanted are contiguous in the slot, in
+  pieces that never cross a part file.
 
 Lifecycle: a store handle's :class:`ShmTransport` lives as long as the handle; puts and gets
 call ``write`` / ``read`` from their own thread; ``close`` unmaps everything.
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from concurrent.futures import Future
+from concurrent.futures import Future, as_completed
 from typing import Any
 
 import torch
@@ -31,7 +37,7 @@ from tidal.store.errors import StoreError
 from tidal.store.progress import Progress
 from tidal.store.segments import Segments
 from tidal.store.transports import Gate, ReadJob, WriteJob
-from tidal.store.volume import open_segment, segment_path
+from tidal.store.volume import open_segment, part_path, part_sizes, part_spans, segment_path
 
 _MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call near 2 GiB)
 _PIECE = 32 << 20  # bytes a thread reads at a time
@@ -105,31 +111,50 @@ class ShmTransport:
         progress.synchronize()
 
     def _pwrite(self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress) -> None:
-        """Fill fresh slots with pwrite, in parallel threads; report each from this thread
-        (the report goes out on a connection this thread holds)."""
+        """Fill fresh slots with pwrite, one job per part file, the parts of every slot at
+        once in parallel threads, biggest first (the longest start first); report each slot
+        from this thread once its parts are written (the report goes out on a connection
+        this thread holds)."""
 
-        def fill(job: WriteJob) -> None:
-            path = path_of(vol, job.slot)
-            data = _bytes(job.src)
-            fd = open_segment(path, job.nbytes, writable=True)
+        def fill(path: str, size: int, data: memoryview) -> None:
+            fd = open_segment(path, size, writable=True)
             try:
                 done = 0
                 while done < len(data):
                     done += os.pwrite(fd, data[done : done + _MAX_IO], done)
             except OSError as e:
                 raise StoreError(
-                    f"cannot write {job.nbytes} bytes into {path}: {e.strerror} (is the "
+                    f"cannot write {size} bytes into {path}: {e.strerror} (is the "
                     "shared-memory file system full? delete keys or lower retention)"
                 ) from None
             finally:
                 os.close(fd)
 
+        parts = []  # (job index, part file, its size, the bytes for it)
+        left = []  # parts of each job not yet written
+        for i, job in enumerate(jobs):
+            sizes = part_sizes(job.nbytes)
+            left.append(len(sizes))
+            if not sizes:
+                continue
+            path, data, at = path_of(vol, job.slot), _bytes(job.src), 0
+            for k, n in enumerate(sizes):
+                parts.append((i, part_path(path, k), n, data[at : at + n]))
+                at += n
+        parts.sort(key=lambda p: -p[2])
         pool = self.segments.threads()
-        futures: list[Future[None]] = [pool.submit(fill, j) for j in jobs]
+        futures: dict[Future[None], int] = {pool.submit(fill, path, n, data): i
+                                            for i, path, n, data in parts}  # fmt: skip
         try:
-            for job, fut in zip(jobs, futures, strict=True):
+            for i, job in enumerate(jobs):
+                if not left[i]:  # no bytes: nothing to write
+                    progress.add(job.slot, job.nbytes)
+            for fut in as_completed(futures):
                 fut.result()
-                progress.add(job.slot, job.nbytes)
+                i = futures[fut]
+                left[i] -= 1
+                if not left[i]:
+                    progress.add(jobs[i].slot, jobs[i].nbytes)
         finally:
             for fut in futures:  # nothing may still write once this returns
                 fut.cancel()
@@ -186,13 +211,15 @@ class ShmTransport:
         )
 
     def _pread_all(self, jobs: list[tuple[str, ReadJob, int]]) -> None:
-        """Read jobs with preadv from a thread pool, in pieces of ``_PIECE`` bytes (reads of
-        one file run in parallel, unlike writes)."""
+        """Read jobs with preadv from a thread pool, in pieces of at most ``_PIECE`` bytes
+        that never cross a part file (reads of one file run in parallel, unlike writes)."""
         pieces = []
         for path, job, n in jobs:
-            total = job.dst.numel() * job.dtype.itemsize
-            for start in range(0, max(1, total), _PIECE):
-                pieces.append((path, job, n, start, min(_PIECE, total - start)))
+            start = 0  # of the piece, in the destination's bytes
+            for _, _, size in part_spans(_offset(job), job.dst.numel() * job.dtype.itemsize):
+                for at in range(0, size, _PIECE):
+                    pieces.append((path, job, n, start + at, min(_PIECE, size - at)))
+                start += size
         pool = self.segments.threads()
         futures = [pool.submit(self._pread, path, job, n, start, size)
                    for path, job, n, start, size in pieces]  # fmt: skip
@@ -205,24 +232,25 @@ class ShmTransport:
                     fut.exception()
 
     def _pread(self, path: str, job: ReadJob, nbytes: int, start: int, size: int | None) -> None:
-        """Bytes ``start``.. (``size`` of them, or all) of the job's destination, by preadv."""
-        base = 0  # byte offset of the wanted box in the slot
-        stride = job.dtype.itemsize
-        for d in range(len(job.shard_shape) - 1, -1, -1):
-            base += job.src_off[d] * stride
-            stride *= job.shard_shape[d]
+        """Bytes ``start``.. (``size`` of them, or all) of the job's destination, by preadv
+        from the part files of the slot (``path`` its part 0, ``nbytes`` its size)."""
         data = _bytes(job.dst)
         data = data[start : start + size] if size is not None else data[start:]
-        fd = open_segment(path, nbytes, writable=False)
-        try:
-            done = 0
-            while done < len(data):
-                got = os.preadv(fd, [data[done : done + _MAX_IO]], base + start + done)
-                if got == 0:
-                    raise StoreError(f"segment {path} ended early")
-                done += got
-        finally:
-            os.close(fd)
+        sizes = part_sizes(nbytes)
+        done = 0
+        for part, at, n in part_spans(_offset(job) + start, len(data)):
+            file = part_path(path, part)
+            fd = open_segment(file, sizes[part], writable=False)
+            try:
+                end = done + n
+                while done < end:
+                    got = os.preadv(fd, [data[done : min(end, done + _MAX_IO)]], at)
+                    if got == 0:
+                        raise StoreError(f"segment {file} ended early")
+                    done += got
+                    at += got
+            finally:
+                os.close(fd)
         if len(self._read_before) > 65536:  # a hint only: forget, rather than grow
             self._read_before.clear()
         self._read_before.add(path)
@@ -236,6 +264,16 @@ class ShmTransport:
 
     def close(self) -> None:
         self.segments.close()
+
+
+def _offset(job: ReadJob) -> int:
+    """Where the job's box starts in its slot, in bytes (the box is contiguous there)."""
+    base = 0
+    stride = job.dtype.itemsize
+    for d in range(len(job.shard_shape) - 1, -1, -1):
+        base += job.src_off[d] * stride
+        stride *= job.shard_shape[d]
+    return base
 
 
 def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -393,8 +393,8 @@ class Imports:
             closing = [self._open.pop(k)[0] for k in dead]
             for k in dead:
                 self._views.pop(k, None)
-            for k in [k for k in self._events if k[0] in gone]:
-                del self._events[k]
+            for ev_key in [e for e in self._events if e[0] in gone]:
+                del self._events[ev_key]
         for ptr in closing:
             try:
                 runtime().close(ptr)
@@ -532,6 +532,10 @@ class CudaIpcTransport:
                 with _on_copy_streams(device, plan.devices):
                     plan.run(lambda i: plan_dst(device, jobs, srcs, i), srcs.__getitem__,
                              copier())  # fmt: skip
+                if not all(t.is_cuda for t in srcs):  # host sources (pinned ones copy
+                    # asynchronously): the caller may rewrite them once the put returns
+                    for d in plan.devices:
+                        device.copy_stream(d.index).synchronize()
 
     def _write_plan(
         self, device: DeviceVolume, jobs: list[WriteJob], slots: list[int], srcs: list[torch.Tensor]

@@ -15,6 +15,19 @@ def payload(v: int) -> dict[str, torch.Tensor]:
     }
 
 
+def start_reader(address: str):
+    """A spawned process running :func:`reader` on the store at ``address``, and the parent's
+    end of its pipe."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=reader, args=(child, address))
+    proc.start()
+    child.close()
+    return proc, parent
+
+
 def reader(conn, address: str) -> None:
     store = tidal.store.connect(address)
     into = {

@@ -81,21 +81,15 @@ def test_device_memory_in_one_process():
 
 
 def test_device_memory_across_processes(monkeypatch):
-    import torch.multiprocessing as mp
-
     from tests.store import _gpu_procs
     from tests.store.conftest import until_waited_for
     from tidal.store import progress
 
     monkeypatch.setattr(progress, "PROGRESS_BYTES", 1)  # the writer reports every tensor
 
-    ctx = mp.get_context("spawn")
     with tidal.store.connect(keep=1) as store:
         writer = tidal.store.connect(store.address)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_gpu_procs.reader, args=(child, store.address))
-        proc.start()
-        child.close()
+        proc, parent = _gpu_procs.start_reader(store.address)
         reports: list[list[int]] = []
         testing.on_request(
             writer, lambda c, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
@@ -149,17 +143,11 @@ def test_a_put_of_gpu_memory_is_ordered_on_the_callers_stream():
 def test_a_reader_in_another_process_waits_for_the_writers_copies():
     """The writer commits before its copies have run (its stream is busy); the reader's
     copies wait for the writer's interprocess event, so it never sees old bytes."""
-    import torch.multiprocessing as mp
-
     from tests.store import _gpu_procs
 
-    ctx = mp.get_context("spawn")
     with tidal.store.connect(keep=1) as store:
         writer = tidal.store.connect(store.address)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_gpu_procs.reader, args=(child, store.address))
-        proc.start()
-        child.close()
+        proc, parent = _gpu_procs.start_reader(store.address)
         try:
             for v in range(4):
                 torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after commit

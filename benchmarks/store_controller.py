@@ -24,6 +24,13 @@ plan = c.put_declare(
 )["plan"]
 res = None
 sig = None
+
+
+def handles(slots: list[int]) -> list[dict]:
+    """put_handles' records for new slots (fake IPC handles: nothing opens them here)."""
+    return [{"slot": s, "uuid": "u", "handle": b"x" * 64, "event": b"e" * 64} for s in slots]
+
+
 tb, tc, ta, tr = [], [], [], []
 for v in range(400):
     t0 = time.perf_counter()
@@ -41,7 +48,7 @@ for v in range(400):
         c.put_handles(
             W,
             volume_id="cuda.1.x",
-            handles=[{"slot": s, "uuid": "u", "handle": b"x" * 64} for s in b["fresh"]],
+            handles=handles(b["fresh"]),
         )
     t2 = time.perf_counter()
     d = c.put_commit(W, key="p", version=v, writer="w", reserve=v >= 1)
@@ -51,7 +58,7 @@ for v in range(400):
         c.put_handles(
             W,
             volume_id="cuda.1.x",
-            handles=[{"slot": s, "uuid": "u", "handle": b"x" * 64} for s in res["fresh"]],
+            handles=handles(res["fresh"]),
         )
     t4 = time.perf_counter()
     a = c.acquire(R, key="p", version=v, known_sig=sig, wait_ms=None)

@@ -169,9 +169,14 @@ def run_one_shot(ctx, role: str, address: str, small: bool, path: str) -> float:
 
 
 def memcpy_s(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> float:
+    """Seconds to copy ``src`` into ``dst`` tensor by tensor, until the copies are done (on a
+    GPU too: the clock stops after a synchronize)."""
+    device = next(iter(src.values())).device.type
+    sync(device)
     t = time.perf_counter()
     for k, s in src.items():
         dst[k].copy_(s)
+    sync(device)
     return time.perf_counter() - t
 
 
@@ -228,13 +233,11 @@ def main() -> None:
             memcpy.append(memcpy_s(host, dst))
             line = f"  round {r}: memcpy {memcpy[-1]:.3f} s"
             if args.device == "cuda":  # and the device's own copy_ of the same bytes
-                torch.cuda.synchronize()
                 dev_memcpy.append(memcpy_s(sd, dev_dst))
-                torch.cuda.synchronize()
-                dev_memcpy[-1] = dev_memcpy[-1]
                 line += f" (device {dev_memcpy[-1] * 1e3:.2f} ms)"
             for kind in kinds:
                 stamp(sd, v)
+                sync(args.device)  # the stamp's small kernels are not the put's
                 t = time.perf_counter()
                 store.put_state_dict(sd, "policy", version=v, memory=args.memory)
                 sync(args.device)

@@ -18,7 +18,8 @@ Lifecycle: one :class:`GatherCopier` per process (``cuda_ipc.copier()``); ``prep
 once per copy plan and device (it builds the table: one small host-to-device copy), ``run``
 at every put or get, from the thread doing it. The first ``prepare`` starts compiling the
 kernel in a thread of its own (0.7 s on the H200 host; Triton caches it on disk): until it is
-built, copies go through the batch copier, so a first put does not wait for a compiler.
+built, copies go through the batch copier, so a first put does not wait for a compiler. A
+process that ends while the kernel builds waits for the build at exit.
 """
 
 from __future__ import annotations
@@ -109,8 +110,12 @@ class GatherCopier:
         if not fits:
             return self.fallback.prepare(pairs, device)
         if self._build is None:
+            # Not a daemon: a process ending while Triton compiles in a daemon thread dies of
+            # SIGABRT ("terminate called without an active exception": the compiler's C++
+            # threads are torn down under it). Seen on the H200 with a cold Triton cache, in a
+            # reader process that lived 6 s; the interpreter now waits for the build at exit.
             self._build = threading.Thread(
-                target=self._compile, args=(device,), name="tidal-gather-build", daemon=True
+                target=self._compile, args=(device,), name="tidal-gather-build"
             )
             self._build.start()
         rows = _rows(fits)

@@ -455,6 +455,7 @@ class Store:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self._reader.forget_reads()
         views_alive = self._reader.views_alive()
         self._s.close(keep_views=views_alive)
         if not views_alive:  # else the last view's release closes them

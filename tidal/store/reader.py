@@ -22,7 +22,7 @@ from tidal.store import layout, ops, views
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
 from tidal.store.layout import Path
-from tidal.store.plans import ReadPlans, Stored, Window, decode_layout
+from tidal.store.plans import Copy, ReadPlans, Stored, Window, decode_layout
 from tidal.store.session import Session
 from tidal.store.transports import ReadJob
 from tidal.store.transports.shm import path_of
@@ -36,6 +36,9 @@ class Reader:
         self.s = session
         self._meta: dict[str, tuple[str, dict[Path, Stored]]] = {}
         self.plans = ReadPlans()
+        self._bound: dict[str, BoundRead] = {}  # key -> its last read into caller tensors
+        self._bound_lock = threading.Lock()
+        self.reads_bound = 0  # BoundReads made (diagnostics: a steady reader makes one)
         self.metadata_fetches = 0  # layouts received (a steady reader receives none)
         self._releaser: views.Releaser | None = None
         self._views_lock = threading.Lock()  # never held around a request
@@ -144,10 +147,57 @@ class Reader:
         cast: bool,
     ) -> list[tuple[Path, torch.Tensor]]:
         stored = self._layout(key, kind, reply, cached)
+        into_given = dests is not None
         if dests is None:
             dests = [(n, torch.empty(s.shape, dtype=s.dtype)) for n, s in stored.items()]
         else:
             dests = layout.tensors_of(dests)
+        bound = self._bound_read(key, reply, stored, dests, cast, keep=into_given)
+        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
+        groups = bound.jobs(slots, vols)
+        if gate is not None:
+            gate.expect([j.slot for jobs in groups.values() for j in jobs])
+        for v, jobs in groups.items():
+            vol = volumes[v]
+            self.s.transport_for(vol, jobs[0].slot).read(vol, jobs, gate)
+        return dests
+
+    def _bound_read(
+        self,
+        key: str,
+        reply: dict[str, Any],
+        stored: dict[Path, Stored],
+        dests: list[tuple[Path, torch.Tensor]],
+        cast: bool,
+        keep: bool,
+    ) -> BoundRead:
+        """The read of ``key``'s stored layout into ``dests``: the one kept from the last
+        read when it was into the same tensors (a steady reader checks identities and
+        addresses, not shapes against the layout), else checked and planned anew."""
+        kept = self._bound.get(key)
+        if kept is not None and kept.fits(reply["sig"], dests, cast):
+            return kept
+        windows, dtypes = self._windows(key, reply, stored, dests, cast)
+        plan = self.plans.get(key, reply["sig"], stored, windows)
+        bound = BoundRead(reply["sig"], cast, dests, windows, dtypes, plan)
+        self.reads_bound += 1
+        if keep and bound.keepable:
+            with self._bound_lock:
+                self._bound.pop(key, None)
+                while len(self._bound) >= MAX_BOUND:
+                    del self._bound[next(iter(self._bound))]  # the least recently bound
+                self._bound[key] = bound
+        return bound
+
+    def _windows(
+        self,
+        key: str,
+        reply: dict[str, Any],
+        stored: dict[Path, Stored],
+        dests: list[tuple[Path, torch.Tensor]],
+        cast: bool,
+    ) -> tuple[list[Window], list[torch.dtype]]:
+        """Each destination's window and stored dtype, checked against the stored layout."""
         windows: list[Window] = []
         dtypes = []
         for path, dest in dests:
@@ -170,21 +220,7 @@ class Reader:
                 )
             windows.append((path, offs, sizes, local))
             dtypes.append(s.dtype)
-        plan = self.plans.get(key, reply["sig"], stored, windows)
-        slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
-        groups: dict[int, list[ReadJob]] = {}
-        for c in plan:
-            local = windows[c.dest][3]
-            dst = local if c.whole_dst else layout.narrow(local, c.dst_off, c.sizes)
-            job = ReadJob(slots[c.shard], c.shard_shape, dtypes[c.dest], c.src_off, c.sizes, dst,
-                          c.whole_src)  # fmt: skip
-            groups.setdefault(vols[c.shard], []).append(job)
-        if gate is not None:
-            gate.expect([j.slot for jobs in groups.values() for j in jobs])
-        for v, jobs in groups.items():
-            vol = volumes[v]
-            self.s.transport_for(vol, jobs[0].slot).read(vol, jobs, gate)
-        return dests
+        return windows, dtypes
 
     # -------------------------------------------------------- zero-copy reads
 
@@ -268,10 +304,89 @@ class Reader:
         with self._views_lock:
             return self.live_views > 0
 
+    def forget_reads(self) -> None:
+        """Drop the kept reads (and the caller tensors they hold)."""
+        with self._bound_lock:
+            self._bound.clear()
+
     def close_views(self) -> None:
         if self._releaser is not None:
             self._releaser.close()
         self.s.close_views()
+
+
+MAX_BOUND = 8  # bound reads kept per handle (one per key; the oldest bound goes first)
+
+
+class BoundRead:
+    """One key's read into one set of destination tensors: their windows, the read plan
+    and, per slot assignment of the stored version, the jobs for the transports.
+
+    A steady reader (an RL generator reading each new version into its own weights) reads
+    the same layout into the same tensors every time; checking that costs a few C-level
+    tuple comparisons instead of a window, a shape check and a job per tensor. The kept
+    read holds its destination tensors (so their ids cannot be reused while it is kept)
+    and is used again only when they are the same objects, at the same addresses, with the
+    same shapes, under the same names. Reads into DTensors are not kept (their windows depend
+    on the mesh, not only on the local tensor), nor reads that allocate their destinations.
+    A handle keeps the reads of its last ``MAX_BOUND`` keys, and with them their tensors.
+    """
+
+    def __init__(
+        self,
+        sig: str,
+        cast: bool,
+        dests: list[tuple[Path, torch.Tensor]],
+        windows: list[Window],
+        dtypes: list[torch.dtype],
+        plan: list[Copy],
+    ) -> None:
+        self.sig, self.cast = sig, cast
+        self.windows, self.dtypes, self.plan = windows, dtypes, plan
+        self.paths = tuple([p for p, _ in dests])
+        self.tensors = [t for _, t in dests]
+        self.keepable = all(type(t) in _PLAIN for t in self.tensors)
+        self.ids = _identity(self.tensors)
+        self._jobs: dict[tuple[tuple[Any, ...], tuple[Any, ...]], dict[int, list[ReadJob]]] = {}
+
+    def fits(self, sig: str, dests: list[tuple[Path, torch.Tensor]], cast: bool) -> bool:
+        if sig != self.sig or cast != self.cast or len(dests) != len(self.tensors):
+            return False
+        tensors = [t for _, t in dests]
+        return _identity(tensors) == self.ids and tuple([p for p, _ in dests]) == self.paths
+
+    def jobs(self, slots: list[Any], vols: list[int]) -> dict[int, list[ReadJob]]:
+        """The transports' jobs, by volume index, for a version stored in ``slots``."""
+        at = (tuple(slots), tuple(vols))
+        groups = self._jobs.get(at)
+        if groups is not None:
+            return groups
+        groups = {}
+        for c in self.plan:
+            local = self.windows[c.dest][3]
+            dst = local if c.whole_dst else layout.narrow(local, c.dst_off, c.sizes)
+            job = ReadJob(slots[c.shard], c.shard_shape, self.dtypes[c.dest], c.src_off,
+                          c.sizes, dst, c.whole_src)  # fmt: skip
+            groups.setdefault(vols[c.shard], []).append(job)
+        if len(self._jobs) >= 8:  # a key's retention keeps a few slot sets in turn
+            self._jobs.clear()
+        self._jobs[at] = groups
+        return groups
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _identity(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    """What must not change for a kept read to stay right: which tensor objects (kept alive
+    by the read, so an id is not reused meanwhile), their addresses and their shapes (what
+    ``resize_``, ``set_`` or ``.data =`` would change; a dtype or strides do not change
+    without the address)."""
+    return (
+        tuple(map(id, tensors)),
+        tuple(map(torch.Tensor.data_ptr, tensors)),
+        tuple([t.shape for t in tensors]),
+    )
 
 
 def release_quietly(conn: Conn, lease: int) -> None:

@@ -74,6 +74,12 @@ def write_slot(volume: dict[str, Any], slot: int, data: torch.Tensor) -> None:
     seg.copy_(flat)
 
 
+def reads_bound(store: Store) -> int:
+    """Reads ``store`` checked and planned against their destination tensors; a steady
+    reader into the same tensors makes one (tidal/store/reader.py ``BoundRead``)."""
+    return store._reader.reads_bound
+
+
 def mapped_segments(store: Store) -> int:
     """Shared-memory segments ``store`` has mapped."""
     return len(store._s.segments)

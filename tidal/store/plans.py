@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from tidal.store import layout, ops, wire
 from tidal.store.layout import Dims, Path
+from tidal.store.transports import WriteJob
 
 
 def stored_dtype(t: torch.Tensor, cast: torch.dtype | None) -> torch.dtype:
@@ -82,6 +83,26 @@ class PutPlan:
     nbytes: list[int]  # stored bytes per local shard
     puts: int = 0  # puts made with it: from the second on, each reserves the next one's slots
     reservation: dict[str, Any] | None = None  # ops.s_reservation: slots for the next put
+    # The copies of a reservation's slots, by (slots, fresh slots), for the tensors the
+    # writer last put with this plan (cleared when they change: Writer.put).
+    jobs: dict[tuple[Any, ...], list[WriteJob]] = field(default_factory=dict)
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types a kept put or read may be reused for (not DTensors: their boxes depend on
+their mesh and placements, not only on their local tensor)."""
+
+
+def identity(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+    """What must not change for a kept put or read of ``tensors`` to stay right: which
+    tensor objects (the keeper holds them, so an id is not reused meanwhile), their
+    addresses and their shapes (what ``resize_``, ``set_`` or ``.data =`` would change; a
+    dtype or strides do not change without the address)."""
+    return (
+        tuple(map(id, tensors)),
+        tuple(map(torch.Tensor.data_ptr, tensors)),
+        tuple([t.shape for t in tensors]),
+    )
 
 
 @dataclass(slots=True)

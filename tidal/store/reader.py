@@ -22,7 +22,7 @@ from tidal.store import layout, ops, views
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
 from tidal.store.layout import Path
-from tidal.store.plans import Copy, ReadPlans, Stored, Window, decode_layout
+from tidal.store.plans import PLAIN, Copy, ReadPlans, Stored, Window, decode_layout, identity
 from tidal.store.session import Session
 from tidal.store.transports import ReadJob
 from tidal.store.transports.shm import path_of
@@ -345,15 +345,15 @@ class BoundRead:
         self.windows, self.dtypes, self.plan = windows, dtypes, plan
         self.paths = tuple([p for p, _ in dests])
         self.tensors = [t for _, t in dests]
-        self.keepable = all(type(t) in _PLAIN for t in self.tensors)
-        self.ids = _identity(self.tensors)
+        self.keepable = all(type(t) in PLAIN for t in self.tensors)
+        self.ids = identity(self.tensors)
         self._jobs: dict[tuple[tuple[Any, ...], tuple[Any, ...]], dict[int, list[ReadJob]]] = {}
 
     def fits(self, sig: str, dests: list[tuple[Path, torch.Tensor]], cast: bool) -> bool:
         if sig != self.sig or cast != self.cast or len(dests) != len(self.tensors):
             return False
         tensors = [t for _, t in dests]
-        return _identity(tensors) == self.ids and tuple([p for p, _ in dests]) == self.paths
+        return identity(tensors) == self.ids and tuple([p for p, _ in dests]) == self.paths
 
     def jobs(self, slots: list[Any], vols: list[int]) -> dict[int, list[ReadJob]]:
         """The transports' jobs, by volume index, for a version stored in ``slots``."""
@@ -372,21 +372,6 @@ class BoundRead:
             self._jobs.clear()
         self._jobs[at] = groups
         return groups
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _identity(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
-    """What must not change for a kept read to stay right: which tensor objects (kept alive
-    by the read, so an id is not reused meanwhile), their addresses and their shapes (what
-    ``resize_``, ``set_`` or ``.data =`` would change; a dtype or strides do not change
-    without the address)."""
-    return (
-        tuple(map(id, tensors)),
-        tuple(map(torch.Tensor.data_ptr, tensors)),
-        tuple([t.shape for t in tensors]),
-    )
 
 
 def release_quietly(conn: Conn, lease: int) -> None:

@@ -455,6 +455,8 @@ class CudaIpcTransport:
         self._lock = threading.Lock()
         self._write_plans = CopyPlans()
         self._read_plans = CopyPlans()
+        self._read_keys: dict[int, tuple[list[ReadJob], str, tuple[Any, ...]]] = {}
+        self._write_keys: dict[int, tuple[Any, ...]] = {}  # id(jobs) -> jobs, slots, srcs, key
 
     # -- writer side ----------------------------------------------------------------------
 
@@ -515,8 +517,7 @@ class CudaIpcTransport:
             return
         device = self._device
         assert device is not None and vol["id"] == device.volume_id, vol["id"]
-        slots = [j.slot for j in jobs]
-        srcs = [j.src for j in jobs]
+        slots, srcs, key = self._write_lists(jobs)
         with device.writing(slots), torch.no_grad():
             self.prepare(jobs)
             if progress.reporting:
@@ -528,7 +529,7 @@ class CudaIpcTransport:
                         progress.add(job.slot, job.nbytes, dst.device)
                     progress.synchronize()
             else:  # nobody streams it: the copies of a kept plan, no per-slot work
-                plan = self._write_plan(device, jobs, slots, srcs)
+                plan = self._write_plan(device, jobs, srcs, key)
                 with _on_copy_streams(device, plan.devices):
                     plan.run(lambda i: plan_dst(device, jobs, srcs, i), srcs.__getitem__,
                              copier())  # fmt: skip
@@ -537,12 +538,30 @@ class CudaIpcTransport:
                     for d in plan.devices:
                         device.copy_stream(d.index).synchronize()
 
-    def _write_plan(
-        self, device: DeviceVolume, jobs: list[WriteJob], slots: list[int], srcs: list[torch.Tensor]
-    ) -> CopyPlan:
-        """The copy plan kept for these slots and sources (built on first use)."""
+    def _write_lists(
+        self, jobs: list[WriteJob]
+    ) -> tuple[list[int], list[torch.Tensor], tuple[Any, ...]]:
+        """The slots and sources of ``jobs``; built once per jobs list (a steady writer's
+        jobs are kept by its put plan and never changed once made), with the copy plan's key."""
+        memo = self._write_keys.get(id(jobs))
+        if memo is not None and memo[0] is jobs:
+            return memo[1], memo[2], memo[3]
+        slots, srcs = [j.slot for j in jobs], [j.src for j in jobs]
         key = (tuple(slots), tuple([j.dtype for j in jobs]),
                tuple(map(torch.Tensor.data_ptr, srcs)), tuple([t.dtype for t in srcs]))  # fmt: skip
+        if len(self._write_keys) >= 32:
+            self._write_keys.clear()
+        self._write_keys[id(jobs)] = (jobs, slots, srcs, key)
+        return slots, srcs, key
+
+    def _write_plan(
+        self,
+        device: DeviceVolume,
+        jobs: list[WriteJob],
+        srcs: list[torch.Tensor],
+        key: tuple[Any, ...],
+    ) -> CopyPlan:
+        """The copy plan kept under ``key`` (the slots and sources), built on first use."""
 
         def build() -> CopyPlan:
             return CopyPlan.of([plan_dst(device, jobs, srcs, i) for i in range(len(jobs))], srcs)
@@ -571,8 +590,7 @@ class CudaIpcTransport:
         """Issue every job's copy, with the plan kept for these slots and destinations (a
         steady reader opens nothing and decides nothing again), after the writer's event;
         returns the devices they run on."""
-        key = (vol["id"], tuple([(j.slot, j.dtype, j.shard_shape, j.src_off, j.sizes,
-                                  j.dst.data_ptr(), j.dst.dtype) for j in jobs]))  # fmt: skip
+        key = self._read_key(vol["id"], jobs)
         dsts = [j.dst for j in jobs]
 
         def build() -> CopyPlan:
@@ -585,6 +603,20 @@ class CudaIpcTransport:
         _await_writer(events, self._timeout, f"volume {vol['id']!r}")
         plan.run(dsts.__getitem__, lambda i: self._source(vol, jobs[i]), copier())
         return plan.devices
+
+    def _read_key(self, volume_id: str, jobs: list[ReadJob]) -> tuple[Any, ...]:
+        """The read plan's key for ``jobs``: the slots, boxes and destinations they name.
+        Built once per jobs list: a steady reader passes the same list every time (kept by
+        its BoundRead, never changed once made), held here so its id is not reused."""
+        memo = self._read_keys.get(id(jobs))
+        if memo is not None and memo[0] is jobs and memo[1] == volume_id:
+            return memo[2]
+        key = (volume_id, tuple([(j.slot, j.dtype, j.shard_shape, j.src_off, j.sizes,
+                                  j.dst.data_ptr(), j.dst.dtype) for j in jobs]))  # fmt: skip
+        if len(self._read_keys) >= 32:
+            self._read_keys.clear()
+        self._read_keys[id(jobs)] = (jobs, volume_id, key)
+        return key
 
     def _source(self, vol: dict[str, Any], job: ReadJob) -> torch.Tensor:
         """The bytes ``job`` reads, as a view of the device slot."""
@@ -627,6 +659,8 @@ class CudaIpcTransport:
 
     def close(self) -> None:
         self._read_plans.clear()
+        self._read_keys.clear()
+        self._write_keys.clear()
         self._write_plans.clear()
         self._imports.close()
         if self._device is not None:

@@ -1,12 +1,13 @@
-"""A steady reader's gets skip the per-tensor checks and planning (tidal/store/reader.py
-``BoundRead``), and anything that could make a kept read wrong makes it check again."""
+"""A steady writer's puts and a steady reader's gets skip the per-tensor fingerprint, checks
+and job building (tidal/store/writer.py ``Writer._last``, tidal/store/reader.py
+``BoundRead``), and anything that could make a kept put or read wrong makes it check again."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tidal.store import reader, testing
+from tidal.store import reader, testing, writer
 
 
 def _sd(step: float = 0.0) -> dict[str, torch.Tensor]:
@@ -66,3 +67,49 @@ def test_a_handle_keeps_the_reads_of_a_few_keys(store, monkeypatch):
     assert testing.reads_bound(store) == 3
     store.get_state_dict("a", into=intos["a"])  # the oldest, dropped for "c"
     assert testing.reads_bound(store) == 4
+
+
+def test_a_steady_writer_copies_the_current_bytes_every_time(store):
+    sd = _sd()
+    into = {k: torch.empty_like(v) for k, v in sd.items()}
+    for step in range(5):  # the same tensor objects, rewritten in place (an optimizer step)
+        for t in sd.values():
+            t.fill_(float(step))
+        store.put_state_dict(sd, "m")
+        store.get_state_dict("m", into=into)
+        assert all(torch.equal(into[k], sd[k]) for k in sd), step
+    assert store.plans_declared == 1
+
+
+def test_a_writers_changed_tensors_are_put_as_they_are_now(store):
+    sd = _sd(1)
+    store.put_state_dict(sd, "m")
+    store.put_state_dict(sd, "m")  # kept from here on
+    # Memory replaced under the same object: the new memory's bytes are stored.
+    sd["l2.w"].data = torch.full((8, 4), 7.0)
+    store.put_state_dict(sd, "m")
+    assert torch.equal(store.get_state_dict("m")["l2.w"], torch.full((8, 4), 7.0))
+    # The same tensors under swapped names: each name stores its own tensor.
+    swapped = dict(sd)
+    swapped["l0.w"], swapped["l1.w"] = sd["l1.w"], sd["l0.w"]
+    store.put_state_dict(swapped, "m")
+    got = store.get_state_dict("m")
+    assert torch.equal(got["l0.w"], sd["l1.w"]) and torch.equal(got["l1.w"], sd["l0.w"])
+    # A tensor given another shape in place: a new layout is declared, not the kept one.
+    declared = store.plans_declared
+    sd["l3.w"].set_(torch.full((16, 4), 3.0))
+    store.put_state_dict(sd, "m")
+    assert store.plans_declared == declared + 1
+    assert torch.equal(store.get_state_dict("m")["l3.w"], torch.full((16, 4), 3.0))
+
+
+def test_a_handle_remembers_the_tensors_of_a_few_keys(store, monkeypatch):
+    monkeypatch.setattr(writer, "MAX_LAST", 2)
+    sds = {key: _sd() for key in ("a", "b", "c")}
+    for _ in range(2):
+        for key, sd in sds.items():
+            store.put_state_dict(sd, key)
+    for key, sd in sds.items():  # each key's tensors changed in place: still read right
+        sd["l0.w"].fill_(9.0)
+        store.put_state_dict(sd, key)
+        assert torch.equal(store.get_state_dict(key)["l0.w"], torch.full((8, 4), 9.0))

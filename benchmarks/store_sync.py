@@ -82,6 +82,8 @@ def check(sd: dict[str, torch.Tensor], v: int) -> None:
 def reader(conn, address: str, small: bool, root: str, device: str) -> None:
     into = make_sd(small, device=device)  # the generator's own model memory, already touched
     store = tidal.store.connect(address)
+    if device == "cuda":  # as a generator would at start: its copy kernel built before step 1
+        tidal.store.warm_up_cuda()
     conn.send("up")  # set up: the main process measures memcpy only after this
     while True:
         msg = conn.recv()
@@ -209,6 +211,8 @@ def main() -> None:
     root = os.path.join(args.root, f"tidal-bench-{os.getpid()}")
     os.makedirs(root, exist_ok=True)
     store = tidal.store.connect(keep=1)
+    if args.device == "cuda":  # the writer's copy kernel too, as a trainer's first step would
+        tidal.store.warm_up_cuda()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=reader, args=(child, store.address, args.gb1, root, args.device))

@@ -123,3 +123,9 @@ def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
         store.put("w", torch.ones(3))  # the store still serves
         assert torch.equal(store.get("w"), torch.ones(3))
         writer.conn.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_warm_up_cuda_needs_cuda():
+    with pytest.raises(StoreError, match="needs a CUDA device"):
+        tidal.store.warm_up_cuda()

@@ -232,3 +232,23 @@ def test_state_dict_copies_go_as_one_call(path, monkeypatch):
         assert not getattr(copier, "failed", False), "the kernel failed (see the warning)"
         assert copier.batching or path == "kernel", "a batched copy failed (see the warning)"
         assert count() - before >= 12  # a put and a get each round
+
+
+def test_warm_up_builds_the_copy_kernel_before_the_first_get():
+    """tidal.store.warm_up_cuda: the kernel is built when it returns, so a process's first
+    state-dict copies already go as one launch."""
+    from tidal.store.transports import cuda_ipc
+    from tidal.store.transports.cuda_gather import GatherCopier
+
+    copier = cuda_ipc.copier()
+    if not isinstance(copier, GatherCopier):
+        pytest.skip("Triton is not installed: no gather kernel")
+    assert tidal.store.warm_up_cuda(timeout=120) and copier.ready(0)
+    sd = {f"w{i}": torch.randn(32, 32, device="cuda") for i in range(8)}
+    into = {k: torch.empty_like(t) for k, t in sd.items()}
+    with tidal.store.connect() as store:
+        before = copier.launches
+        store.put_state_dict(sd, "p", memory="cuda")
+        store.get_state_dict("p", into=into)
+        assert copier.launches - before == 2
+    assert all(torch.equal(into[k], sd[k]) for k in sd)

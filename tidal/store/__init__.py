@@ -22,6 +22,7 @@ from tidal.store.errors import (
     VolumeLostError,
     WaitExpiredError,
 )
+from tidal.store.transports.cuda_ipc import warm_up as warm_up_cuda
 
 __all__ = [
     "AuthError",
@@ -33,4 +34,5 @@ __all__ = [
     "VolumeLostError",
     "WaitExpiredError",
     "connect",
+    "warm_up_cuda",
 ]

@@ -88,6 +88,7 @@ class GatherCopier:
         self.fallback = fallback
         self._kernel: Any = None  # set by the build thread once compiled
         self._build: threading.Thread | None = None
+        self._lock = threading.Lock()
         self.failed = False
         self.launches = 0  # kernel launches (tidal.store.testing, the GPU tests)
 
@@ -102,14 +103,11 @@ class GatherCopier:
             self._build.join(timeout)
         return self._kernel is not None
 
-    def prepare(self, pairs: Pairs, device: int) -> Gather | Any:
-        if self.failed or len(pairs) < 2:
-            return self.fallback.prepare(pairs, device)
-        fits = [p for p in pairs if _aligned(p)]
-        others = [p for p in pairs if not _aligned(p)]
-        if not fits:
-            return self.fallback.prepare(pairs, device)
-        if self._build is None:
+    def build(self, device: int) -> None:
+        """Start building the kernel (once per process), in a thread of its own."""
+        with self._lock:
+            if self._build is not None or self.failed:
+                return
             # Not a daemon: a process ending while Triton compiles in a daemon thread dies of
             # SIGABRT ("terminate called without an active exception": the compiler's C++
             # threads are torn down under it). Seen on the H200 with a cold Triton cache, in a
@@ -118,6 +116,15 @@ class GatherCopier:
                 target=self._compile, args=(device,), name="tidal-gather-build"
             )
             self._build.start()
+
+    def prepare(self, pairs: Pairs, device: int) -> Gather | Any:
+        if self.failed or len(pairs) < 2:
+            return self.fallback.prepare(pairs, device)
+        fits = [p for p in pairs if _aligned(p)]
+        others = [p for p in pairs if not _aligned(p)]
+        if not fits:
+            return self.fallback.prepare(pairs, device)
+        self.build(device)
         rows = _rows(fits)
         table = torch.tensor(rows, dtype=torch.int64).to(f"cuda:{device}")
         rest = self.fallback.prepare(others, device) if others else None

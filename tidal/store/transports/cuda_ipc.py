@@ -165,6 +165,23 @@ def copier() -> GatherCopier | BatchCopier:
     return GatherCopier(batch) if importlib.util.find_spec("triton") else batch
 
 
+def warm_up(device: int | None = None, timeout: float = 120.0) -> bool:
+    """Build this process's device-copy kernel now and wait for it (at most ``timeout``
+    seconds); returns whether it is built (False without Triton, or if the build failed).
+
+    Without it the kernel is built in the background on the first ``memory="cuda"`` put or
+    get of a state dict, and the copies of the first second or so (several on a cold
+    Triton cache) go through the slower driver calls while the compiler competes for the
+    interpreter. A process that syncs weights every step (an RL generator) calls it at
+    start. Raises StoreError without CUDA."""
+    cp = copier()
+    if not isinstance(cp, GatherCopier):
+        return False
+    index = torch.cuda.current_device() if device is None else device
+    cp.build(index)
+    return cp.ready(timeout)
+
+
 @functools.cache
 def runtime() -> _Runtime:
     """The CUDA runtime torch uses (found among this process's mapped libraries once CUDA

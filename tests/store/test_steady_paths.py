@@ -113,3 +113,19 @@ def test_a_handle_remembers_the_tensors_of_a_few_keys(store, monkeypatch):
         sd["l0.w"].fill_(9.0)
         store.put_state_dict(sd, key)
         assert torch.equal(store.get_state_dict(key)["l0.w"], torch.full((8, 4), 9.0))
+
+
+def test_sparse_tensors_are_refused_clearly_also_after_kept_puts_and_reads(store):
+    sd = _sd()
+    into = {k: torch.empty_like(v) for k, v in sd.items()}
+    for _ in range(2):  # kept from here on
+        store.put_state_dict(sd, "m")
+        store.get_state_dict("m", into=into)
+    sparse = torch.eye(8, 4).to_sparse()
+    with pytest.raises(TypeError, match="l0.w is a torch.sparse_coo tensor; tidal.store holds"):
+        store.put_state_dict({**sd, "l0.w": sparse}, "m")
+    with pytest.raises(TypeError, match="l0.w is a torch.sparse_coo tensor"):
+        store.get_state_dict("m", into={**into, "l0.w": sparse})
+    with pytest.raises(TypeError, match="the tensor is a torch.sparse_coo tensor"):
+        store.put("w", sparse)
+    assert store.versions("m") == [0, 1] and "w" not in store.keys()

@@ -93,16 +93,26 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 their mesh and placements, not only on their local tensor)."""
 
 
-def identity(tensors: list[torch.Tensor]) -> tuple[Any, ...]:
+def identity(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
     """What must not change for a kept put or read of ``tensors`` to stay right: which
     tensor objects (the keeper holds them, so an id is not reused meanwhile), their
     addresses and their shapes (what ``resize_``, ``set_`` or ``.data =`` would change; a
-    dtype or strides do not change without the address)."""
-    return (
-        tuple(map(id, tensors)),
-        tuple(map(torch.Tensor.data_ptr, tensors)),
-        tuple([t.shape for t in tensors]),
-    )
+    dtype or strides do not change without the address). None when one has no address (a
+    sparse tensor, say: never kept, and refused with a clear error on the full path)."""
+    try:
+        ptrs = tuple(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:
+        return None
+    return (tuple(map(id, tensors)), ptrs, tuple([t.shape for t in tensors]))
+
+
+def check_strided(path: Path, t: torch.Tensor) -> None:
+    """TypeError unless ``t`` is a dense (strided) tensor, the only kind the store holds."""
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{layout.path_str(path) or 'the tensor'} is a {t.layout} tensor; tidal.store "
+            "holds dense tensors (convert it with .to_dense())"
+        )
 
 
 @dataclass(slots=True)

@@ -22,7 +22,16 @@ from tidal.store import layout, ops, views
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
 from tidal.store.layout import Path
-from tidal.store.plans import PLAIN, Copy, ReadPlans, Stored, Window, decode_layout, identity
+from tidal.store.plans import (
+    PLAIN,
+    Copy,
+    ReadPlans,
+    Stored,
+    Window,
+    check_strided,
+    decode_layout,
+    identity,
+)
 from tidal.store.session import Session
 from tidal.store.transports import ReadJob
 from tidal.store.transports.shm import path_of
@@ -201,6 +210,7 @@ class Reader:
         windows: list[Window] = []
         dtypes = []
         for path, dest in dests:
+            check_strided(path, dest)
             s = stored.get(path)
             if s is None:
                 shown = layout.path_str(path) or key
@@ -345,15 +355,15 @@ class BoundRead:
         self.windows, self.dtypes, self.plan = windows, dtypes, plan
         self.paths = tuple([p for p, _ in dests])
         self.tensors = [t for _, t in dests]
-        self.keepable = all(type(t) in PLAIN for t in self.tensors)
         self.ids = identity(self.tensors)
+        self.keepable = self.ids is not None and all(type(t) in PLAIN for t in self.tensors)
         self._jobs: dict[tuple[tuple[Any, ...], tuple[Any, ...]], dict[int, list[ReadJob]]] = {}
 
     def fits(self, sig: str, dests: list[tuple[Path, torch.Tensor]], cast: bool) -> bool:
         if sig != self.sig or cast != self.cast or len(dests) != len(self.tensors):
             return False
-        tensors = [t for _, t in dests]
-        return identity(tensors) == self.ids and tuple([p for p, _ in dests]) == self.paths
+        ids = identity([t for _, t in dests])
+        return ids is not None and ids == self.ids and tuple([p for p, _ in dests]) == self.paths
 
     def jobs(self, slots: list[Any], vols: list[int]) -> dict[int, list[ReadJob]]:
         """The transports' jobs, by volume index, for a version stored in ``slots``."""

@@ -257,7 +257,8 @@ def _tensors_key(tensors: list[tuple[Path, torch.Tensor]]) -> tuple[Any, ...] | 
     values = [t for _, t in tensors]
     if not all(type(t) in plans.PLAIN for t in values):
         return None
-    return (tuple([p for p, _ in tensors]), plans.identity(values))
+    ident = plans.identity(values)
+    return None if ident is None else (tuple([p for p, _ in tensors]), ident)
 
 
 def _abort(conn: Conn, key: str, version: int, writer: str) -> None:
@@ -285,6 +286,7 @@ def _split(items: list[tuple[Path, Any]], kind: str) -> tuple[list, list[dict[st
     tensors, objects = [], []
     for path, v in items:
         if isinstance(v, torch.Tensor):
+            plans.check_strided(path, v)
             tensors.append((path, v))
         elif kind == "state_dict":
             objects.append({"name": list(path), "value": _plain(path, v)})

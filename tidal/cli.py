@@ -36,7 +36,8 @@ def _train(argv: list[str]) -> int:
         # In the training loop a first Ctrl-C stops after the current step (the trainer says
         # so); this one came during set-up, data preparation or the final sample, or it is a
         # second Ctrl-C in the loop.
-        print("tidal train: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # once for a job, not once per rank
+            print("tidal train: interrupted", file=sys.stderr)
         return 130
 
 

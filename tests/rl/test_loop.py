@@ -82,6 +82,7 @@ def test_reward_rises_and_the_run_reports_everything(tmp_path):
     assert (out / "checkpoint" / "step-8").is_dir()
     assert any((out / "tb").iterdir())  # TensorBoard events
     assert "held-out pass@1" in r.stdout and f"plot: {out / 'rl.png'}" in r.stdout
+    assert f"metrics: {out / 'metrics.jsonl'}" in r.stdout
     assert "step    8/8 reward" in r.stdout
 
 

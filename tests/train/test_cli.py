@@ -178,3 +178,16 @@ def test_launched_ranks_report_one_error_once(tmp_path: Path) -> None:
     errors = [x for x in proc.stderr.splitlines() if x.startswith("tidal train: error:")]
     assert len(errors) == 1 and "tidal fetch shakespeare" in errors[0]
     assert proc.stderr.count("path='ignored.txt' is ignored") == 1
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_an_interrupt_in_set_up_is_reported_once_per_job(monkeypatch, capsys, rank, printed):
+    """A Ctrl-C reaches every rank of a `--nproc` job; only rank 0 says so."""
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train_command", interrupted)
+    monkeypatch.setenv("RANK", rank)
+    assert cli._train([]) == 130
+    assert ("tidal train: interrupted" in capsys.readouterr().err) == printed

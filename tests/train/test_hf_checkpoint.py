@@ -302,6 +302,9 @@ def test_config_resolves_the_tokenizer_and_checks_fields(hf_tiny):
         with pytest.raises(ValueError, match=message):
             apply_overrides(get_config("debug"),
                             ["--checkpoint.initial_load_hf", str(hf_tiny), *extra])  # fmt: skip
+    # Without enable, an initial_load_path would be silently dropped (a missing one too).
+    with pytest.raises(ValueError, match="initial_load_path needs --checkpoint.enable true"):
+        apply_overrides(get_config("debug"), ["--checkpoint.initial_load_path", "/no/such"])
 
 
 def test_initial_load_hf_equals_the_converted_checkpoint(tmp_path, hf_tiny):

@@ -99,6 +99,7 @@ class Report:
         self.log_line(text)
         if "plot" in summary:
             self.log_line(f"plot: {summary['plot']}")
+        self.log_line(f"metrics: {self.dir / 'metrics.jsonl'}")
         if self.grader_errors:
             self.log_line(f"the grader raised {self.grader_errors} time(s); those samples got "
                           "reward 0 (the first error is in metrics.jsonl)")  # fmt: skip

@@ -282,7 +282,7 @@ class CheckpointConfig:
     and only the next optimizer step waits for the copy."""
     initial_load_path: str | None = None
     """A checkpoint folder (a step-N folder, e.g. of another run) to start from when `folder`
-    holds no complete checkpoint: fine-tuning. Ignored when resuming."""
+    holds no complete checkpoint: fine-tuning. Ignored when resuming. Needs `enable`."""
     initial_load_model_only: bool = True
     """From initial_load_path load the model only (optimizer and step start fresh); false
     restores everything in it."""
@@ -345,6 +345,12 @@ class CheckpointConfig:
             not (self.initial_load_hf and self.initial_load_path),
             "checkpoint.initial_load_hf and checkpoint.initial_load_path are both set; start "
             "from one of them",
+        )
+        _check(
+            self.enable or not self.initial_load_path,
+            "checkpoint.initial_load_path needs --checkpoint.enable true (without it the run "
+            "would start from the seed init); for Hugging Face weights use "
+            "--checkpoint.initial_load_hf",
         )
         _check(
             self.enable or not self.last_save_in_hf,

@@ -122,9 +122,8 @@ def plan_load(
     """
     hf = cfg.initial_load_hf
     if not cfg.enable:
-        for name in ("initial_load_path", "load_step"):
-            if getattr(cfg, name) not in (None, -1):
-                log(f"warning: checkpoint.{name} is ignored without --checkpoint.enable true")
+        if cfg.load_step != -1:
+            log("warning: checkpoint.load_step is ignored without --checkpoint.enable true")
         return _hf_plan(Path(hf).expanduser(), args, log) if hf else None
     folder = checkpoint_folder(cfg, output_dir)
     found = layout.scan(folder)

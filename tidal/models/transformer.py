@@ -230,7 +230,10 @@ class AttentionMask:
     - cache: queries at per-row absolute `positions` [B, T] see the cache positions up to
       their own (rows of different lengths, prefill or decode); `rows` names the cache rows
       (None: rows 0..B-1);
-    - document: flex attention restricted to the same document (packed sequences).
+    - document: flex attention restricted to the same document (packed sequences);
+    - dense: SDPA with an explicit [B, T, T] mask of the keys each query sees (`visible`):
+      the same document masking without flex (packed chat samples on CPU; on a GPU flex
+      is faster, as SDPA with a mask cannot use the flash kernel).
 
     With `batch_invariant`, causal and cache attention use the fixed-order chunked kernel of
     tidal/models/batch_invariant.py, so a query gets the same bits in training and decoding.
@@ -243,10 +246,12 @@ class AttentionMask:
         positions: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         block_mask=None,
+        visible: torch.Tensor | None = None,
         batch_invariant: bool = False,
     ):
         self.kind, self.positions, self.rows = kind, positions, rows
         self.block_mask, self.batch_invariant = block_mask, batch_invariant
+        self.visible_BTS = visible
 
     def attend(self, q_BHTK, k_BGSK, v_BGSK) -> torch.Tensor:
         if self.kind == "document":
@@ -265,6 +270,11 @@ class AttentionMask:
             return F.scaled_dot_product_attention(
                 q_BHTK, k_BGSK, v_BGSK, is_causal=True, enable_gqa=True
             )
+        if self.kind == "dense":
+            assert self.visible_BTS is not None, "dense attention needs its mask"
+            return F.scaled_dot_product_attention(
+                q_BHTK, k_BGSK, v_BGSK, attn_mask=self.visible_BTS[:, None], enable_gqa=True
+            )
         assert self.positions is not None, "cache attention needs the query positions"
         S = k_BGSK.shape[2]
         # Cache slot s holds position s: a query sees the slots up to its own position;
@@ -273,6 +283,13 @@ class AttentionMask:
         return F.scaled_dot_product_attention(
             q_BHTK, k_BGSK, v_BGSK, attn_mask=visible_BTS[:, None], enable_gqa=True
         )
+
+
+def document_causal(document_ids_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: query t sees key s when s <= t and both are in the same document."""
+    T = document_ids_BT.shape[1]
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=document_ids_BT.device).tril()
+    return causal_TT & (document_ids_BT[:, :, None] == document_ids_BT[:, None, :])
 
 
 def document_block_mask(document_ids_BT: torch.Tensor):
@@ -370,8 +387,9 @@ class Transformer(nn.Module):
                 query attends over its row's cached prefix. The caller advances the cache.
             cache_rows: [B] cache rows of the batch's rows (a prefill into free slots);
                 None for rows 0..B-1.
-            document_ids: [B, T] document index of each token, for document-causal masking
-                with flex attention (ignored by the SDPA path, which is plainly causal).
+            document_ids: [B, T] document index of each token, for document-causal masking:
+                with flex attention a block mask, with SDPA a dense [B, T, T] mask (None:
+                plainly causal; ignored with a cache or batch_invariant).
             attention: an object with `attend(q_BHTK, k_BGTK, v_BGTK)` that replaces the
                 built-in masking for this call (context parallelism supplies one that
                 gathers keys over ranks); `positions` should then be given.
@@ -420,6 +438,8 @@ class Transformer(nn.Module):
             if document_ids is None:
                 document_ids = torch.zeros(B, T, dtype=torch.int32, device=tokens_BT.device)
             mask = AttentionMask("document", block_mask=document_block_mask(document_ids))
+        elif document_ids is not None and not batch_invariant:
+            mask = AttentionMask("dense", visible=document_causal(document_ids))
         else:
             mask = AttentionMask("causal", batch_invariant=batch_invariant)
 

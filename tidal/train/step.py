@@ -97,8 +97,12 @@ class StepPath:
         loss_parallel: bool,
         grad_scale: int,
         batch_invariant: bool,
+        document_mask: bool = False,
     ):
         self.model, self.args, self.mesh, self.cp = model, args, mesh, cp
+        # Packed chat samples: each sees only its own document with SDPA too (a dense mask;
+        # flex attention always masks documents). Not under CP or PP: there plainly causal.
+        self.document_mask = document_mask and cp is None
         self.device, self.autocast_dtype = device, autocast_dtype
         self.loss_parallel, self.grad_scale = loss_parallel, grad_scale
         self.batch_invariant = batch_invariant
@@ -152,7 +156,7 @@ class StepPath:
         """Logits of this rank's part of a micro-batch (no pipeline), its labels, and under CP
         the global positions of its slice (None otherwise)."""
         flex = self.args.attention == "flex"
-        doc_ids = batch.document_ids if flex else None
+        doc_ids = batch.document_ids if flex or self.document_mask else None
         input_ids, labels = batch.input_ids, batch.labels
         kw: dict[str, Any] = {"document_ids": doc_ids, **self.model_kwargs}
         positions = None

@@ -242,6 +242,7 @@ class Trainer:
             loss_parallel=self.loss_parallel,
             grad_scale=self.grad_scale,
             batch_invariant=t.batch_invariant,
+            document_mask=cfg.data.format == "chat",
         )
         if self.dims.pp > 1:
             self.pipeline = self.path.pipeline = PipelineRunner(

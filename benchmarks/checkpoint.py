@@ -119,7 +119,7 @@ def run_tidal(args, mode: str) -> dict:
     import numpy as np
 
     from tidal.models.flavors import get_flavor
-    from tidal.train.checkpoint import plan_load
+    from tidal.train.checkpoint import checksum, plan_load
     from tidal.train.config import (
         CheckpointConfig,
         Config,
@@ -227,6 +227,11 @@ def run_tidal(args, mode: str) -> dict:
     ckpt.load(plan)
     _sync(device)
     load_s = time.perf_counter() - start
+    # The CRC32 of every saved chunk (a part of each save's total, and about the same again
+    # inside the load, which checks what it reads), timed alone on the folder just loaded.
+    start = time.perf_counter()
+    checksum.compute(plan.path)
+    checksum_s = time.perf_counter() - start
     trainer.close()
     shutil.rmtree(out, ignore_errors=True)
     steady = saves[1:] or saves
@@ -253,6 +258,7 @@ def run_tidal(args, mode: str) -> dict:
         "saves": saves,
         "copy_s": copy_s,
         "load_s": load_s,
+        "checksum_s": checksum_s,
         "pinned_writer": args.pinned_writer if copy_s is not None else None,
         "sync": args.sync,
     }
@@ -355,6 +361,8 @@ def fmt(r: dict) -> str:
             f"{s('ordinary_step_s')}")  # fmt: skip
     if r.get("bytes"):
         line += f"  {r['bytes'] / 1e9:.2f} GB"
+    if r.get("checksum_s") is not None:
+        line += f"  (crc32 of it {r['checksum_s']:.2f}s)"
     return line
 
 

@@ -1,8 +1,9 @@
 """Regenerate the Hugging Face reference files under tests/models/data/ with transformers.
 
 Not a test (pytest collects test_*.py only) and not run by CI: the files it writes are
-committed, so tidal's tests need no transformers. Run it in a separate virtual environment,
-never the project's .venv:
+committed, so the tests that compare against them need no transformers (only
+test_transformers_loads_tidal.py imports it). Run it in a separate virtual environment, never
+the project's .venv:
 
     python3 -m venv /tmp/hfref-venv
     /tmp/hfref-venv/bin/pip install torch==2.13.0 transformers gguf accelerate safetensors

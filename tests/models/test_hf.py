@@ -1,9 +1,9 @@
 """Hugging Face checkpoints: config mapping, logits against transformers, byte-identical round
 trips, sharded files, and errors raised before any tensor data is read.
 
-The tiny models under data/ were made by transformers (tests/models/make_hf_references.py,
-which also checks that transformers loads what save_hf writes); transformers is not needed
-here.
+The tiny models under data/ were made by transformers (tests/models/make_hf_references.py);
+transformers is not needed here (test_transformers_loads_tidal.py loads save_hf's output
+with it).
 """
 
 from __future__ import annotations

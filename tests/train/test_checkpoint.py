@@ -234,6 +234,11 @@ def test_folder_layout_marker_and_info(straight):
     assert set(marker["files"]) == {".metadata", "__0_0.distcp", "tidal.json"}
     for name, size in marker["files"].items():
         assert (step10 / name).stat().st_size == size
+    # A checksum per saved chunk (each small here: one piece each).
+    assert marker["crc32"]["piece_bytes"] == 64 << 20
+    chunks = marker["crc32"]["files"]["__0_0.distcp"]
+    assert len(chunks) == len(read_metadata(step10).storage_data)
+    assert all(len(crcs) == 1 for crcs in chunks.values())
     info = json.loads((step10 / "tidal.json").read_text())
     assert info["step"] == 10 and info["dtype"] == "float32"
     assert info["contents"] == ["model", "optimizer", "lr_scheduler", "dataloader",
@@ -364,6 +369,14 @@ def corrupt_copy(straight: Path, tmp_path: Path) -> Path:
     return out
 
 
+def corrupt_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
 def test_truncated_or_corrupt_files_are_named(straight, tmp_path):
     out = corrupt_copy(straight, tmp_path)
     data_file = out / "checkpoint" / "step-10" / "__0_0.distcp"
@@ -371,9 +384,19 @@ def test_truncated_or_corrupt_files_are_named(straight, tmp_path):
     with open(data_file, "r+b") as f:
         f.truncate(size // 2)
     expect_error(out, match=rf"{data_file}: {size // 2:,} bytes, the save wrote {size:,}")
-    # The same size but garbage where torch.load looks (the end of each record's zip).
+    # The same size with one byte changed inside a tensor's data: torch.load would take it;
+    # the marker's checksum names the file and the key.
     with open(data_file, "r+b") as f:
         f.truncate(size)
+    restore = data_file.read_bytes()
+    corrupt_byte(data_file, size // 2)
+    expect_error(out, match=rf"{data_file} \(key .+\): bytes 0\.\..* fail their checksum")
+    # Garbage where torch.load looks (the end of each record's zip), in a checkpoint whose
+    # marker has no checksums (older, or written by hand): named by the reader instead.
+    data_file.write_bytes(restore)
+    marker = data_file.parent / "COMPLETE"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "crc32": {}}))
+    with open(data_file, "r+b") as f:
         f.seek(size - 4096)
         f.write(b"\0" * 4096)
     expect_error(out, match=rf"{data_file}: unreadable .*corrupt")

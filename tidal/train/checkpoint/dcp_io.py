@@ -10,6 +10,7 @@ coordinates through the process group); rank 0 alone cleans up and commits the f
 from __future__ import annotations
 
 import dataclasses
+import io
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
-from tidal.train.checkpoint import layout
+from tidal.train.checkpoint import checksum, layout
 from tidal.train.checkpoint.layout import CheckpointError
 
 
@@ -94,7 +95,28 @@ def mismatch_message(path: Path, wrong: list[str], missing: list[str], diff: lis
 
 
 class _NamingReader(FileSystemReader):
-    """DCP's file reader, reading one file at a time so that a failure names the file."""
+    """DCP's file reader, reading one file at a time so that a failure names the file, and
+    checking every chunk it reads against the marker's `checksums` ({}: none)."""
+
+    def __init__(self, path: str, checksums: checksum.Checksums):
+        super().__init__(path)
+        self.checksums = checksums
+        self._keys: dict[tuple[str, int], str] | None = None
+
+    def _slice_file(self, file, sinfo):
+        crcs = checksum.expected(self.checksums, sinfo.relative_path, sinfo.offset)
+        if crcs is None:
+            return super()._slice_file(file, sinfo)
+        if self._keys is None:
+            self._keys = {(s.relative_path, s.offset): k.fqn for k, s in self.storage_data.items()}
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        key = self._keys.get((sinfo.relative_path, sinfo.offset), "?")
+        where = f"{Path(self.path) / sinfo.relative_path} (key {key})"
+        if len(data) != sinfo.length:
+            raise CheckpointError(f"{where}: the file ends inside the key's bytes; it is truncated")
+        checksum.check(data, crcs, self.checksums["piece_bytes"], where)
+        return io.BytesIO(data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         by_file: dict[str, list[ReadItem]] = {}
@@ -103,6 +125,8 @@ class _NamingReader(FileSystemReader):
         for name, items in by_file.items():
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
             except Exception as e:
                 raise CheckpointError(
                     f"{Path(self.path) / name}: unreadable ({first_line(e)}); the checkpoint "
@@ -142,7 +166,7 @@ def load_flat(
     try:
         dcp.load(
             flat,
-            storage_reader=_NamingReader(str(path)),
+            storage_reader=_NamingReader(str(path), layout.read_marker(path).get("crc32", {})),
             process_group=process_group,
             no_dist=no_dist or not dist.is_initialized(),
         )
@@ -178,7 +202,7 @@ def save_model(
     final = layout.step_dir(folder, step)
     if rank == 0:
         full = {"format": layout.FORMAT, "step": step, "contents": ["model"], **info}
-        layout.commit(partial, final, full)
+        layout.commit(partial, final, full, checksum.compute(partial))
     return final
 
 

@@ -5,7 +5,8 @@
         .metadata              DCP's index: every key, its global shape, dtype and file
         __0_0.distcp ...       DCP data, one file per rank
         tidal.json             what was saved: step, contents, model flavor and args, layout
-        COMPLETE               the marker, written last: the name and size of every file above
+        COMPLETE               the marker, written last: the name and size of every file above,
+                               and a CRC32 of every 64 MiB of each saved chunk
       step-20.partial/         a save in progress, or one cut short: never loaded
 
 A save writes into `step-N.partial/` (DCP fsyncs every file it writes), then the coordinator
@@ -112,10 +113,13 @@ def _files(path: Path) -> dict[str, int]:
     }
 
 
-def commit(partial: Path, final: Path, info: dict[str, Any]) -> None:
+def commit(
+    partial: Path, final: Path, info: dict[str, Any], checksums: dict[str, Any] | None = None
+) -> None:
     """Make the finished save in `partial` the checkpoint `final` (see the module docstring).
     An existing `final` (a step saved again after resuming from an earlier one) is retired
-    first: its marker goes, then the folder."""
+    first: its marker goes, then the folder. `checksums` (tidal/train/checkpoint/checksum.py)
+    go into the marker."""
     write_atomic(partial / INFO, json.dumps(info, indent=1) + "\n")
     fsync_dir(partial)
     retired = None
@@ -127,6 +131,8 @@ def commit(partial: Path, final: Path, info: dict[str, Any]) -> None:
     os.rename(partial, final)
     fsync_dir(final.parent)
     marker = {"format": FORMAT, "step": info["step"], "files": _files(final)}
+    if checksums is not None:
+        marker["crc32"] = checksums
     write_atomic(final / MARKER, json.dumps(marker, indent=1) + "\n")
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
@@ -162,6 +168,13 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object; the checkpoint is corrupt")
     return data
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The COMPLETE marker of the checkpoint `path` ({} when it has none)."""
+    if not (path / MARKER).is_file():
+        return {}
+    return _read_json(path / MARKER, "the checkpoint is incomplete")
 
 
 def verify(path: Path) -> dict[str, Any]:

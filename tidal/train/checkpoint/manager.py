@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tidal.models.transformer import ModelArgs
-from tidal.train.checkpoint import layout
+from tidal.train.checkpoint import checksum, layout
 from tidal.train.checkpoint.dcp_io import (
     begin_partial,
     load_flat,
@@ -335,7 +335,7 @@ class Checkpointer:
         save_flat(flat, partial, self.pg, writer)
         final = layout.step_dir(self.folder, step)
         if self.rank == 0:
-            layout.commit(partial, final, info)
+            layout.commit(partial, final, info, checksum.compute(partial))
             self._purge()
             size = sum(f.stat().st_size for f in final.iterdir())
         else:

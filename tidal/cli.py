@@ -348,10 +348,17 @@ def _convert(argv: list[str]) -> int:
 def _configs(argv: list[str]) -> int:
     from tidal.train.configs import CONFIGS
 
+    width = max(map(len, CONFIGS), default=0)
     for name, fn in sorted(CONFIGS.items()):
-        doc = (fn.__doc__ or "").strip().splitlines()
-        print(f"{name:14s} {doc[0] if doc else ''}")
+        print(f"{name:{width}s}  {first_sentence(fn.__doc__ or '')}")
     return 0
+
+
+def first_sentence(doc: str) -> str:
+    """The first sentence of a docstring's first paragraph, on one line."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]
 
 
 def _models(argv: list[str]) -> int:

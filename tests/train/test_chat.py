@@ -303,3 +303,18 @@ def test_tokenizers_without_chat_markers_render_them_as_text(tmp_path: Path) -> 
     ids, mask = enc.encode([{"role": "user", "content": "hi"},
                             {"role": "assistant", "content": "hello"}])  # fmt: skip
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "hello<|im_end|>\n"
+
+
+def test_a_sample_the_template_cannot_render_is_named(tok: Tokenizer) -> None:
+    """The template renders the probe conversation but refuses one sample: the error names
+    that sample's file and line."""
+    picky = (
+        "{% for m in messages %}{% if 'forbidden' in m.content %}"
+        "{{ raise_exception('no forbidden words') }}{% endif %}{{ m.role }}: {{ m.content }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    enc = ChatEncoder(tok, ChatTemplate(picky, name="picky"))
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    bad = [{"role": "user", "content": "a forbidden word"}, {"role": "assistant", "content": "x"}]
+    with pytest.raises(ValueError, match=r"picky cannot render data.jsonl:2: .*no forbidden words"):
+        enc.encode_many([good, bad], ["data.jsonl:1", "data.jsonl:2"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -329,6 +330,50 @@ def test_fine_tune_from_another_runs_checkpoint(straight, tmp_path):
                       data=random_data(), log=logs.append)  # fmt: skip
     assert trainer.step == 0 and trainer.data.train.state_dict()["batch"] == 0
     assert any(f"starting from {src / 'step-20'} (model only), step 20" in x for x in logs)
+
+
+def test_initial_load_of_everything_continues_the_other_run(straight, tmp_path):
+    src = straight / "checkpoint" / "step-10"
+    logs: list[str] = []
+    trainer = Trainer(run_config(tmp_path / "ft", "--checkpoint.initial_load_path", str(src),
+                                 "--checkpoint.initial_load_model_only", "false"),
+                      data=random_data(), log=logs.append)  # fmt: skip
+    try:
+        assert trainer.step == 10 and trainer.data.train.state_dict()["batch"] == 10
+        assert trainer.optimizer.state  # AdamW's moments came along
+        assert any(f"starting from {src}" in x for x in logs), logs
+    finally:
+        trainer.close()
+
+
+def test_load_only_resumes_and_never_saves(straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight / "checkpoint", out / "checkpoint")
+    trainer = Trainer(run_config(out, "--checkpoint.load_only", "true", steps=24),
+                      data=random_data(), log=lambda *a: None)  # fmt: skip
+    try:
+        assert trainer.step == 20
+        assert trainer.train()["step"] == 24
+    finally:
+        trainer.close()
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-10", "step-20"]
+
+
+def test_a_dtype_change_loads_cast_and_says_so(straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight / "checkpoint" / "step-10", out / "checkpoint" / "step-10")
+    logs: list[str] = []
+    trainer = Trainer(run_config(out, "--optimizer.state_dtype", "bf16"), data=random_data(),
+                      log=logs.append)  # fmt: skip
+    try:
+        assert trainer.step == 10
+        state = next(iter(trainer.optimizer.state.values()))
+        assert state["exp_avg"].dtype == torch.bfloat16
+    finally:
+        trainer.close()
+    assert any(re.search(r"checkpoint: \d+ tensor\(s\) saved in float32 load into bfloat16 "
+                         r"here, cast \(e\.g\. optimizer\.state\..*\.exp_avg", x)
+               for x in logs), logs  # fmt: skip
 
 
 # -- errors before training ------------------------------------------------------------------

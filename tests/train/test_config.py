@@ -104,7 +104,12 @@ def test_cli_lists_models_and_configs(capsys):
     assert main(["models"]) == 0
     assert "llama3_8b" in capsys.readouterr().out
     assert main(["configs"]) == 0
-    assert "debug" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "debug" in out
+    # A description spread over lines is printed to the end of its first sentence.
+    assert (
+        "a sloppy teacher, who forgets 55% of the carries (and answers what it worked out)." in out
+    )
 
 
 def test_a_bare_boolean_flag_means_true():

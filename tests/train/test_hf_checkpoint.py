@@ -427,3 +427,15 @@ def test_the_doc_example_runs():
     assert blocks
     for i, code in enumerate(blocks):
         exec(compile(code, f"{doc}:block{i}", "exec"), {"__name__": "docs_checkpoint"})
+
+
+def test_conversion_progress_counts_up_once(monkeypatch):
+    import tidal.train.checkpoint.hf as ckpt_hf
+
+    monkeypatch.setattr(ckpt_hf, "_CHUNK_BYTES", 1000)
+    sd = {f"t{i}": torch.zeros(100 if i < 9 else 3) for i in range(10)}  # 400 B each, then 12
+    lines: list[str] = []
+    ckpt_hf._fill_in_chunks(sd, lambda chunk: None, Path("src"), lines.append)
+    percents = [int(line.split("%")[0].split()[-1]) for line in lines[:-1]]
+    assert percents == sorted(set(percents)) and percents[-1] < 100, lines
+    assert lines[-1].startswith("read 10 tensors (0.0 MB) from src in"), lines

@@ -284,8 +284,9 @@ def _fill_in_chunks(
         if size >= _CHUNK_BYTES or i == len(keys) - 1:
             read(chunk)
             done += size
-            if log is not None and total >= _CHUNK_BYTES:
-                log(f"  read {100 * done / total:3.0f}% ({done / 1e9:.2f} / {total / 1e9:.2f} "
+            # Progress of large models; the summary below says when all is read.
+            if log is not None and total >= _CHUNK_BYTES and i < len(keys) - 1:
+                log(f"  read {100 * done // total:3d}% ({done / 1e9:.2f} / {total / 1e9:.2f} "
                     f"GB) of {where}")  # fmt: skip
             chunk, size = {}, 0
     if log is not None:

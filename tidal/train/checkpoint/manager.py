@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -473,6 +473,19 @@ class Checkpointer:
         if wrong or missing:
             diff = arch_diff(plan.info.get("model", {}).get("args", {}), self.args)
             raise CheckpointError(mismatch_message(plan.path, wrong, missing, diff))
+        # Other dtypes load cast (bf16 optimizer states into an fp32-state run, a bf16 export
+        # into fp32 weights): said once per pair, with an example key.
+        casts: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+        for key, value in flat.items():
+            md = metadata.state_dict_metadata.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata):
+                if md.properties.dtype != value.dtype:
+                    casts.setdefault((md.properties.dtype, value.dtype), []).append(key)
+        for (saved, here), keys in casts.items():
+            self.log(
+                f"checkpoint: {len(keys)} tensor(s) saved in {str(saved)[6:]} load into "
+                f"{str(here)[6:]} here, cast (e.g. {keys[0]})"
+            )
 
     def _keep_config_hyperparameters(self, before: list[dict[str, Any]]) -> None:
         """The config's betas, eps and weight decay win over the checkpoint's (the learning

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.train.checkpoint import CheckpointError, load_model, read_metadata
+from tidal.train.checkpoint import CheckpointError, checksum, load_model, read_metadata
 from tidal.train.config_parse import apply_overrides
 from tidal.train.configs import get_config
 from tidal.train.data import DataBundle, PackedLoader
@@ -186,6 +186,12 @@ def test_async_saves_change_neither_losses_nor_contents(mode, straight, tmp_path
             assert torch.equal(a[k], b[k]), k
         elif not k.startswith("rng."):
             assert a[k] == b[k], k
+    # The marker's checksums (in the pinned mode made by the writer process as it wrote) are
+    # those of the bytes on disk; no side file is left.
+    step10 = out / "checkpoint/step-10"
+    assert not list(step10.glob("*.crc32"))
+    marker = json.loads((step10 / "COMPLETE").read_text())
+    assert marker["crc32"] == checksum.compute(step10)
 
 
 def test_a_save_that_must_wait_for_the_previous_write_says_so(tmp_path, monkeypatch):

@@ -55,21 +55,47 @@ def test_a_changed_byte_names_the_file_key_and_piece(saved):
         load_model(out, saved)
 
 
-def _check_pieces() -> None:
+def _verify_pieces(folder: Path) -> None:
     data = bytes(range(256)) * 64
+    (folder / "data").write_bytes(data)
     crcs = [zlib.crc32(data[o : o + 4096]) for o in range(0, len(data), 4096)]
-    checksum.check(data, crcs, 4096, "data")
+    sums = {"piece_bytes": 4096, "files": {"data": {"0": crcs}}}
+    checksum.verify(folder, sums, [("data", 0, len(data), "x")])
 
 
-def test_a_forked_child_checks_with_threads_of_its_own():
+def test_a_forked_child_checks_with_threads_of_its_own(tmp_path):
     """The hashing threads do not survive a fork: a child that inherited the pool would wait
     on them forever (RL roles and data workers fork after a load)."""
     import multiprocessing as mp
 
-    _check_pieces()  # the pool exists here, its threads idle
-    child = mp.get_context("fork").Process(target=_check_pieces)
+    _verify_pieces(tmp_path)  # the pool exists here, its threads idle
+    child = mp.get_context("fork").Process(target=_verify_pieces, args=(tmp_path,))
     child.start()
     child.join(timeout=60)
     if child.exitcode is None:
         child.kill()
     assert child.exitcode == 0
+
+
+def test_the_writer_process_hashes_pieces_as_it_writes(tmp_path):
+    """writer_child's HashingStream gives the checksums that reading the file back gives, for
+    chunks smaller than a piece, spanning several, and written in uneven calls."""
+    from tidal.train.checkpoint.writer_child import HashingStream
+
+    g = torch.Generator().manual_seed(0)
+    writes = [[b"x" * 10], [bytes(1000)], [torch.randn(700, generator=g).numpy().tobytes()],
+              [b"a" * 300, b"b" * 900, b"c" * 2500, b"d"]]  # fmt: skip
+    path = tmp_path / "data"
+    spans = []
+    with open(path, "wb") as raw:
+        stream = HashingStream(raw, piece=1000)
+        for chunk in writes:
+            stream.begin()
+            start = stream.tell()
+            for w in chunk:
+                stream.write(w)
+            spans.append((start, stream.tell() - start, stream.crcs))
+    for start, length, crcs in spans:
+        want = [zlib.crc32(path.read_bytes()[o : o + n])
+                for o, n in checksum._pieces(start, length, 1000)]  # fmt: skip
+        assert crcs == want, (start, length)

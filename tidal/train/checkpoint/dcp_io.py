@@ -10,7 +10,6 @@ coordinates through the process group); rank 0 alone cleans up and commits the f
 from __future__ import annotations
 
 import dataclasses
-import io
 import warnings
 from pathlib import Path
 from typing import Any
@@ -101,27 +100,16 @@ class _NamingReader(FileSystemReader):
     def __init__(self, path: str, checksums: checksum.Checksums):
         super().__init__(path)
         self.checksums = checksums
-        self._keys: dict[tuple[str, int], str] | None = None
-
-    def _slice_file(self, file, sinfo):
-        crcs = checksum.expected(self.checksums, sinfo.relative_path, sinfo.offset)
-        if crcs is None:
-            return super()._slice_file(file, sinfo)
-        if self._keys is None:
-            self._keys = {(s.relative_path, s.offset): k.fqn for k, s in self.storage_data.items()}
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
-        key = self._keys.get((sinfo.relative_path, sinfo.offset), "?")
-        where = f"{Path(self.path) / sinfo.relative_path} (key {key})"
-        if len(data) != sinfo.length:
-            raise CheckpointError(f"{where}: the file ends inside the key's bytes; it is truncated")
-        checksum.check(data, crcs, self.checksums["piece_bytes"], where)
-        return io.BytesIO(data)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        chunks = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            chunks.append((info.relative_path, info.offset, info.length, item.storage_index.fqn))
+        checksum.verify(Path(self.path), self.checksums, chunks)
         for name, items in by_file.items():
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()

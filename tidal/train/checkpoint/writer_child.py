@@ -7,7 +7,7 @@ Run by tidal/train/checkpoint/writer_process.py as `python -P writer_child.py PP
 a memfd the trainer passed down, mapped here at once. Messages are JSON lines, requests on
 stdin and replies on stdout (stderr is the trainer's):
 
-    {"op": "write", "files": [{"path": P, "items": [ITEM, ...]}, ...]}
+    {"op": "write", "files": [{"path": P, "items": [ITEM, ...]}, ...], "piece_bytes": N}
         ITEM: {"fqn": K, "bytes": BASE64}  or
               {"fqn": K, "offset": O, "dtype": "float32", "shape": [..]}  (a tensor at byte
               O of the segment, contiguous)
@@ -15,8 +15,13 @@ stdin and replies on stdout (stderr is the trainer's):
        (per file, per item: where DCP's reader finds it) or {"ok": false, "error": "..."}
 
 Each file is written exactly as DCP's FileSystemWriter writes it (its own `_write_item`),
-then fsynced. The process exits when stdin closes (the trainer is done, or gone) and is
-killed by the kernel when the trainer dies (PR_SET_PDEATHSIG), so a trainer never leaves a
+then fsynced. With `piece_bytes`, the bytes are hashed as they are written: a CRC32 of every
+`piece_bytes` of each item, saved beside the file as `P.crc32` (JSON {"piece_bytes": N,
+"chunks": {"<offset>": [crc, ...]}}, fsynced), which the commit folds into the marker
+(tidal/train/checkpoint/checksum.py) instead of reading the file back.
+
+The process exits when stdin closes (the trainer is done, or gone) and is killed by the
+kernel when the trainer dies (PR_SET_PDEATHSIG), so a trainer never leaves a
 writer behind; a writer killed mid-file leaves only a `.partial` folder without `.metadata`.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import functools
 import io
 import json
 import math
@@ -31,7 +37,9 @@ import mmap
 import os
 import signal
 import sys
+import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -74,18 +82,68 @@ def _tensor(mapping: mmap.mmap | None, item: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=dtype, count=count, offset=start).view(shape)
 
 
+class HashingStream:
+    """A file being written, hashed on the way: a CRC32 of every `piece` bytes counted from
+    the last `begin()` (whole pieces of a large write on several threads)."""
+
+    def __init__(self, raw: io.BufferedWriter, piece: int):
+        self.raw, self.piece = raw, piece
+        self.crcs: list[int] = []
+        self._fill = 0  # bytes in the last, unfinished piece
+
+    def begin(self) -> None:
+        self.crcs, self._fill = [], 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        pos, piece = 0, self.piece
+        if self._fill:  # finish the open piece
+            pos = min(piece - self._fill, len(view))
+            self.crcs[-1] = zlib.crc32(view[:pos], self.crcs[-1])
+            self._fill = (self._fill + pos) % piece
+        whole = (len(view) - pos) // piece
+        if whole:
+            starts = range(pos, pos + whole * piece, piece)
+            self.crcs += _pool().map(lambda a: zlib.crc32(view[a : a + piece]), starts)
+            pos += whole * piece
+        if pos < len(view):
+            self.crcs.append(zlib.crc32(view[pos:]))
+            self._fill = len(view) - pos
+        return written
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="crc")
+
+
 def write_files(
-    mapping: mmap.mmap | None, files: list[dict[str, Any]], report: Callable[[dict], None]
+    mapping: mmap.mmap | None,
+    files: list[dict[str, Any]],
+    report: Callable[[dict], None],
+    piece: int | None = None,
 ) -> list[list[list[int]]]:
-    """Write each file of a request; returns each item's (offset, length) in its file."""
+    """Write each file of a request; returns each item's (offset, length) in its file.
+    With `piece`, also each file's checksums, as `<file>.crc32` (see the module docstring)."""
     transforms = _StorageWriterTransforms(None)
     out = []
     done = 0
     for f in files:
         path = f["path"]
         results = []
-        with open(path, "wb") as stream:
+        chunks: dict[str, list[int]] = {}
+        with open(path, "wb") as raw:
+            stream: Any = HashingStream(raw, piece) if piece else raw
             for item in f["items"]:
+                if piece:
+                    stream.begin()
                 data: io.BytesIO | torch.Tensor
                 if "bytes" in item:
                     kind, data = WriteItemType.BYTE_IO, _bytes_io(item["bytes"])
@@ -97,10 +155,17 @@ def write_files(
                     SerializationFormat.TORCH_SAVE,
                 )  # fmt: skip
                 results.append([r.storage_data.offset, r.storage_data.length])
+                if piece:
+                    chunks[str(r.storage_data.offset)] = stream.crcs
                 done += 1
                 report({"progress": done})
-            stream.flush()
-            os.fsync(stream.fileno())
+            raw.flush()
+            os.fsync(raw.fileno())
+        if piece:
+            with open(path + ".crc32", "w") as side:
+                json.dump({"piece_bytes": piece, "chunks": chunks}, side)
+                side.flush()
+                os.fsync(side.fileno())
         out.append(results)
     return out
 
@@ -129,7 +194,8 @@ def main(argv: list[str]) -> int:
             report({"ok": False, "error": f"unknown request {request.get('op')!r}"})
             continue
         try:
-            report({"ok": True, "files": write_files(mapping, request["files"], report)})
+            files = write_files(mapping, request["files"], report, request.get("piece_bytes"))
+            report({"ok": True, "files": files})
         except Exception as e:  # reported to the trainer, which raises it
             report({"ok": False, "error": f"{type(e).__name__}: {e}"})
     return 0

@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from tidal.train.checkpoint import checksum
 from tidal.train.checkpoint.layout import CheckpointError
 
 _CHILD = Path(__file__).with_name("writer_child.py")
@@ -158,7 +159,8 @@ class WriterProcess:
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise CheckpointError("the checkpoint writer process was not started")
-        request = memoryview((json.dumps({"op": "write", "files": files}) + "\n").encode())
+        msg = {"op": "write", "files": files, "piece_bytes": checksum.PIECE}
+        request = memoryview((json.dumps(msg) + "\n").encode())
         try:
             while request:
                 request = request[os.write(proc.stdin.fileno(), request) :]

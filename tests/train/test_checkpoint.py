@@ -234,6 +234,18 @@ def test_a_save_that_must_wait_for_the_previous_write_says_so(tmp_path, monkeypa
         trainer.close()
 
 
+@pytest.mark.parametrize("mode", ["disabled", "async_with_pinned_mem"])
+def test_checksums_can_be_turned_off(tmp_path, mode):
+    out = tmp_path / "run"
+    train(out, "--checkpoint.checksums", "false", "--checkpoint.async_mode", mode,
+          "--checkpoint.interval", "1", steps=3)  # fmt: skip
+    step2 = out / "checkpoint" / "step-2"  # saved in `mode` (the last save is synchronous)
+    marker = json.loads((step2 / "COMPLETE").read_text())
+    assert "crc32" not in marker and set(marker["files"]) == {
+        p.name for p in step2.iterdir() if p.name != "COMPLETE"
+    }
+
+
 def test_folder_layout_marker_and_info(straight):
     step10 = straight / "checkpoint" / "step-10"
     marker = json.loads((step10 / "COMPLETE").read_text())

@@ -280,6 +280,12 @@ class CheckpointConfig:
     in the step, then written by a background thread. async_with_pinned_mem: the copy goes to
     pinned host buffers reused across saves, queued on a side CUDA stream; the step continues
     and only the next optimizer step waits for the copy."""
+    checksums: bool = True
+    """Write a CRC32 of every 64 MiB of each saved chunk into the COMPLETE marker and check the
+    chunks a load reads against them, so that damaged bytes of the right size fail the load
+    naming the file and key. Costs a read-back of the files at commit (the pinned mode's
+    writer process hashes as it writes instead) and a pass over the bytes at load, on up to
+    8 threads (benchmarks/README.md has the H200 figures)."""
     initial_load_path: str | None = None
     """A checkpoint folder (a step-N folder, e.g. of another run) to start from when `folder`
     holds no complete checkpoint: fine-tuning. Ignored when resuming. Needs `enable`."""

@@ -141,20 +141,27 @@ def _quiet_single_process() -> None:
 
 
 def load_flat(
-    flat: dict[str, Any], path: Path, process_group=None, *, no_dist: bool = False
+    flat: dict[str, Any],
+    path: Path,
+    process_group=None,
+    *,
+    no_dist: bool = False,
+    verify: bool = True,
 ) -> None:
     """Fill `flat` (DCP keys -> tensors or placeholders) in place from the checkpoint `path`,
     resharding to whatever layout `flat`'s DTensors have. `no_dist`: this process reads alone
-    (plain tensors), even when a process group exists.
+    (plain tensors), even when a process group exists. `verify`: check what is read against
+    the marker's checksums, if it has any.
 
     Raises:
         CheckpointError: a file is unreadable (named).
     """
     _quiet_single_process()
+    sums = layout.read_marker(path).get("crc32", {}) if verify else {}
     try:
         dcp.load(
             flat,
-            storage_reader=_NamingReader(str(path), layout.read_marker(path).get("crc32", {})),
+            storage_reader=_NamingReader(str(path), sums),
             process_group=process_group,
             no_dist=no_dist or not dist.is_initialized(),
         )

@@ -331,11 +331,14 @@ class Checkpointer:
         writer = None
         if staged and self.writer is not None:
             assert self.staging is not None and self.staging.segment is not None
-            writer = ProcessFileSystemWriter(partial, self.writer, self.staging.segment)
+            writer = ProcessFileSystemWriter(
+                partial, self.writer, self.staging.segment, hash_pieces=self.cfg.checksums
+            )
         save_flat(flat, partial, self.pg, writer)
         final = layout.step_dir(self.folder, step)
         if self.rank == 0:
-            layout.commit(partial, final, info, checksum.compute(partial))
+            sums = checksum.compute(partial) if self.cfg.checksums else None
+            layout.commit(partial, final, info, sums)
             self._purge()
             size = sum(f.stat().st_size for f in final.iterdir())
         else:
@@ -426,7 +429,7 @@ class Checkpointer:
             {k: v for k, v in g.items() if k not in ("params", "lr")}
             for g in self.optimizer.param_groups
         ]
-        load_flat(flat, plan.path, self.pg)
+        load_flat(flat, plan.path, self.pg, verify=self.cfg.checksums)
 
         model_sd = {k: v for k, v in flat.items() if not _is_state_key(k)}
         if "optimizer.state" in {k[:15] for k in flat}:

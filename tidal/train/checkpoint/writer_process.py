@@ -150,8 +150,9 @@ class WriterProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def write(self, files: list[dict[str, Any]]) -> list[list[list[int]]]:
-        """Send one write request and wait for its reply (background thread).
+    def write(self, files: list[dict[str, Any]], piece: int | None = None) -> list[list[list[int]]]:
+        """Send one write request and wait for its reply (background thread). `piece`: hash
+        each file in pieces of that many bytes as it is written (writer_child.py).
 
         Raises:
             CheckpointError: the child died, stalled past the timeout, or failed to write.
@@ -159,7 +160,7 @@ class WriterProcess:
         proc = self.proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise CheckpointError("the checkpoint writer process was not started")
-        msg = {"op": "write", "files": files, "piece_bytes": checksum.PIECE}
+        msg = {"op": "write", "files": files, "piece_bytes": piece}
         request = memoryview((json.dumps(msg) + "\n").encode())
         try:
             while request:
@@ -236,10 +237,18 @@ class ProcessFileSystemWriter(FileSystemWriter):
     """DCP's FileSystemWriter (one file per rank, fsynced) whose data files are written by
     `writer` from buffers in `segment`; planning, `.metadata` and the format are DCP's own."""
 
-    def __init__(self, path: str | os.PathLike, writer: WriterProcess, segment: SharedSegment):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        writer: WriterProcess,
+        segment: SharedSegment,
+        *,
+        hash_pieces: bool = True,
+    ):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
         self.writer = writer
         self.segment = segment
+        self.piece = checksum.PIECE if hash_pieces else None
         self.write_s = 0.0
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -263,7 +272,9 @@ class ProcessFileSystemWriter(FileSystemWriter):
                           "dtype": str(t.dtype).removeprefix("torch."),
                           "shape": list(t.shape)})  # fmt: skip
         start = time.perf_counter()
-        placed = self.writer.write([{"path": str(Path(self.path) / name), "items": items}])[0]
+        placed = self.writer.write(
+            [{"path": str(Path(self.path) / name), "items": items}], self.piece
+        )[0]
         self.write_s = time.perf_counter() - start
         results = [
             WriteResult(

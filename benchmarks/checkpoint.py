@@ -147,7 +147,11 @@ def run_tidal(args, mode: str) -> dict:
         metrics=MetricsConfig(val_every=0),
         sample=SampleConfig(max_new_tokens=0),
         checkpoint=CheckpointConfig(
-            enable=True, interval=10**9, keep_latest_k=2, async_mode=mode
+            enable=True,
+            interval=10**9,
+            keep_latest_k=2,
+            async_mode=mode,
+            checksums=not args.no_checksums,
         ),  # fmt: skip
     )
     vocab = get_flavor(args.flavor).vocab_size
@@ -429,6 +433,11 @@ def main() -> None:
     p.add_argument("--pinned-writer", choices=("process", "thread"), default="process",
                    help="who writes the pinned mode's bytes: the writer process (tidal's "
                    "default) or, to compare, a thread of the trainer as before")  # fmt: skip
+    p.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="save and load without CRC32 checksums (checkpoint.checksums false)",
+    )
     p.add_argument("--folder", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--torchtitan", default=None, help="the .anchors folder; omit to skip")
     p.add_argument(

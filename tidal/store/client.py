@@ -243,7 +243,10 @@ class Store:
                 is a read-only view of the store's shared memory on this host, holding
                 the version (it is not reused) until the tensor and every view of it are
                 garbage. An in-place write to it faults; ``clone()`` it to modify it.
-                Needs the value stored as one shard in a volume on this host.
+                Needs the value stored as one shard in a volume on this host. A value
+                put with ``memory="cuda"`` comes back as a view of the writer's GPU
+                memory (CUDA IPC), which cannot be made read-only: never write to it, and
+                drop it before the writer's store closes (tidal/store/views.py).
             cast: convert to ``into``'s dtype when it differs from the stored one (else a
                 dtype mismatch is an error).
 
@@ -255,7 +258,7 @@ class Store:
                 version never written, evicted or deleted.
             ValueError: ``into`` has another global shape, or another dtype without
                 ``cast``; ``copy=False`` with ``into``, or for a value that is not one shard
-                in shared memory on this host.
+                in memory on this host.
             TypeError: ``key`` holds a state dict (use ``get_state_dict``).
             VolumeLostError: the volume holding the bytes went away.
 
@@ -293,7 +296,8 @@ class Store:
                 tensors land (see ``get``). A generator waiting for the trainer's next
                 version overlaps its copy with the trainer's put.
             copy: False for a zero-copy read (``into`` must be None): read-only views of
-                the store's shared memory, holding the version until every one of them is
+                the store's shared memory, or views of the writer's GPU memory for a put
+                with ``memory="cuda"``, holding the version until every one of them is
                 garbage (see ``get``). Needs every tensor stored as one shard (one writer)
                 in a volume on this host.
             cast: convert each tensor to its destination's dtype where they differ.

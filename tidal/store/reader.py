@@ -251,10 +251,12 @@ class Reader:
     def _alias(
         self, key: str, stored: dict[Path, Stored], reply: dict[str, Any]
     ) -> list[tuple[Path, torch.Tensor]]:
-        """Read-only tensors over the pinned version's segments, which hold its lease until
-        all of them are garbage (see tidal/store/views.py)."""
+        """Tensors over the pinned version's memory, which hold its lease until all of
+        them are garbage (see tidal/store/views.py): read-only views of shared-memory
+        segments, or views of a writer's GPU memory opened with CUDA IPC."""
         slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
-        plan: list[tuple[Path, Stored, str | None]] = []
+        shm: list[tuple[Path, Stored, str | None]] = []
+        gpu: dict[int, list[tuple[Path, Stored]]] = {}  # by volume index
         for path, s in stored.items():
             shown = layout.path_str(path) or key
             if len(s.boxes) > 1:
@@ -264,36 +266,40 @@ class Reader:
                     "needs one shard per tensor. Use copy=True"
                 )
             if not s.boxes:  # no bytes (empty tensor)
-                plan.append((path, s, None))
+                shm.append((path, s, None))
                 continue
             vol = volumes[vols[s.first]]
             if vol["kind"] == "cuda":
-                raise ValueError(
-                    f"copy=False: {shown!r} of key {key!r} is held in a writer's GPU memory "
-                    "(put with memory='cuda'); use copy=True"
-                )
+                gpu.setdefault(vols[s.first], []).append((path, s))
+                continue
             if self.s.transport == "tcp" or not self.s.shm.reaches(vol):
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at "
                     f"{vol['address']}, whose shared memory this process cannot map (another "
                     "host, or transport='tcp'); use copy=True"
                 )
-            plan.append((path, s, path_of(vol, slots[s.first])))
+            shm.append((path, s, path_of(vol, slots[s.first])))
         token = views.Lease()
-        out = []
-        for path, s, seg in plan:
+        out: dict[Path, torch.Tensor] = {}
+        for path, s, seg in shm:
             if seg is None:
-                out.append((path, torch.empty(s.shape, dtype=s.dtype)))
+                out[path] = torch.empty(s.shape, dtype=s.dtype)
                 continue
             mapping = self.s.segments.readonly(seg, layout.numel(s.shape) * s.dtype.itemsize)
-            out.append((path, views.alias(mapping, s.dtype, s.shape, token)))
+            out[path] = views.alias(mapping, s.dtype, s.shape, token)
+        devices: set[int] = set()
+        for v, group in gpu.items():
+            items = [(slots[s.first], s.dtype, s.shape) for _, s in group]
+            tensors = self.s.cuda().views(volumes[v], items, token)
+            out.update(zip([p for p, _ in group], tensors, strict=True))
+            devices.update(t.device.index for t in tensors)
         with self._views_lock:
             if self._releaser is None:
                 self._releaser = views.Releaser(self._release_view)
             releaser = self._releaser
             self.live_views += 1
-        views.arm(token, releaser, reply["lease"])
-        return out
+        views.arm(token, releaser, reply["lease"], sorted(devices))
+        return [(path, out[path]) for path in stored]
 
     def _release_view(self, lease: int) -> None:
         """Release a view's lease on the views connection (called by the releaser, possibly

@@ -1,9 +1,10 @@
-"""Zero-copy reads: tensors that alias a stored version's shared memory.
+"""Zero-copy reads: tensors that alias a stored version's memory.
 
 ``get(key, copy=False)`` and ``get_state_dict(key, copy=False)`` return tensors whose bytes
-are the volume's shared-memory segments, mapped read-only into the reader. Nothing is
-copied, so a same-host weight sync costs the writer's one copy into the store (put) and no
-copy at all on the reader's side (benchmarks/store_sync.py prints the figure).
+are the volume's shared-memory segments, mapped read-only into the reader, or, for a version
+put with ``memory="cuda"``, the writer's GPU memory opened with CUDA IPC. Nothing is copied,
+so a same-host weight sync costs the writer's one copy into the store (put) and no copy at
+all on the reader's side (benchmarks/store_sync.py prints the figure).
 
 Lifecycle, per view:
 - the get pins the version with a lease (as every get does) and maps each slot read-only
@@ -19,6 +20,17 @@ Lifecycle, per view:
 
 The mapping is ``PROT_READ``: an in-place write to a view faults (SIGSEGV) instead of
 corrupting the version other readers see. ``clone()`` a view to modify it.
+
+GPU views differ in three ways. CUDA IPC has no read-only mapping, so an in-place write
+changes the version every reader sees: never write to one (``clone()`` it). Each tensor is
+its own storage over the slot (holding the token, and the slot's IPC mapping open), made by
+``torch.as_tensor`` (tidal/store/transports/cuda_runtime.py). And kernels reading a view may
+still be queued when it is dropped: the drop records an event on each view device's current
+stream, and the lease is released only once those events have completed (by the releaser
+thread if they have not yet), so the writer never reuses a slot under a queued read. Work
+on other streams must be waited for before the views are dropped. The views stay valid
+while the writer's store is open; when the writer closes or dies its GPU memory goes with
+it, as for any freed memory.
 """
 
 from __future__ import annotations
@@ -61,9 +73,10 @@ def alias(
     return flat.view(dtype).view(shape)
 
 
-def arm(token: Lease, releaser: Releaser, lease: int) -> None:
-    """Release ``lease`` once ``token`` (and so every tensor holding it) is garbage."""
-    weakref.finalize(token, releaser.drop, lease).atexit = False
+def arm(token: Lease, releaser: Releaser, lease: int, devices: list[int]) -> None:
+    """Release ``lease`` once ``token`` (and so every tensor holding it) is garbage, and
+    the work queued on the current streams of GPUs ``devices`` at that moment is done."""
+    weakref.finalize(token, releaser.drop, lease, devices).atexit = False
 
 
 class Releaser:
@@ -79,7 +92,7 @@ class Releaser:
 
     def __init__(self, release: Callable[[int], None]) -> None:
         self._release = release
-        self._pending: deque[int] = deque()
+        self._pending: deque[tuple[int, list[torch.cuda.Event]]] = deque()
         self._sending = threading.Lock()
         self._fds = threading.RLock()  # the pipe is not written while it is being closed
         self._wake_r, self._wake_w = os.pipe()
@@ -89,10 +102,18 @@ class Releaser:
         self._thread = threading.Thread(target=self._run, name="tidal-release", daemon=True)
         self._thread.start()
 
-    def drop(self, lease: int) -> None:
+    def drop(self, lease: int, devices: list[int]) -> None:
         if self._closed or os.getpid() != self._pid:
             return  # the leases died with the connection, or belong to the parent process
-        self._pending.append(lease)
+        events = []
+        for d in devices:  # reads of GPU views still queued must finish first
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(d))
+            events.append(ev)
+        self._pending.append((lease, events))
+        if events and not all(ev.query() for ev in events):
+            self._wake()  # the releaser thread waits for them, not this one
+            return
         if not _server_thread() and self._sending.acquire(blocking=False):
             try:
                 self._send()
@@ -113,7 +134,9 @@ class Releaser:
 
     def _send(self) -> None:
         while self._pending:
-            lease = self._pending.popleft()
+            lease, events = self._pending.popleft()
+            for ev in events:
+                ev.synchronize()
             try:
                 self._release(lease)
             except (StoreError, ValueError):

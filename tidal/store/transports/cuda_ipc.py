@@ -182,6 +182,17 @@ class DeviceVolume:
         except KeyError:
             raise StoreError(f"device volume {self.volume_id} has no slot {slot}") from None
 
+    def alias(
+        self, slot: int, dtype: torch.dtype, shape: tuple[int, ...], keep: object
+    ) -> torch.Tensor:
+        """A new tensor over the slot's memory, whose storage holds ``keep``."""
+        with self._lock:
+            rec = self._slots.get(slot)
+        if rec is None:
+            raise StoreError(f"device volume {self.volume_id} has no slot {slot}")
+        flat = as_tensor(rec[0], _numel(shape) * dtype.itemsize, rec[2], keep=keep)
+        return flat.view(dtype).view(shape)
+
     def typed(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """The slot's memory viewed as ``shape`` and ``dtype`` (views are kept: a steady
         writer puts the same layout into the same slots)."""
@@ -238,11 +249,30 @@ class DeviceVolume:
                     pass  # the process is exiting or the context is gone: nothing to free
 
 
+class _Opened:
+    """One slot of another process's device volume, opened in this one. Its IPC mapping is
+    closed when the last holder lets go: the reader's table (:class:`Imports`), a read
+    plan's source views, or a zero-copy view handed to the caller."""
+
+    __slots__ = ("ptr", "device", "__weakref__")
+
+    def __init__(self, ptr: int, device: int) -> None:
+        self.ptr, self.device = ptr, device
+        weakref.finalize(self, _close_quietly, ptr).atexit = False  # exit frees it anyway
+
+
+def _close_quietly(ptr: int) -> None:
+    try:
+        runtime().close(ptr)
+    except StoreError:
+        pass  # the exporter is gone: its memory went with it
+
+
 class Imports:
     """A reader's opened slots of other processes' device volumes, by (volume, slot)."""
 
     def __init__(self) -> None:
-        self._open: dict[tuple[str, int], tuple[int, torch.Tensor]] = {}
+        self._open: dict[tuple[str, int], tuple[_Opened, torch.Tensor]] = {}
         self._views: dict[tuple[str, int], dict[tuple[Any, ...], torch.Tensor]] = {}
         self._events: dict[tuple[str, str], torch.cuda.Event] = {}  # (volume, GPU uuid)
         self._lock = threading.Lock()
@@ -269,29 +299,20 @@ class Imports:
             with self._lock:
                 self._events.setdefault((volume_id, uuid), ev)
         with torch.cuda.device(device):
-            ptr = runtime().open(handle)
-            t = as_tensor(ptr, nbytes, device)
-        with self._lock:
-            if (volume_id, slot) not in self._open:
-                self._open[(volume_id, slot)] = (ptr, t)
-                return
-        runtime().close(ptr)  # another thread opened it meanwhile
+            opened = _Opened(runtime().open(handle), device)
+            t = as_tensor(opened.ptr, nbytes, device, keep=opened)
+        with self._lock:  # if another thread opened it meanwhile, this one closes unused
+            self._open.setdefault((volume_id, slot), (opened, t))
 
     def drop_volumes(self, gone: set[str]) -> None:
-        """Close what this process opened of the volumes ``gone`` (dead writers; every
-        volume at close)."""
+        """Let go of what this process opened of the volumes ``gone`` (dead writers; every
+        volume at close): each slot is closed now, or when its last zero-copy view goes."""
         with self._lock:
-            dead = [k for k in self._open if k[0] in gone]
-            closing = [self._open.pop(k)[0] for k in dead]
-            for k in dead:
+            for k in [k for k in self._open if k[0] in gone]:
+                del self._open[k]
                 self._views.pop(k, None)
             for ev_key in [e for e in self._events if e[0] in gone]:
                 del self._events[ev_key]
-        for ptr in closing:
-            try:
-                runtime().close(ptr)
-            except StoreError:
-                pass  # the exporter is gone: its memory went with it
 
     def events(self, volume_id: str) -> list[torch.cuda.Event]:
         """The writer's events of ``volume_id`` (one per GPU its slots are on)."""
@@ -307,6 +328,19 @@ class Imports:
                 return self._open[(volume_id, slot)][1]
             except KeyError:
                 raise StoreError(f"slot {slot} of device volume {volume_id} is not open") from None
+
+    def alias(
+        self, volume_id: str, slot: int, dtype: torch.dtype, shape: tuple[int, ...], keep: object
+    ) -> torch.Tensor:
+        """A new tensor over an opened slot, whose storage holds ``keep`` (and the slot's
+        mapping) until the caller's last view of it goes."""
+        with self._lock:
+            opened = self._open.get((volume_id, slot))
+        if opened is None:
+            raise StoreError(f"slot {slot} of device volume {volume_id} is not open")
+        o = opened[0]
+        flat = as_tensor(o.ptr, _numel(shape) * dtype.itemsize, o.device, keep=(o, keep))
+        return flat.view(dtype).view(shape)
 
     def typed(self, volume_id: str, job: ReadJob) -> torch.Tensor:
         """The bytes ``job`` reads of an opened slot, as a view of its shape and dtype
@@ -478,6 +512,29 @@ class CudaIpcTransport:
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
 
+    def views(
+        self,
+        vol: dict[str, Any],
+        items: list[tuple[int, torch.dtype, tuple[int, ...]]],
+        keep: object,
+    ) -> list[torch.Tensor]:
+        """Zero-copy reads: a tensor over each (slot, dtype, shape) of ``items``, once the
+        writer's copies into them are done. Each tensor's storage holds ``keep`` (the
+        caller's lease token) and the slot's mapping until the caller's last view goes."""
+        vid = vol["id"]
+        local = _LOCAL.get(vid)
+        if local is None:
+            self._open_slots(vol, {slot: _numel(shape) * dtype.itemsize
+                                   for slot, dtype, shape in items})  # fmt: skip
+            events = self._imports.events(vid)
+        else:
+            events = local.events()
+        _await_writer(events, self._timeout, f"volume {vid!r}")
+        if local is not None:
+            return [local.alias(slot, dt, shape, keep) for slot, dt, shape in items]
+        alias = self._imports.alias
+        return [alias(vid, slot, dt, shape, keep) for slot, dt, shape in items]
+
     def _copy(self, vol: dict[str, Any], jobs: list[ReadJob]) -> set[torch.device]:
         """Issue every job's copy, with the plan kept for these slots and destinations (a
         steady reader opens nothing and decides nothing again), after the writer's event;
@@ -519,6 +576,10 @@ class CudaIpcTransport:
 
     def _open(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``jobs`` read."""
+        self._open_slots(vol, {j.slot: _numel(j.shard_shape) * j.dtype.itemsize for j in jobs})
+
+    def _open_slots(self, vol: dict[str, Any], sizes: dict[int, int]) -> None:
+        """Open (once) the CUDA IPC handles of the device slots ``sizes`` (slot: bytes)."""
         vid = vol["id"]
         if is_local(vid):
             return  # written by this process: read its tensors directly
@@ -532,7 +593,6 @@ class CudaIpcTransport:
                 f"volume {vid!r} is GPU memory (put with memory='cuda'); reading it needs "
                 "CUDA in this process"
             )
-        sizes = {j.slot: _numel(j.shard_shape) * j.dtype.itemsize for j in jobs}
         known = self._imports.volumes()
         if vid not in known and known:
             # A writer this process has not read from yet: close what it holds open of

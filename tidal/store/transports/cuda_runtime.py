@@ -106,20 +106,25 @@ def runtime() -> _Runtime:
 
 
 class _DeviceMemory:
-    """Raw device memory seen by torch through ``__cuda_array_interface__``."""
+    """Raw device memory seen by torch through ``__cuda_array_interface__``. The tensor's
+    storage holds this object until it is freed, and with it ``keep``."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    __slots__ = ("__cuda_array_interface__", "keep")
+
+    def __init__(self, ptr: int, nbytes: int, keep: object) -> None:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
             "data": (ptr, False),
             "version": 3,
         }
+        self.keep = keep
 
 
-def as_tensor(ptr: int, nbytes: int, device: int) -> torch.Tensor:
-    """A flat uint8 tensor over ``nbytes`` of device memory at ``ptr`` (no copy)."""
-    t = torch.as_tensor(_DeviceMemory(ptr, nbytes), device=f"cuda:{device}")
+def as_tensor(ptr: int, nbytes: int, device: int, keep: object = None) -> torch.Tensor:
+    """A flat uint8 tensor over ``nbytes`` of device memory at ``ptr`` (no copy). Its
+    storage, shared by every view of it, holds ``keep`` alive until it is freed."""
+    t = torch.as_tensor(_DeviceMemory(ptr, nbytes, keep), device=f"cuda:{device}")
     if t.data_ptr() != ptr:
         raise StoreError("torch copied device memory it was asked to alias (as_tensor)")
     return t

@@ -4,6 +4,7 @@ controller inside the writer's process, then in a process of its own, then cProf
 sides (the 20 longest functions each).
 
     python benchmarks/store_cuda_profile.py
+    python benchmarks/store_cuda_profile.py --views   # the reader gets views (copy=False)
 """
 
 import cProfile
@@ -30,7 +31,7 @@ def ctl(conn):
     s.close()
 
 
-def reader(conn, addr, prof):
+def reader(conn, addr, prof, views):
     into = make_sd(False, device="cuda")
     s = tidal.store.connect(addr)
     tidal.store.warm_up_cuda()  # its copy kernel built before the first get, as at a start
@@ -46,9 +47,14 @@ def reader(conn, addr, prof):
         if prof and n > 5:
             pr.enable()
         t = time.perf_counter()
-        s.get_state_dict("p", into=into, version=v)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        if views:
+            got = s.get_state_dict("p", version=v, copy=False)
+            times.append(time.perf_counter() - t)
+            del got  # released before the next put
+        else:
+            s.get_state_dict("p", into=into, version=v)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
         pr.disable()
         conn.send(times[-1])
     if prof:
@@ -64,7 +70,7 @@ def ms(s: float) -> str:
     return f"{s * 1e3:.2f} ms"
 
 
-def run(separate, prof):
+def run(separate, prof, views):
     ctx = mp.get_context("spawn")
     cp = None
     if separate:
@@ -79,7 +85,7 @@ def run(separate, prof):
     sd = make_sd(False, fill=1.0, device="cuda")
     tidal.store.warm_up_cuda()
     a, b = ctx.Pipe()
-    p = ctx.Process(target=reader, args=(b, addr, prof))
+    p = ctx.Process(target=reader, args=(b, addr, prof, views))
     p.start()
     assert a.recv() == "up"
     pr = cProfile.Profile()
@@ -99,6 +105,7 @@ def run(separate, prof):
     p.join()
     print(
         f"== controller {'separate process' if separate else 'embedded in writer'}"
+        f"{', zero-copy get' if views else ''}"
         f"{' (cProfile on)' if prof else ''}: put median {ms(statistics.median(puts[5:]))}, "
         f"get {ms(statistics.median(gets[5:]))}, min put {ms(min(puts[5:]))} "
         f"get {ms(min(gets[5:]))}",
@@ -117,6 +124,7 @@ def run(separate, prof):
 
 if __name__ == "__main__":
     x = torch.empty(1, device="cuda")
-    run(False, False)
-    run(True, False)
-    run(False, True)
+    views = "--views" in sys.argv[1:]
+    run(False, False, views)
+    run(True, False, views)
+    run(False, True, views)

@@ -16,7 +16,8 @@ EVENT = bytes(range(64, 128))
 
 
 def _handle(slot: int, handle: bytes = HANDLE) -> dict:
-    return {"slot": slot, "uuid": GPU, "handle": handle, "event": EVENT}
+    return {"slot": slot, "uuid": GPU, "handle": handle, "offset": 512, "span": 4096,
+            "event": EVENT}  # fmt: skip
 
 
 class Writer:
@@ -130,3 +131,16 @@ def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
 def test_warm_up_cuda_needs_cuda():
     with pytest.raises(StoreError, match="needs a CUDA device"):
         tidal.store.warm_up_cuda()
+
+
+@pytest.mark.parametrize(("offset", "span"), [(4096, 4096), (1024, 1000), (0, 8)])
+def test_a_slot_outside_its_allocation_is_refused_before_anything_is_opened(offset, span):
+    """A reader opens a slot only if its bytes lie inside the allocation the writer named:
+    a wrong offset or span must not become an out-of-bounds view of GPU memory."""
+    from tidal.store.transports.cuda_slots import Imports
+
+    imports = Imports()
+    h = {**_handle(3), "offset": offset, "span": span}
+    with pytest.raises(StoreError, match="slot 3 .* do not fit its allocation"):
+        imports.add("cuda.w", h, 16)
+    assert imports.volumes() == set()

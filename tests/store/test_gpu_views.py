@@ -59,8 +59,15 @@ def test_a_gpu_views_lease_outlives_the_kernels_queued_on_it():
         x = torch.full((16 << 20,), 3.0, device="cuda")  # 64 MB
         writer.put("x", x, memory="cuda")
         view = reader.get("x", copy=False)
-        torch.cuda._sleep(300_000_000)  # keeps the stream busy for ~0.15 s
-        doubled = view * 2  # queued behind the sleep
+        busy = torch.randn(4096, 4096, device="cuda")
+        _ = (busy @ busy / 64, view * 2)  # load these kernels now: the first launch of a
+        torch.cuda.synchronize()  # kernel (lazy module loading) can wait for the device
+        for _ in range(50):  # keeps the stream busy for a while (~0.1 s)
+            busy = busy @ busy / 64
+        doubled = view * 2  # queued behind the matmuls
+        probe = torch.cuda.Event()
+        probe.record()
+        assert not probe.query(), "the stream was not busy: the test proves nothing"
         del view
         assert testing.leases(writer) == 1, "released while a kernel on the view was queued"
         _until_released(writer)
@@ -90,3 +97,24 @@ def test_gpu_views_in_another_process():
             writer.close()
             if proc.is_alive():
                 proc.kill()
+
+
+def test_a_versions_slots_share_a_few_allocations():
+    """Slots are carved from large allocations (tidal/store/transports/cuda_slots.py), so the
+    views of one read share one storage per allocation; a big tensor gets its own."""
+    from tidal.store.transports import cuda_slots
+
+    big = cuda_slots.ARENA_BYTES // 4 // 4  # float32 elements: an allocation of its own
+    sd = {f"w{i}": torch.full((1000 + i,), float(i), device="cuda") for i in range(20)}
+    sd["big"] = torch.ones(big, device="cuda")
+    with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
+        writer.put_state_dict(sd, "p", memory="cuda")
+        got = reader.get_state_dict("p", copy=False)
+        assert all(torch.equal(got[k], t) for k, t in sd.items())
+        storages = {got[k].untyped_storage().data_ptr() for k in sd if k != "big"}
+        assert len(storages) == 1, "small slots of one version were not carved together"
+        assert got["big"].untyped_storage().data_ptr() not in storages
+        ptrs = sorted(got[k].data_ptr() for k in sd if k != "big")
+        assert all(p % cuda_slots.ALIGN == 0 for p in ptrs)
+        del got
+        _until_released(writer)

@@ -251,6 +251,8 @@ def test_device_volumes_of_another_writer(victim):
         "slot": 1,
         "uuid": "GPU-evil",
         "handle": b"\xaa" * ops.HANDLE_BYTES,
+        "offset": 0,
+        "span": 512,
         "event": b"\xbb" * ops.HANDLE_BYTES,
     }
     with pytest.raises(ValueError, match="GPU memory of another writer"):

@@ -222,8 +222,7 @@ class Controller(Writes):
             for slot in slots:
                 if slot not in vol.handles:
                     raise StoreError(f"slot {slot} of volume {volume_id!r} has no IPC handle")
-                uuid, handle, event = vol.handles[slot]
-                out.append({"slot": slot, "uuid": uuid, "handle": handle, "event": event})
+                out.append(vol.handles[slot])
             return {"handles": out}
 
     def connection_closed(self, conn: int) -> None:

@@ -92,9 +92,11 @@ s_slots_or_none = wire.s_ints(1, 1 << 62, MAX_ITEMS, none=True)  # None: no byte
 s_dims = wire.s_ints(0, 1 << 62, MAX_DIMS)
 s_path = s_list(s_any_of(s_str(1024), s_int(0, 1 << 31)), 256)  # a state-dict path
 s_grant = s_bytes(GRANT_BYTES)
-# A device slot: its GPU, its memory's IPC handle and the IPC handle of the event recorded
-# after each put's copies on that GPU (tidal/store/transports/cuda_ipc.py).
+# A device slot: its GPU, the IPC handle of the allocation it was carved from, its offset
+# there and the allocation's size (``span``), and the IPC handle of the event recorded after
+# each put's copies on that GPU (tidal/store/transports/cuda_ipc.py).
 s_handle = s_map({"slot": s_slot, "uuid": s_str(128), "handle": s_bytes(HANDLE_BYTES),
+                  "offset": s_int(0, 1 << 62), "span": s_int(1, 1 << 62),
                   "event": s_bytes(HANDLE_BYTES)})  # fmt: skip
 # Where a volume's bytes are. shm volumes: segments ``<shm_dir>/tidal-<store_id>-<id>-<slot>``
 # (and ``.<part>`` files for slots over volume.PART_BYTES) readable on ``host``, and

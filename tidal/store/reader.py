@@ -258,8 +258,8 @@ class Reader:
         shm: list[tuple[Path, Stored, str | None]] = []
         gpu: dict[int, list[tuple[Path, Stored]]] = {}  # by volume index
         for path, s in stored.items():
-            shown = layout.path_str(path) or key
             if len(s.boxes) > 1:
+                shown = layout.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of version {reply['version']} of key {key!r} is "
                     f"stored in {len(s.boxes)} shards (several writers); a zero-copy view "
@@ -273,6 +273,7 @@ class Reader:
                 gpu.setdefault(vols[s.first], []).append((path, s))
                 continue
             if self.s.transport == "tcp" or not self.s.shm.reaches(vol):
+                shown = layout.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at "
                     f"{vol['address']}, whose shared memory this process cannot map (another "

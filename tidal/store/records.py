@@ -163,8 +163,8 @@ class VolumeRec:
     owner: int | None = None  # the connection it dies with (cuda volumes, registered ones)
     alive: bool = True
     used: int = 0
-    handles: dict[int, tuple[str, bytes, bytes]] = field(default_factory=dict)  # cuda: slot ->
-    # (GPU uuid, memory IPC handle, event IPC handle)
+    handles: dict[int, dict[str, Any]] = field(default_factory=dict)  # cuda: slot -> its
+    # ``ops.s_handle`` record (GPU, allocation's IPC handle, offset, span, event's IPC handle)
     freed: list[int] = field(default_factory=list)  # cuda: destroyed, owner not yet told
 
     def info(self) -> dict[str, Any]:

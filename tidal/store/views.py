@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -135,8 +136,9 @@ class Releaser:
     def _send(self) -> None:
         while self._pending:
             lease, events = self._pending.popleft()
-            for ev in events:
-                ev.synchronize()
+            for ev in events:  # polled: a thread in Event.synchronize can hold the GIL
+                while not ev.query():
+                    time.sleep(0.0005)
             try:
                 self._release(lease)
             except (StoreError, ValueError):

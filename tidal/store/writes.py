@@ -57,7 +57,7 @@ class Writes(Catalog):
                 if self._slot_owner.get(h["slot"], ("",))[0] != volume_id:
                     raise ValueError(f"slot {h['slot']} is not a slot of volume {volume_id!r}")
             for h in handles:
-                vol.handles[h["slot"]] = (h["uuid"], h["handle"], h["event"])
+                vol.handles[h["slot"]] = h
             return {}
 
     def put_declare(

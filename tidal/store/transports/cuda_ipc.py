@@ -9,19 +9,20 @@ cuda`` measures it against the host path and a device ``copy_`` of the same byte
 Lifecycle:
 - The writer's store handle owns a :class:`DeviceVolume` (registered with the controller as
   a volume of kind ``"cuda"`` owned by its writer connection; :class:`CudaIpcTransport`
-  registers it again if that connection is replaced). Each slot is one ``cudaMalloc``
-  allocation, so its IPC handle covers exactly the slot; the handle goes to the controller
-  with ``put_handles`` before any byte is written.
+  registers it again if that connection is replaced). Slots are carved from a few large
+  ``cudaMalloc`` allocations (tidal/store/transports/cuda_slots.py); each new slot's
+  allocation handle, offset and the allocation's size go to the controller with
+  ``put_handles`` before any byte is written.
 - Slots the controller destroys come back in the next ``put_begin`` / ``put_commit`` reply;
   their memory goes to a pool and is handed to the next new slot of the same size and
-  device. It is never
-  ``cudaFree``d while the writer's store is open: CUDA leaves freeing exported memory that
-  another process still has open undefined, and readers keep slots open (see below). A
-  reader only touches a slot while it holds a lease on the version that owns it, so memory
-  moved to another slot is never read through the old one.
-- A reader opens each slot once (:class:`Imports`) and keeps it open until its store
-  closes. The writer's memory is freed when the writer's store closes or its process exits;
-  its versions are then lost (``VolumeLostError``), as for a dead volume.
+  device. It is never ``cudaFree``d while the writer's store is open: CUDA leaves freeing
+  exported memory that another process still has open undefined, and readers keep it open
+  (see below). A reader only touches a slot while it holds a lease on the version that owns
+  it, so memory moved to another slot is never read through the old one.
+- A reader opens each allocation once (:class:`Imports`) and keeps it open until its store
+  closes (or, past that, until its last zero-copy view of it goes). The writer's memory is
+  freed when the writer's store closes or its process exits; its versions are then lost
+  (``VolumeLostError``), as for a dead volume.
 - Within one process (two store handles, or a handle reading its own writes) IPC handles
   cannot be opened; the reader uses the writer's tensors directly (``_LOCAL``).
 
@@ -54,7 +55,6 @@ import os
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,17 +68,16 @@ from tidal.store.transports import Gate, ReadJob, WriteJob
 from tidal.store.transports.cuda_batch import BatchCopier
 from tidal.store.transports.cuda_copies import CopyPlan, CopyPlans
 from tidal.store.transports.cuda_gather import GatherCopier
-from tidal.store.transports.cuda_runtime import as_tensor, device_index, device_uuid, runtime
-
-# Device volumes of this process by id: IPC handles cannot be opened in the process that
-# made them, so same-process readers use the writer's tensors through this table. It only
-# ever holds volumes of live Store handles of this process (weak values).
-_LOCAL: weakref.WeakValueDictionary[str, DeviceVolume] = weakref.WeakValueDictionary()
-
-
-def is_local(volume_id: str) -> bool:
-    """Whether ``volume_id`` is a device volume of this process."""
-    return volume_id in _LOCAL
+from tidal.store.transports.cuda_runtime import device_uuid, runtime
+from tidal.store.transports.cuda_slots import (
+    _LOCAL,
+    DeviceVolume,
+    Imports,
+    Item,
+    is_local,
+    narrow,
+    numel,
+)
 
 
 @functools.cache
@@ -108,257 +107,6 @@ def warm_up(device: int | None = None, timeout: float = 120.0) -> bool:
     index = torch.cuda.current_device() if device is None else device
     cp.build(index)
     return cp.ready(timeout)
-
-
-class DeviceVolume:
-    """A writer's slots in its own GPU memory (see the module docstring)."""
-
-    def __init__(self, volume_id: str) -> None:
-        self.volume_id = volume_id
-        self._slots: dict[int, tuple[int, int, int, torch.Tensor]] = {}  # ptr, n, dev, t
-        self._pool: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
-        self._owned: list[int] = []  # every allocation, freed at close
-        self._writing: set[int] = set()  # slots a put of this process is filling
-        self._deferred: list[int] = []  # released while being written: pooled at the end
-        self._views: dict[int, dict[tuple[Any, ...], torch.Tensor]] = {}  # slot -> typed views
-        self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # device -> (event, handle)
-        self._streams: dict[int, torch.cuda.Stream] = {}  # device -> the puts' copy stream
-        self._lock = threading.Lock()
-        _LOCAL[volume_id] = self
-
-    def event(self, device: int) -> tuple[torch.cuda.Event, bytes]:
-        """The interprocess event recorded after this volume's copies on ``device``, and
-        its IPC handle (sent with the slots' handles: readers' copies wait for it)."""
-        with self._lock:
-            have = self._events.get(device)
-            if have is None:
-                with torch.cuda.device(device):
-                    ev = torch.cuda.Event(interprocess=True)
-                    ev.record()  # creates it on this device
-                have = self._events[device] = (ev, bytes(ev.ipc_handle()))
-            return have
-
-    def events(self) -> list[torch.cuda.Event]:
-        """Every device's event (same-process readers wait on these objects directly)."""
-        with self._lock:
-            return [ev for ev, _ in self._events.values()]
-
-    def copy_stream(self, device: int) -> torch.cuda.Stream:
-        """The stream every put of this volume copies on, per device: one stream, so the
-        event recorded after a put's copies also follows every earlier put's."""
-        with self._lock:
-            s = self._streams.get(device)
-            if s is None:
-                s = self._streams[device] = torch.cuda.Stream(device)
-            return s
-
-    def slot(self, slot: int, nbytes: int, device: int) -> tuple[torch.Tensor, bytes | None]:
-        """The memory of ``slot``; for a slot new to this volume also its IPC handle (to be
-        sent to the controller), else None."""
-        with self._lock:
-            have = self._slots.get(slot)
-            if have is not None:
-                return have[3], None
-            pool = self._pool.get((device, nbytes))
-            if pool:
-                ptr, t = pool.pop()
-            else:
-                with torch.cuda.device(device):
-                    ptr = runtime().malloc(max(nbytes, 1))
-                self._owned.append(ptr)
-                t = as_tensor(ptr, nbytes, device)
-            self._slots[slot] = (ptr, nbytes, device, t)
-            return t, runtime().handle(ptr)
-
-    def missing(self, slots: list[int]) -> list[int]:
-        """The slots of ``slots`` not allocated in this volume yet."""
-        with self._lock:
-            have = self._slots
-            return [s for s in slots if s not in have]
-
-    def local(self, slot: int) -> torch.Tensor:
-        try:
-            return self._slots[slot][3]
-        except KeyError:
-            raise StoreError(f"device volume {self.volume_id} has no slot {slot}") from None
-
-    def alias(
-        self, slot: int, dtype: torch.dtype, shape: tuple[int, ...], keep: object
-    ) -> torch.Tensor:
-        """A new tensor over the slot's memory, whose storage holds ``keep``."""
-        with self._lock:
-            rec = self._slots.get(slot)
-        if rec is None:
-            raise StoreError(f"device volume {self.volume_id} has no slot {slot}")
-        flat = as_tensor(rec[0], _numel(shape) * dtype.itemsize, rec[2], keep=keep)
-        return flat.view(dtype).view(shape)
-
-    def typed(self, slot: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The slot's memory viewed as ``shape`` and ``dtype`` (views are kept: a steady
-        writer puts the same layout into the same slots)."""
-        views = self._views.setdefault(slot, {})
-        view = views.get((dtype, shape))
-        if view is None:
-            view = views[(dtype, shape)] = self.local(slot).view(dtype).view(shape)
-        return view
-
-    def release(self, slots: list[int]) -> None:
-        """Slots the controller destroyed (or never learned of): their memory goes back to
-        the pool, once no put of this process is still writing them."""
-        with self._lock:
-            for slot in slots:
-                if slot in self._writing:
-                    self._deferred.append(slot)
-                    continue
-                rec = self._slots.pop(slot, None)
-                self._views.pop(slot, None)
-                if rec is not None:
-                    ptr, n, dev, t = rec
-                    self._pool.setdefault((dev, n), []).append((ptr, t))
-
-    @contextlib.contextmanager
-    def writing(self, slots: list[int]) -> Iterator[None]:
-        """Mark ``slots`` as being written (by one put) until the block ends."""
-        with self._lock:
-            self._writing.update(slots)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._writing.difference_update(slots)
-                done = [s for s in self._deferred if s not in self._writing]
-                self._deferred = [s for s in self._deferred if s in self._writing]
-            self.release(done)
-
-    def close(self) -> None:
-        with self._lock:
-            owned, self._owned = self._owned, []
-            devices = {d for _, _, d, _ in self._slots.values()}
-            devices |= {d for d, _ in self._pool}
-            self._slots.clear()
-            self._views.clear()
-            self._pool.clear()
-        _LOCAL.pop(self.volume_id, None)
-        if owned:
-            for d in devices:
-                torch.cuda.synchronize(d)
-            for ptr in owned:
-                try:
-                    runtime().free(ptr)
-                except StoreError:
-                    pass  # the process is exiting or the context is gone: nothing to free
-
-
-class _Opened:
-    """One slot of another process's device volume, opened in this one. Its IPC mapping is
-    closed when the last holder lets go: the reader's table (:class:`Imports`), a read
-    plan's source views, or a zero-copy view handed to the caller."""
-
-    __slots__ = ("ptr", "device", "__weakref__")
-
-    def __init__(self, ptr: int, device: int) -> None:
-        self.ptr, self.device = ptr, device
-        weakref.finalize(self, _close_quietly, ptr).atexit = False  # exit frees it anyway
-
-
-def _close_quietly(ptr: int) -> None:
-    try:
-        runtime().close(ptr)
-    except StoreError:
-        pass  # the exporter is gone: its memory went with it
-
-
-class Imports:
-    """A reader's opened slots of other processes' device volumes, by (volume, slot)."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[str, int], tuple[_Opened, torch.Tensor]] = {}
-        self._views: dict[tuple[str, int], dict[tuple[Any, ...], torch.Tensor]] = {}
-        self._events: dict[tuple[str, str], torch.cuda.Event] = {}  # (volume, GPU uuid)
-        self._lock = threading.Lock()
-
-    def missing(self, volume_id: str, slots: list[int]) -> list[int]:
-        with self._lock:
-            return [s for s in slots if (volume_id, s) not in self._open]
-
-    def volumes(self) -> set[str]:
-        with self._lock:
-            return {v for v, _ in self._open}
-
-    def add(
-        self, volume_id: str, slot: int, uuid: str, handle: bytes, nbytes: int, event: bytes
-    ) -> None:
-        with self._lock:
-            if (volume_id, slot) in self._open:
-                return
-        device = device_index(uuid)
-        with self._lock:
-            opened = (volume_id, uuid) in self._events
-        if not opened:
-            ev = torch.cuda.Event.from_ipc_handle(device, event)
-            with self._lock:
-                self._events.setdefault((volume_id, uuid), ev)
-        with torch.cuda.device(device):
-            opened = _Opened(runtime().open(handle), device)
-            t = as_tensor(opened.ptr, nbytes, device, keep=opened)
-        with self._lock:  # if another thread opened it meanwhile, this one closes unused
-            self._open.setdefault((volume_id, slot), (opened, t))
-
-    def drop_volumes(self, gone: set[str]) -> None:
-        """Let go of what this process opened of the volumes ``gone`` (dead writers; every
-        volume at close): each slot is closed now, or when its last zero-copy view goes."""
-        with self._lock:
-            for k in [k for k in self._open if k[0] in gone]:
-                del self._open[k]
-                self._views.pop(k, None)
-            for ev_key in [e for e in self._events if e[0] in gone]:
-                del self._events[ev_key]
-
-    def events(self, volume_id: str) -> list[torch.cuda.Event]:
-        """The writer's events of ``volume_id`` (one per GPU its slots are on)."""
-        with self._lock:
-            return [ev for (v, _), ev in self._events.items() if v == volume_id]
-
-    def get(self, volume_id: str, slot: int) -> torch.Tensor:
-        local = _LOCAL.get(volume_id)
-        if local is not None:
-            return local.local(slot)
-        with self._lock:
-            try:
-                return self._open[(volume_id, slot)][1]
-            except KeyError:
-                raise StoreError(f"slot {slot} of device volume {volume_id} is not open") from None
-
-    def alias(
-        self, volume_id: str, slot: int, dtype: torch.dtype, shape: tuple[int, ...], keep: object
-    ) -> torch.Tensor:
-        """A new tensor over an opened slot, whose storage holds ``keep`` (and the slot's
-        mapping) until the caller's last view of it goes."""
-        with self._lock:
-            opened = self._open.get((volume_id, slot))
-        if opened is None:
-            raise StoreError(f"slot {slot} of device volume {volume_id} is not open")
-        o = opened[0]
-        flat = as_tensor(o.ptr, _numel(shape) * dtype.itemsize, o.device, keep=(o, keep))
-        return flat.view(dtype).view(shape)
-
-    def typed(self, volume_id: str, job: ReadJob) -> torch.Tensor:
-        """The bytes ``job`` reads of an opened slot, as a view of its shape and dtype
-        (views are kept: a steady reader reads the same boxes of the same slots)."""
-        key = (job.dtype, job.shard_shape, job.src_off, job.sizes)
-        with self._lock:
-            views = self._views.setdefault((volume_id, job.slot), {})
-            view = views.get(key)
-            if view is None:
-                opened = self._open.get((volume_id, job.slot))
-                if opened is None:
-                    raise StoreError(f"slot {job.slot} of device volume {volume_id} is not open")
-                src = opened[1].view(job.dtype).view(job.shard_shape)
-                view = views[key] = _narrow(src, job)
-            return view
-
-    def close(self) -> None:
-        self.drop_volumes(self.volumes())
 
 
 class CudaIpcTransport:
@@ -420,9 +168,9 @@ class CudaIpcTransport:
         for job in (j for j in jobs if j.slot in new):
             slot, src = job.slot, job.src
             index = src.device.index if src.is_cuda else torch.cuda.current_device()
-            _, handle = device.slot(slot, job.nbytes, index)
-            if handle is not None:
-                fresh.append({"slot": slot, "uuid": device_uuid(index), "handle": handle,
+            _, where = device.slot(slot, job.nbytes, index)
+            if where is not None:
+                fresh.append({"slot": slot, "uuid": device_uuid(index), **where,
                               "event": device.event(index)[1]})  # fmt: skip
         if fresh:
             try:
@@ -512,28 +260,24 @@ class CudaIpcTransport:
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
 
-    def views(
-        self,
-        vol: dict[str, Any],
-        items: list[tuple[int, torch.dtype, tuple[int, ...]]],
-        keep: object,
-    ) -> list[torch.Tensor]:
+    def views(self, vol: dict[str, Any], items: list[Item], keep: object) -> list[torch.Tensor]:
         """Zero-copy reads: a tensor over each (slot, dtype, shape) of ``items``, once the
         writer's copies into them are done. Each tensor's storage holds ``keep`` (the
         caller's lease token) and the slot's mapping until the caller's last view goes."""
         vid = vol["id"]
         local = _LOCAL.get(vid)
         if local is None:
-            self._open_slots(vol, {slot: _numel(shape) * dtype.itemsize
-                                   for slot, dtype, shape in items})  # fmt: skip
+            missing = set(self._imports.missing(vid, [slot for slot, _, _ in items]))
+            if missing:
+                sizes = {s: numel(sh) * dt.itemsize for s, dt, sh in items if s in missing}
+                self._open_slots(vol, sizes)
             events = self._imports.events(vid)
         else:
             events = local.events()
         _await_writer(events, self._timeout, f"volume {vid!r}")
         if local is not None:
-            return [local.alias(slot, dt, shape, keep) for slot, dt, shape in items]
-        alias = self._imports.alias
-        return [alias(vid, slot, dt, shape, keep) for slot, dt, shape in items]
+            return local.views(items, keep)
+        return self._imports.views(vid, items, keep)
 
     def _copy(self, vol: dict[str, Any], jobs: list[ReadJob]) -> set[torch.device]:
         """Issue every job's copy, with the plan kept for these slots and destinations (a
@@ -571,12 +315,12 @@ class CudaIpcTransport:
         """The bytes ``job`` reads, as a view of the device slot."""
         local = _LOCAL.get(vol["id"])
         if local is not None:  # this process's own volume
-            return _narrow(local.typed(job.slot, job.dtype, job.shard_shape), job)
+            return narrow(local.typed(job.slot, job.dtype, job.shard_shape), job)
         return self._imports.typed(vol["id"], job)
 
     def _open(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``jobs`` read."""
-        self._open_slots(vol, {j.slot: _numel(j.shard_shape) * j.dtype.itemsize for j in jobs})
+        self._open_slots(vol, {j.slot: numel(j.shard_shape) * j.dtype.itemsize for j in jobs})
 
     def _open_slots(self, vol: dict[str, Any], sizes: dict[int, int]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``sizes`` (slot: bytes)."""
@@ -606,8 +350,7 @@ class CudaIpcTransport:
         if missing:
             got = self._control.request(ops.SLOT_HANDLES, volume_id=vid, slots=missing)
             for h in got["handles"]:
-                self._imports.add(vid, h["slot"], h["uuid"], h["handle"], sizes[h["slot"]],
-                                  h["event"])  # fmt: skip
+                self._imports.add(vid, h, sizes[h["slot"]])
 
     def close(self) -> None:
         self._read_plans.clear()
@@ -620,7 +363,7 @@ class CudaIpcTransport:
 
     def allocations(self) -> int:
         """Device allocations this handle made (tidal.store.testing)."""
-        return 0 if self._device is None else len(self._device._owned)
+        return 0 if self._device is None else self._device.carved
 
 
 def plan_dst(
@@ -667,19 +410,3 @@ def _await_writer(events: list[torch.cuda.Event], timeout: float, what: str) -> 
                 )
             polls += 1
             time.sleep(0 if polls < 1000 else 0.0005)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _narrow(src: torch.Tensor, job: ReadJob) -> torch.Tensor:
-    if job.whole:
-        return src
-    for d, (o, s) in enumerate(zip(job.src_off, job.sizes, strict=True)):
-        if o != 0 or s != src.shape[d]:
-            src = src.narrow(d, o, s)
-    return src

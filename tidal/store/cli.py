@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     _token_args(serve, "shared secret clients must present; required off loopback")
     serve.add_argument("--keep", type=int, default=2, help="versions retained per key")
     serve.add_argument("--capacity-gb", type=float, default=None, help="volume memory cap")
+    serve.add_argument("--reserve-gb", type=float, default=0.0,
+                       help="memory allocated at start for new keys' first puts")  # fmt: skip
     serve.add_argument("--shm-dir", default="/dev/shm", help="where segments live")
     serve.add_argument("--no-volume", action="store_true", help="metadata only (volumes join)")
     serve.set_defaults(func=_serve)
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     vol.add_argument("--port", type=int, default=0)
     _token_args(vol, "the store's shared secret")
     vol.add_argument("--capacity-gb", type=float, default=None)
+    vol.add_argument("--reserve-gb", type=float, default=0.0)
     vol.add_argument("--shm-dir", default="/dev/shm")
     vol.set_defaults(func=_volume)
 
@@ -106,7 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
     store_id = new_store_id()
     volume = None
     if not args.no_volume:
-        volume = Volume("v0", store_id, shm_dir=args.shm_dir, capacity=_gb(args.capacity_gb))
+        volume = Volume("v0", store_id, shm_dir=args.shm_dir, capacity=_gb(args.capacity_gb),
+                        reserve=_gb(args.reserve_gb) or 0)  # fmt: skip
     server = Server(
         controller=Controller(store_id, keep=args.keep),
         volume=volume,
@@ -136,6 +140,7 @@ def _volume(args: argparse.Namespace) -> int:
         token=_token(args),
         shm_dir=args.shm_dir,
         capacity=_gb(args.capacity_gb),
+        reserve=_gb(args.reserve_gb) or 0,
         ready=ready,
     )
     return 0

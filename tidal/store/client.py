@@ -504,6 +504,7 @@ def connect(
     keep: int = 2,
     volume: str | None = None,
     connections: int = 2,
+    reserve: int = 0,
 ) -> Store:
     """Connect to a tidal store, or start an embedded one.
 
@@ -523,6 +524,10 @@ def connect(
         keep: versions retained per key by an embedded store (ignored when connecting).
         volume: put this client's shards into the named volume instead of a local one.
         connections: TCP connections in flight per volume for bulk transfers.
+        reserve: bytes of shared memory an embedded store allocates at start for new slots
+            (ignored when connecting): the first put of a new key then writes into memory
+            that exists instead of faulting it in; slots freed later refill it up to this
+            size (tidal/store/reserve.py). Size it to the state dicts to be published.
 
     Returns:
         A :class:`Store` handle.
@@ -546,7 +551,7 @@ def connect(
         transport = os.environ.get("TIDAL_STORE_TRANSPORT", "auto")  # type: ignore[assignment]
     server = None
     if address is None:
-        server = embedded.start(keep=keep, token=token)
+        server = embedded.start(keep=keep, token=token, reserve=reserve)
         address = server.address
     try:
         return Store(

@@ -18,12 +18,12 @@ from tidal.store.server import Server
 from tidal.store.volume import Volume, new_store_id, reap_stale
 
 
-def start(*, keep: int, token: str | None) -> Server:
-    """An embedded server (controller + volume "v0") on a random loopback port."""
+def start(*, keep: int, token: str | None, reserve: int = 0) -> Server:
+    """An embedded server (controller + volume "v0", with ``reserve`` bytes allocated ahead)
+    on a random loopback port."""
     reap_stale()
     store_id = new_store_id()
-    server = Server(
-        controller=Controller(store_id, keep=keep), volume=Volume("v0", store_id), token=token
-    )
+    volume = Volume("v0", store_id, reserve=reserve)
+    server = Server(controller=Controller(store_id, keep=keep), volume=volume, token=token)
     weakref.finalize(server, server.close)
     return server

@@ -32,6 +32,7 @@ def run_volume(
     token: str | None = None,
     shm_dir: str = "/dev/shm",
     capacity: int | None = None,
+    reserve: int = 0,
     ready: Callable[[str], None] | None = None,
     timeout: float = 30.0,
 ) -> None:
@@ -44,7 +45,7 @@ def run_volume(
         StoreError: the controller cannot be reached or refuses the volume.
     """
     reap_stale(shm_dir)
-    vol = Volume(volume_id, new_store_id(), shm_dir=shm_dir, capacity=capacity)
+    vol = Volume(volume_id, new_store_id(), shm_dir=shm_dir, capacity=capacity, reserve=reserve)
     server = Server(volume=vol, host=host, port=port, token=token)
     try:
         reg = Conn(controller_address, token, timeout)

@@ -53,12 +53,15 @@ import torch
 
 from tidal.store import wire
 from tidal.store.errors import StoreError
+from tidal.store.reserve import Reserve
 
 _STORE_ID = re.compile(r"\d+\.\d+x[0-9a-f]{6}")
 _VOLUME_ID = re.compile(r"[A-Za-z0-9_.-]{1,96}")
 # A part file's name (groups: pid namespace, pid), and a part 0's (groups: store id, volume id,
 # slot). Slots and parts are printed by str() of a positive int: no leading zero.
-_SEGMENT = re.compile(r"tidal-(\d+)\.(\d+)x[0-9a-f]{6}-[A-Za-z0-9_.-]{1,96}-[1-9]\d*(\.[1-9]\d*)?")
+_SEGMENT = re.compile(
+    r"tidal-(\d+)\.(\d+)x[0-9a-f]{6}-[A-Za-z0-9_.-]{1,96}-([1-9]\d*(\.[1-9]\d*)?|reserve\.[1-9]\d*)"
+)
 _PART0 = re.compile(r"tidal-(\d+\.\d+x[0-9a-f]{6})-([A-Za-z0-9_.-]{1,96})-([1-9]\d*)")
 
 # Bytes per file of a slot: a multiple of the page size (and of 2 MB, should hugepages
@@ -350,7 +353,11 @@ class Volume:
         store_id: str,
         shm_dir: str = "/dev/shm",
         capacity: int | None = None,
+        reserve: int = 0,
     ) -> None:
+        """``reserve``: bytes of shared memory to allocate now, for new slots to take
+        (tidal/store/reserve.py): the first puts of new keys then write into pages that
+        exist instead of faulting them in."""
         self.volume_id = check_volume_id(volume_id)
         self.store_id = store_id
         self.shm_dir = os.path.normpath(os.path.abspath(shm_dir))
@@ -360,6 +367,11 @@ class Volume:
                 "(--shm-dir)"
             )
         segment_path(self.shm_dir, store_id, self.volume_id, 1)  # checks the components
+        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
+            raise ValueError(f"reserve must be a number of bytes >= 0, got {reserve!r}")
+        self._reserve = Reserve(self.shm_dir, f"tidal-{store_id}-{self.volume_id}", PART_BYTES)
+        if reserve:
+            self._reserve.fill(reserve)
         self.capacity = capacity
         self.used = 0
         self._segments: dict[int, tuple[Mapping | None, torch.Tensor]] = {}
@@ -385,11 +397,11 @@ class Volume:
             seg = torch.empty(0, dtype=torch.uint8)
             if nbytes:
                 st = os.statvfs(self.shm_dir)
-                if st.f_bavail * st.f_frsize < nbytes:
+                free = st.f_bavail * st.f_frsize + self._reserve.bytes
+                if free < nbytes:
                     raise StoreError(
-                        f"volume {self.volume_id}: {self.shm_dir} has "
-                        f"{st.f_bavail * st.f_frsize} bytes free, {nbytes} needed; delete keys "
-                        "or lower retention (keep)"
+                        f"volume {self.volume_id}: {self.shm_dir} has {free} bytes free, "
+                        f"{nbytes} needed; delete keys or lower retention (keep)"
                     )
                 mapping = self._create_parts(slot, nbytes)
                 seg = as_bytes(mapping)
@@ -403,9 +415,12 @@ class Volume:
         sizes = part_sizes(nbytes)
         fds: list[int] = []
         try:
-            for part in range(len(sizes)):
+            for part, n in enumerate(sizes):
                 path = self.path(slot, part)
                 try:
+                    if self._reserve.take(path, n):  # pages allocated ahead
+                        fds.append(os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
+                        continue
                     fds.append(os.open(path, flags, 0o600))
                 except OSError as e:
                     raise StoreError(
@@ -441,9 +456,12 @@ class Volume:
                     continue
                 _, seg = rec  # the mapping goes with the record
                 self.used -= seg.numel()
-                for part in range(len(part_sizes(seg.numel()))):
+                for part, n in enumerate(part_sizes(seg.numel())):
+                    path = self.path(slot, part)
+                    if self._reserve.give(path, n):  # kept allocated for the next new slot
+                        continue
                     try:
-                        os.unlink(self.path(slot, part))
+                        os.unlink(path)
                     except FileNotFoundError:
                         pass
 
@@ -559,5 +577,15 @@ class Volume:
             view = view.contiguous()
         return view.reshape(-1).numpy().data
 
+    @property
+    def reserved(self) -> int:
+        """Bytes of allocated part files waiting in the reserve."""
+        with self._lock:
+            return self._reserve.bytes
+
     def close(self) -> None:
+        with self._lock:
+            self._reserve.target = 0  # destroyed slots' files are unlinked, not kept
         self.destroy(list(self._segments))
+        with self._lock:
+            self._reserve.close()

@@ -1,0 +1,97 @@
+"""A volume's reserve of allocated part files (tidal/store/reserve.py): new slots take them,
+destroyed slots refill it up to its size, and nothing is left behind.
+
+``PART_BYTES`` is made three pages, as in test_parts.py, so a reserve of a few tens of KB is
+several files and slots span several parts.
+"""
+
+import errno
+import os
+
+import pytest
+import torch
+
+import tidal.store
+from tests.store.conftest import shm_segments
+from tidal.store import StoreError, volume
+from tidal.store.volume import Volume, new_store_id
+
+PART = 3 * 4096
+
+
+@pytest.fixture(autouse=True)
+def small_parts(monkeypatch):
+    monkeypatch.setattr(volume, "PART_BYTES", PART)
+
+
+def _reserve_files() -> set[str]:
+    return {f for f in shm_segments(os.getpid()) if "-reserve." in f}
+
+
+def _allocated(name: str) -> int:
+    """Bytes of tmpfs pages a file holds."""
+    return os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
+
+
+def _sd(v: int) -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.full((5, 1001), float(v)),  # 20020 bytes: a full part and a short one
+        "b": torch.arange(PART // 8) + v,  # exactly one part
+    }
+
+
+def test_new_slots_take_allocated_files_and_destroyed_ones_refill_the_reserve():
+    before = shm_segments(os.getpid())
+    with tidal.store.connect(keep=1, reserve=4 * PART) as store:
+        files = _reserve_files()
+        assert len(files) == 4 and all(_allocated(f) >= PART for f in files)  # touched
+        assert store._server.volume.reserved == 4 * PART
+        store.put_state_dict(_sd(0), "p")
+        assert store._server.volume.reserved == PART  # 3 parts taken: a (2) and b (1)
+        got = store.get_state_dict("p")
+        assert torch.equal(got["a"], _sd(0)["a"]) and torch.equal(got["b"], _sd(0)["b"])
+        store.put_state_dict(_sd(1), "p")  # the ring's second slots: the last file, then new
+        assert store._server.volume.reserved == 0
+        store.delete("p")  # full-size parts go back, up to the reserve's size; the rest goes
+        assert 2 * PART <= store._server.volume.reserved <= 4 * PART
+        for v in range(3):  # and are taken again by another key's slots
+            store.put_state_dict(_sd(v), "q")
+            assert torch.equal(store.get_state_dict("q")["a"], _sd(v)["a"])
+    assert shm_segments(os.getpid()) == before  # close unlinked the reserve and the slots
+
+
+def test_a_reserve_that_does_not_fit_is_refused_and_leaves_nothing(monkeypatch):
+    before = shm_segments(os.getpid())
+    calls = []
+
+    def full(fd, offset, length):
+        calls.append(fd)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(StoreError, match="cannot reserve .* bytes of shared memory in /dev/shm"):
+        Volume("v0", new_store_id(), reserve=6 * PART)
+    assert shm_segments(os.getpid()) == before
+    with pytest.raises(ValueError, match="reserve must be a number of bytes >= 0"):
+        Volume("v0", new_store_id(), reserve=-1)
+
+
+def test_a_reserve_file_removed_behind_the_volumes_back_is_skipped():
+    vol = Volume("v0", new_store_id(), reserve=2 * PART)
+    try:
+        first = sorted(_reserve_files())[0]
+        os.unlink(os.path.join("/dev/shm", first))  # another process of this user did that
+        vol.create(1, 2 * PART)  # two parts: the remaining file, then a fresh one
+        assert vol.reserved == 0
+        assert torch.equal(vol.segment(1), torch.zeros(2 * PART, dtype=torch.uint8))
+    finally:
+        vol.close()
+    assert not _reserve_files()
+
+
+def test_reserve_files_of_a_dead_store_are_reaped_like_its_slots():
+    name = "tidal-4026531836.123x0abcde-v0-reserve.3"
+    assert volume._SEGMENT.fullmatch(name) and volume._SEGMENT.fullmatch(name[:-10] + "-7.2")
+    assert not volume._SEGMENT.fullmatch(name + "x")
+    assert not volume._SEGMENT.fullmatch(name.replace("reserve.3", "reserve.0"))

@@ -1,0 +1,137 @@
+"""A volume's reserve: part files whose pages are allocated ahead, for new slots to take.
+
+The first put of a key writes into fresh shared memory, and every fresh page is a page fault
+(on a virtual machine whose free memory goes back to the host, a much slower one). A volume
+made with ``reserve=N`` allocates ceil(N / ``PART_BYTES``) full-size part files at start, in
+parallel (``posix_fallocate``, then zeros written over every page), and a new slot takes
+its parts from them (a hard link to the slot's name, then an unlink: an existing name is
+never replaced; a last part shorter than ``PART_BYTES`` is truncated to its size). When a
+slot is destroyed its full-size parts go back to the reserve while it holds less than
+``N``, so deleting a key and putting another does not pay the faults again; past ``N``
+they are unlinked and their memory freed.
+
+Reserve files are named ``<shm_dir>/tidal-<store id>-<volume id>-reserve.<n>``, built here
+from ids the volume checked, and reaped with the store's other files when its process dies
+(volume.reap_stale). Lifecycle: made by :class:`~tidal.store.volume.Volume` at start,
+unlinked at its close. Not thread-safe: the volume calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from tidal.store.errors import StoreError
+
+_ZEROS = bytes(8 << 20)
+
+
+class Reserve:
+    def __init__(self, shm_dir: str, prefix: str, part_bytes: int) -> None:
+        """``prefix``: the volume's file name prefix (``tidal-<store id>-<volume id>``)."""
+        self._dir, self._prefix, self._part = shm_dir, prefix, part_bytes
+        self._free: list[int] = []  # numbers of reserve files ready to take
+        self._next = 1
+        self.target = 0  # bytes the reserve refills to from destroyed slots
+
+    @property
+    def bytes(self) -> int:
+        return len(self._free) * self._part
+
+    def path(self, n: int) -> str:
+        return os.path.join(self._dir, f"{self._prefix}-reserve.{n}")
+
+    def fill(self, nbytes: int, threads: int = 8) -> None:
+        """Allocate files for ``nbytes`` (rounded up to whole parts), ``threads`` at a time;
+        StoreError naming the directory if it is full (the files made so far are unlinked)."""
+        self.target = nbytes
+        count = -(-nbytes // self._part)
+        numbers = list(range(self._next, self._next + count))
+        self._next += count
+        with ThreadPoolExecutor(min(threads, max(count, 1))) as pool:
+            results = list(pool.map(self._allocate, numbers))
+        failed = [e for e in results if e is not None]
+        made = [n for n, e in zip(numbers, results, strict=True) if e is None]
+        if failed:
+            for n in made:
+                _unlink(self.path(n))
+            raise StoreError(
+                f"cannot reserve {nbytes} bytes of shared memory in {self._dir}: {failed[0]}"
+            )
+        self._free.extend(made)
+
+    def _allocate(self, n: int) -> str | None:
+        path = self.path(n)
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            return f"{path}: {e.strerror}"
+        try:
+            os.ftruncate(fd, self._part)
+            try:  # fails at once, cleanly, where the file system is full
+                os.posix_fallocate(fd, 0, self._part)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+            # tmpfs clears fallocated pages only when they are first used, and a virtual
+            # machine's host backs a page only when it is first written: write every page.
+            for off in range(0, self._part, len(_ZEROS)):
+                os.pwrite(fd, _ZEROS[: self._part - off], off)
+            return None
+        except OSError as e:
+            _unlink(path)
+            return f"{path}: {e.strerror}"
+        finally:
+            os.close(fd)
+
+    def take(self, path: str, nbytes: int) -> bool:
+        """Give ``path`` (a new part of ``nbytes`` <= a part) a reserve file's pages; False if
+        the reserve is empty or the file cannot be moved (the caller creates one)."""
+        while self._free:
+            n = self._free.pop()
+            try:
+                os.link(self.path(n), path)  # EEXIST rather than replace an existing name
+            except FileExistsError:
+                self._free.append(n)
+                return False
+            except OSError:
+                _unlink(self.path(n))
+                continue  # that reserve file is gone or unusable: try the next
+            _unlink(self.path(n))
+            if nbytes != self._part:
+                try:
+                    os.truncate(path, nbytes)
+                except OSError:
+                    _unlink(path)
+                    return False
+            return True
+        return False
+
+    def give(self, path: str, nbytes: int) -> bool:
+        """Take back a destroyed slot's part ``path`` of ``nbytes`` while the reserve holds
+        less than its target; False if the caller should unlink it."""
+        if nbytes != self._part or self.bytes >= self.target:
+            return False
+        n, self._next = self._next, self._next + 1
+        try:
+            os.link(path, self.path(n))
+        except OSError:
+            return False
+        _unlink(path)
+        self._free.append(n)
+        return True
+
+    def close(self) -> None:
+        self.target = 0
+        for n in self._free:
+            _unlink(self.path(n))
+        self._free.clear()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

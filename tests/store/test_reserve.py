@@ -95,3 +95,19 @@ def test_reserve_files_of_a_dead_store_are_reaped_like_its_slots():
     assert volume._SEGMENT.fullmatch(name) and volume._SEGMENT.fullmatch(name[:-10] + "-7.2")
     assert not volume._SEGMENT.fullmatch(name + "x")
     assert not volume._SEGMENT.fullmatch(name.replace("reserve.3", "reserve.0"))
+
+
+def test_a_part_takes_a_file_of_its_own_size_before_a_full_one(tmp_path):
+    from tidal.store.reserve import Reserve
+
+    r = Reserve(str(tmp_path), "tidal-1.2x0abcde-v0", 4096)
+    r.fill(2 * 4096)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert r.take(a, 100) and os.path.getsize(a) == 100 and r.bytes == 4096  # full, truncated
+    assert r.give(a, 100) and not os.path.exists(a) and r.bytes == 4096 + 100
+    assert r.take(b, 100) and r.bytes == 4096  # the 100-byte file, not the full one
+    assert not r.give(b, 4097)  # larger than a part: never kept
+    r.target = 4096 + 50
+    assert not r.give(b, 100)  # past the target: the caller unlinks it
+    r.close()
+    assert sorted(os.listdir(tmp_path)) == ["b"]

@@ -5,9 +5,10 @@ The first put of a key writes into fresh shared memory, and every fresh page is 
 made with ``reserve=N`` allocates ceil(N / ``PART_BYTES``) full-size part files at start, in
 parallel (``posix_fallocate``, then zeros written over every page), and a new slot takes
 its parts from them (a hard link to the slot's name, then an unlink: an existing name is
-never replaced; a last part shorter than ``PART_BYTES`` is truncated to its size). When a
-slot is destroyed its full-size parts go back to the reserve while it holds less than
-``N``, so deleting a key and putting another does not pay the faults again; past ``N``
+never replaced; a part shorter than ``PART_BYTES`` takes a file of exactly its size if
+the reserve has one, else a full-size one truncated to it). When a slot is destroyed its
+parts go back to the reserve, by size, while it holds less than ``N``: deleting a key and
+putting another of the same layout then pays no fault at all; past ``N``
 they are unlinked and their memory freed.
 
 Reserve files are named ``<shm_dir>/tidal-<store id>-<volume id>-reserve.<n>``, built here
@@ -31,13 +32,14 @@ class Reserve:
     def __init__(self, shm_dir: str, prefix: str, part_bytes: int) -> None:
         """``prefix``: the volume's file name prefix (``tidal-<store id>-<volume id>``)."""
         self._dir, self._prefix, self._part = shm_dir, prefix, part_bytes
-        self._free: list[int] = []  # numbers of reserve files ready to take
+        self._free: dict[int, list[int]] = {}  # file size -> numbers of files ready to take
+        self._bytes = 0
         self._next = 1
         self.target = 0  # bytes the reserve refills to from destroyed slots
 
     @property
     def bytes(self) -> int:
-        return len(self._free) * self._part
+        return self._bytes
 
     def path(self, n: int) -> str:
         return os.path.join(self._dir, f"{self._prefix}-reserve.{n}")
@@ -59,7 +61,8 @@ class Reserve:
             raise StoreError(
                 f"cannot reserve {nbytes} bytes of shared memory in {self._dir}: {failed[0]}"
             )
-        self._free.extend(made)
+        self._free.setdefault(self._part, []).extend(made)
+        self._bytes += len(made) * self._part
 
     def _allocate(self, n: int) -> str | None:
         path = self.path(n)
@@ -87,20 +90,25 @@ class Reserve:
             os.close(fd)
 
     def take(self, path: str, nbytes: int) -> bool:
-        """Give ``path`` (a new part of ``nbytes`` <= a part) a reserve file's pages; False if
-        the reserve is empty or the file cannot be moved (the caller creates one)."""
-        while self._free:
-            n = self._free.pop()
+        """Give ``path`` (a new part of ``nbytes`` <= a part) a reserve file's pages: one of
+        exactly that size (a destroyed slot's part of the same layout), else a full-size one
+        truncated to it. False if there is none or it cannot be moved (the caller creates
+        a fresh file)."""
+        size = nbytes if self._free.get(nbytes) else self._part
+        while self._free.get(size):
+            n = self._free[size].pop()
+            self._bytes -= size
             try:
                 os.link(self.path(n), path)  # EEXIST rather than replace an existing name
             except FileExistsError:
-                self._free.append(n)
+                self._free[size].append(n)
+                self._bytes += size
                 return False
             except OSError:
                 _unlink(self.path(n))
                 continue  # that reserve file is gone or unusable: try the next
             _unlink(self.path(n))
-            if nbytes != self._part:
+            if nbytes != size:
                 try:
                     os.truncate(path, nbytes)
                 except OSError:
@@ -112,7 +120,7 @@ class Reserve:
     def give(self, path: str, nbytes: int) -> bool:
         """Take back a destroyed slot's part ``path`` of ``nbytes`` while the reserve holds
         less than its target; False if the caller should unlink it."""
-        if nbytes != self._part or self.bytes >= self.target:
+        if not 0 < nbytes <= self._part or self._bytes + nbytes > self.target:
             return False
         n, self._next = self._next, self._next + 1
         try:
@@ -120,14 +128,17 @@ class Reserve:
         except OSError:
             return False
         _unlink(path)
-        self._free.append(n)
+        self._free.setdefault(nbytes, []).append(n)
+        self._bytes += nbytes
         return True
 
     def close(self) -> None:
         self.target = 0
-        for n in self._free:
-            _unlink(self.path(n))
+        for numbers in self._free.values():
+            for n in numbers:
+                _unlink(self.path(n))
         self._free.clear()
+        self._bytes = 0
 
 
 def _unlink(path: str) -> None:

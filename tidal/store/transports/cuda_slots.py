@@ -130,10 +130,10 @@ class DeviceVolume:
     def _carve(self, nbytes: int, device: int) -> tuple[_Arena, int]:
         size = -(-nbytes // ALIGN) * ALIGN
         if size >= ARENA_BYTES // 4:  # big: an allocation of its own
-            arena = _Arena(size, device)
-            self._owned.append(arena)
-            arena.used = size
-            return arena, 0
+            own = _Arena(size, device)
+            self._owned.append(own)
+            own.used = size
+            return own, 0
         arena = self._open_arena.get(device)
         if arena is None or arena.used + size > arena.span:
             arena = self._open_arena[device] = _Arena(ARENA_BYTES, device)
@@ -295,8 +295,8 @@ class Imports:
             for k in [k for k in self._open if k[0] in gone]:
                 del self._open[k]
                 self._views.pop(k, None)
-            for k in [k for k in self._arenas if k[0] in gone]:
-                del self._arenas[k]
+            for a in [a for a in self._arenas if a[0] in gone]:
+                del self._arenas[a]
             for ev_key in [e for e in self._events if e[0] in gone]:
                 del self._events[ev_key]
 

@@ -136,7 +136,7 @@ class Releaser:
     def _send(self) -> None:
         while self._pending:
             lease, events = self._pending.popleft()
-            for ev in events:  # polled: a thread in Event.synchronize can hold the GIL
+            for ev in events:  # polled, with sleeps that let other threads run
                 while not ev.query():
                     time.sleep(0.0005)
             try:

@@ -192,9 +192,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where models live")
     ap.add_argument("--reserve", action="store_true",
-                    help="start the store with a reserve of the state dict's size (allocated "
-                    "before anything is timed): the cold put and the one-shot put then write "
-                    "into pages that exist (tidal/store/reserve.py)")  # fmt: skip
+                    help="start the store with a reserve sized for the state dict (one file per "
+                    "part, allocated before anything is timed): the cold put then writes into "
+                    "pages that exist (tidal/store/reserve.py)")  # fmt: skip
     ap.add_argument("--memory", default="host", choices=("host", "cuda"),
                     help="where the store keeps the bytes: host shared memory, or the writer's "
                     "GPU memory read through CUDA IPC (--device cuda)")  # fmt: skip
@@ -216,7 +216,7 @@ def main() -> None:
     root = os.path.join(args.root, f"tidal-bench-{os.getpid()}")
     os.makedirs(root, exist_ok=True)
     t = time.perf_counter()
-    store = tidal.store.connect(keep=1, reserve=nbytes(sd) if args.reserve else 0)
+    store = tidal.store.connect(keep=1, reserve=sd if args.reserve else 0)
     if args.reserve:
         print(f"store reserve: {nbytes(sd) / 1e9:.2f} GB allocated at start in "
               f"{time.perf_counter() - t:.2f} s (not in any row)")  # fmt: skip

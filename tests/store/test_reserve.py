@@ -101,7 +101,7 @@ def test_a_part_takes_a_file_of_its_own_size_before_a_full_one(tmp_path):
     from tidal.store.reserve import Reserve
 
     r = Reserve(str(tmp_path), "tidal-1.2x0abcde-v0", 4096)
-    r.fill(2 * 4096)
+    r.fill([4096, 4096])
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert r.take(a, 100) and os.path.getsize(a) == 100 and r.bytes == 4096  # full, truncated
     assert r.give(a, 100) and not os.path.exists(a) and r.bytes == 4096 + 100
@@ -111,3 +111,17 @@ def test_a_part_takes_a_file_of_its_own_size_before_a_full_one(tmp_path):
     assert not r.give(b, 100)  # past the target: the caller unlinks it
     r.close()
     assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+def test_a_reserve_sized_for_a_state_dict_holds_every_part_its_first_put_needs():
+    sd = _sd(0)
+    sd["big"] = torch.zeros(3 * PART // 4 + 5)  # float32: 3 full parts and 20 bytes
+    sizes = volume.reserve_for(sd)
+    assert sorted(sizes) == sorted([PART, 20020 - PART, PART, PART, PART, PART, 20])
+    with tidal.store.connect(keep=1, reserve=sd) as store:
+        assert store._server.volume.reserved == sum(sizes)
+        store.put_state_dict(sd, "p")
+        assert store._server.volume.reserved == 0 and not _reserve_files()  # each one used
+        assert torch.equal(store.get_state_dict("p")["big"], sd["big"])
+    with pytest.raises(ValueError, match="reserve files hold 1 to"):
+        Volume("v0", new_store_id(), reserve=[PART + 1])

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from tidal.store import embedded, layout, ops, streams
+from tidal.store import volume as volume_mod
 from tidal.store.layout import Path
 from tidal.store.reader import Reader
 from tidal.store.server import Server
@@ -504,7 +505,7 @@ def connect(
     keep: int = 2,
     volume: str | None = None,
     connections: int = 2,
-    reserve: int = 0,
+    reserve: int | Mapping[str, Any] = 0,
 ) -> Store:
     """Connect to a tidal store, or start an embedded one.
 
@@ -524,10 +525,11 @@ def connect(
         keep: versions retained per key by an embedded store (ignored when connecting).
         volume: put this client's shards into the named volume instead of a local one.
         connections: TCP connections in flight per volume for bulk transfers.
-        reserve: bytes of shared memory an embedded store allocates at start for new slots
-            (ignored when connecting): the first put of a new key then writes into memory
-            that exists instead of faulting it in; slots freed later refill it up to this
-            size (tidal/store/reserve.py). Size it to the state dicts to be published.
+        reserve: shared memory an embedded store allocates at start for new slots (ignored
+            when connecting): bytes, or a state dict whose first put it is sized for (one
+            file per part it will need: that put then faults in no page). The first put
+            of a new key writes into memory that exists instead of faulting it in; slots
+            freed later refill it up to this size (tidal/store/reserve.py).
 
     Returns:
         A :class:`Store` handle.
@@ -551,7 +553,8 @@ def connect(
         transport = os.environ.get("TIDAL_STORE_TRANSPORT", "auto")  # type: ignore[assignment]
     server = None
     if address is None:
-        server = embedded.start(keep=keep, token=token, reserve=reserve)
+        sizes = reserve if isinstance(reserve, int) else volume_mod.reserve_for(reserve)
+        server = embedded.start(keep=keep, token=token, reserve=sizes)
         address = server.address
     try:
         return Store(

@@ -18,7 +18,7 @@ from tidal.store.server import Server
 from tidal.store.volume import Volume, new_store_id, reap_stale
 
 
-def start(*, keep: int, token: str | None, reserve: int = 0) -> Server:
+def start(*, keep: int, token: str | None, reserve: int | list[int] = 0) -> Server:
     """An embedded server (controller + volume "v0", with ``reserve`` bytes allocated ahead)
     on a random loopback port."""
     reap_stale()

@@ -2,11 +2,12 @@
 
 The first put of a key writes into fresh shared memory, and every fresh page is a page fault
 (on a virtual machine whose free memory goes back to the host, a much slower one). A volume
-made with ``reserve=N`` allocates ceil(N / ``PART_BYTES``) full-size part files at start, in
-parallel (``posix_fallocate``, then zeros written over every page), and a new slot takes
-its parts from them (a hard link to the slot's name, then an unlink: an existing name is
-never replaced; a part shorter than ``PART_BYTES`` takes a file of exactly its size if
-the reserve has one, else a full-size one truncated to it). When a slot is destroyed its
+made with ``reserve=N`` allocates ceil(N / ``PART_BYTES``) full-size part files at start
+(or, given the sizes of a state dict's parts, a file of each: its first put then finds every
+part it needs), in parallel (``posix_fallocate``, then zeros written over every page), and a
+new slot takes its parts from them (a hard link to the slot's name, then an unlink: an
+existing name is never replaced; a part shorter than ``PART_BYTES`` takes a file of exactly
+its size if the reserve has one, else a full-size one truncated to it). When a slot is destroyed its
 parts go back to the reserve, by size, while it holds less than ``N``: deleting a key and
 putting another of the same layout then pays no fault at all; past ``N``
 they are unlinked and their memory freed.
@@ -44,27 +45,30 @@ class Reserve:
     def path(self, n: int) -> str:
         return os.path.join(self._dir, f"{self._prefix}-reserve.{n}")
 
-    def fill(self, nbytes: int, threads: int = 8) -> None:
-        """Allocate files for ``nbytes`` (rounded up to whole parts), ``threads`` at a time;
+    def fill(self, sizes: list[int], threads: int = 8) -> None:
+        """Allocate a file of each of ``sizes`` (each at most a part), ``threads`` at a time;
         StoreError naming the directory if it is full (the files made so far are unlinked)."""
+        if any(not 0 < n <= self._part for n in sizes):
+            raise ValueError(f"reserve files hold 1 to {self._part} bytes each")
+        nbytes = sum(sizes)
         self.target = nbytes
-        count = -(-nbytes // self._part)
-        numbers = list(range(self._next, self._next + count))
-        self._next += count
-        with ThreadPoolExecutor(min(threads, max(count, 1))) as pool:
-            results = list(pool.map(self._allocate, numbers))
+        numbers = list(range(self._next, self._next + len(sizes)))
+        self._next += len(sizes)
+        with ThreadPoolExecutor(min(threads, max(len(sizes), 1))) as pool:
+            results = list(pool.map(self._allocate, numbers, sizes))
         failed = [e for e in results if e is not None]
-        made = [n for n, e in zip(numbers, results, strict=True) if e is None]
+        made = [(n, size) for n, size, e in zip(numbers, sizes, results, strict=True) if e is None]
         if failed:
-            for n in made:
+            for n, _ in made:
                 _unlink(self.path(n))
             raise StoreError(
                 f"cannot reserve {nbytes} bytes of shared memory in {self._dir}: {failed[0]}"
             )
-        self._free.setdefault(self._part, []).extend(made)
-        self._bytes += len(made) * self._part
+        for n, size in made:
+            self._free.setdefault(size, []).append(n)
+            self._bytes += size
 
-    def _allocate(self, n: int) -> str | None:
+    def _allocate(self, n: int, size: int) -> str | None:
         path = self.path(n)
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
@@ -72,16 +76,16 @@ class Reserve:
         except OSError as e:
             return f"{path}: {e.strerror}"
         try:
-            os.ftruncate(fd, self._part)
+            os.ftruncate(fd, size)
             try:  # fails at once, cleanly, where the file system is full
-                os.posix_fallocate(fd, 0, self._part)
+                os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                     raise
             # tmpfs clears fallocated pages only when they are first used, and a virtual
             # machine's host backs a page only when it is first written: write every page.
-            for off in range(0, self._part, len(_ZEROS)):
-                os.pwrite(fd, _ZEROS[: self._part - off], off)
+            for off in range(0, size, len(_ZEROS)):
+                os.pwrite(fd, _ZEROS[: size - off], off)
             return None
         except OSError as e:
             _unlink(path)

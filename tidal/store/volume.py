@@ -34,6 +34,7 @@ Lifecycle: the process that runs a :class:`~tidal.store.server.Server` with a vo
 
 from __future__ import annotations
 
+import collections.abc
 import ctypes
 import errno
 import hmac
@@ -46,8 +47,9 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
+from typing import Any
 
 import torch
 
@@ -133,6 +135,17 @@ def part_path(path: str, part: int) -> str:
 def part_sizes(nbytes: int) -> list[int]:
     """The sizes of the files a slot of ``nbytes`` is stored in (none for an empty slot)."""
     return [min(PART_BYTES, nbytes - o) for o in range(0, nbytes, PART_BYTES)]
+
+
+def reserve_for(state_dict: collections.abc.Mapping[str, Any]) -> list[int]:
+    """The part files a first put of ``state_dict`` (as it is: shapes and dtypes) needs, for
+    a volume's ``reserve``."""
+    from tidal.store import layout
+
+    sizes = []
+    for _, t in layout.tensors_of(layout.flatten(state_dict)):
+        sizes.extend(part_sizes(t.numel() * t.element_size()))
+    return sizes
 
 
 def part_spans(offset: int, size: int) -> Iterator[tuple[int, int, int]]:
@@ -353,11 +366,12 @@ class Volume:
         store_id: str,
         shm_dir: str = "/dev/shm",
         capacity: int | None = None,
-        reserve: int = 0,
+        reserve: int | Sequence[int] = 0,
     ) -> None:
-        """``reserve``: bytes of shared memory to allocate now, for new slots to take
-        (tidal/store/reserve.py): the first puts of new keys then write into pages that
-        exist instead of faulting them in."""
+        """``reserve``: shared memory to allocate now, for new slots to take
+        (tidal/store/reserve.py): bytes (in full-size part files), or the sizes of the part
+        files to make (:func:`reserve_for`). The first puts of new keys then write into
+        pages that exist instead of faulting them in."""
         self.volume_id = check_volume_id(volume_id)
         self.store_id = store_id
         self.shm_dir = os.path.normpath(os.path.abspath(shm_dir))
@@ -367,11 +381,17 @@ class Volume:
                 "(--shm-dir)"
             )
         segment_path(self.shm_dir, store_id, self.volume_id, 1)  # checks the components
-        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < 0:
+        if isinstance(reserve, int) and not isinstance(reserve, bool):
+            if reserve < 0:
+                raise ValueError(f"reserve must be a number of bytes >= 0, got {reserve!r}")
+            sizes = [PART_BYTES] * -(-reserve // PART_BYTES)
+        elif isinstance(reserve, Sequence) and not isinstance(reserve, str | bytes):
+            sizes = list(reserve)
+        else:
             raise ValueError(f"reserve must be a number of bytes >= 0, got {reserve!r}")
         self._reserve = Reserve(self.shm_dir, f"tidal-{store_id}-{self.volume_id}", PART_BYTES)
-        if reserve:
-            self._reserve.fill(reserve)
+        if sizes:
+            self._reserve.fill(sizes)
         self.capacity = capacity
         self.used = 0
         self._segments: dict[int, tuple[Mapping | None, torch.Tensor]] = {}

@@ -160,6 +160,35 @@ def test_state_dict_round_trip_and_partial_into(transport_store):
         s.get_state_dict("model", into={"missing": {"x": torch.zeros(1)}})
 
 
+def test_dtype_on_put_and_cast_on_get(transport_store):
+    """An fp32 state dict published as bf16 (cast while copying), read back into fp32 and
+    float64 destinations only with cast=True; without it a dtype mismatch is a clear error.
+    Through each transport."""
+    store = transport_store
+    sd = {"w": _rand((64, 33), torch.float32, 1), "b": _rand((33,), torch.float32, 2),
+          "step": 7}  # fmt: skip
+    store.put_state_dict(sd, "p", dtype=torch.bfloat16)
+    as_bf16 = {k: sd[k].to(torch.bfloat16) for k in ("w", "b")}
+    out = store.get_state_dict("p")
+    assert out["step"] == 7
+    for k, v in as_bf16.items():
+        assert out[k].dtype == torch.bfloat16 and torch.equal(out[k], v)
+    into = {"w": torch.zeros(64, 33), "b": torch.zeros(33, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="float32.*bfloat16; pass cast=True"):
+        store.get_state_dict("p", into=into)
+    assert not into["w"].any()  # nothing written by the refused read
+    store.get_state_dict("p", into=into, cast=True)
+    for k, v in as_bf16.items():
+        assert into[k].dtype != torch.bfloat16 and torch.equal(into[k], v.to(into[k].dtype))
+    part = torch.zeros(64, 33)
+    assert store.get_state_dict("p", into={"w": part}, cast=True)["w"] is part
+    assert torch.equal(part, as_bf16["w"].float())
+    one = torch.zeros(33, dtype=torch.float16)
+    store.put("t", sd["b"])
+    store.get("t", into=one, cast=True)
+    assert torch.equal(one, sd["b"].half())
+
+
 def test_read_plan_cache_no_extra_metadata(store):
     sd = {f"l{i}.w": torch.full((16, 8), float(i)) for i in range(20)}
     into = {k: torch.empty_like(v) for k, v in sd.items()}

@@ -20,9 +20,12 @@ def test_without_a_batched_call_every_pair_goes_through_the_loop():
 
 def test_a_failing_batch_falls_back_to_the_loop_once_and_for_good():
     calls = []
-    copier = BatchCopier(None, lambda pairs, stream: calls.append((pairs, stream)))
     tried = []
-    copier._call = lambda batch, stream: tried.append(batch.count) or 1  # CUDA_ERROR_INVALID_VALUE
+    copier = BatchCopier(
+        None,
+        lambda pairs, stream: calls.append((pairs, stream)),
+        call=lambda batch, stream: tried.append(batch.count) or 1,  # CUDA_ERROR_INVALID_VALUE
+    )
     pairs = [(16, 32, 8), (48, 64, 24), (80, 96, 4)]
     prepared = copier.prepare(pairs, 0)
     assert isinstance(prepared, Batch) and list(prepared.sizes) == [8, 24, 4]
@@ -35,8 +38,7 @@ def test_a_failing_batch_falls_back_to_the_loop_once_and_for_good():
 
 
 def test_one_pair_needs_no_batch():
-    copier = BatchCopier(None, lambda pairs, stream: None)
-    copier._call = lambda batch, stream: 0
+    copier = BatchCopier(None, lambda pairs, stream: None, call=lambda batch, stream: 0)
     pairs = [(16, 32, 8)]
     assert copier.prepare(pairs, 0) is pairs
     batch = copier.prepare(pairs * 2, 0)
@@ -45,16 +47,14 @@ def test_one_pair_needs_no_batch():
 
 
 def test_the_legacy_default_stream_is_refused_before_the_driver_sees_it():
-    copier = BatchCopier(None, lambda pairs, stream: None)
-    copier._call = lambda batch, stream: 0
+    copier = BatchCopier(None, lambda pairs, stream: None, call=lambda batch, stream: 0)
     with pytest.raises(ValueError, match="legacy default stream"):
         copier.run(copier.prepare([(16, 32, 8)] * 2, 0), 0)
 
 
 def test_a_batch_prepared_before_a_failure_goes_through_the_loop_without_a_second_warning():
     calls = []
-    copier = BatchCopier(None, lambda pairs, stream: calls.append(pairs))
-    copier._call = lambda batch, stream: 1
+    copier = BatchCopier(None, lambda pairs, stream: calls.append(pairs), call=lambda b, s: 1)
     first, second = copier.prepare([(16, 32, 8)] * 2, 0), copier.prepare([(48, 64, 8)] * 3, 0)
     with pytest.warns(RuntimeWarning):
         copier.run(first, 3)

@@ -13,7 +13,7 @@ import torch
 
 import tidal.store
 from tests.store.conftest import shm_segments
-from tidal.store import StoreError, volume
+from tidal.store import StoreError, testing, volume
 from tidal.store.volume import Volume, new_store_id
 
 PART = 3 * 4096
@@ -45,15 +45,15 @@ def test_new_slots_take_allocated_files_and_destroyed_ones_refill_the_reserve():
     with tidal.store.connect(keep=1, reserve=4 * PART) as store:
         files = _reserve_files()
         assert len(files) == 4 and all(_allocated(f) >= PART for f in files)  # touched
-        assert store._server.volume.reserved == 4 * PART
+        assert testing.reserved(store) == 4 * PART
         store.put_state_dict(_sd(0), "p")
-        assert store._server.volume.reserved == PART  # 3 parts taken: a (2) and b (1)
+        assert testing.reserved(store) == PART  # 3 parts taken: a (2) and b (1)
         got = store.get_state_dict("p")
         assert torch.equal(got["a"], _sd(0)["a"]) and torch.equal(got["b"], _sd(0)["b"])
         store.put_state_dict(_sd(1), "p")  # the ring's second slots: the last file, then new
-        assert store._server.volume.reserved == 0
+        assert testing.reserved(store) == 0
         store.delete("p")  # full-size parts go back, up to the reserve's size; the rest goes
-        assert 2 * PART <= store._server.volume.reserved <= 4 * PART
+        assert 2 * PART <= testing.reserved(store) <= 4 * PART
         for v in range(3):  # and are taken again by another key's slots
             store.put_state_dict(_sd(v), "q")
             assert torch.equal(store.get_state_dict("q")["a"], _sd(v)["a"])
@@ -92,9 +92,10 @@ def test_a_reserve_file_removed_behind_the_volumes_back_is_skipped():
 
 def test_reserve_files_of_a_dead_store_are_reaped_like_its_slots():
     name = "tidal-4026531836.123x0abcde-v0-reserve.3"
-    assert volume._SEGMENT.fullmatch(name) and volume._SEGMENT.fullmatch(name[:-10] + "-7.2")
-    assert not volume._SEGMENT.fullmatch(name + "x")
-    assert not volume._SEGMENT.fullmatch(name.replace("reserve.3", "reserve.0"))
+    assert volume.owner_of(name) == (4026531836, 123)
+    assert volume.owner_of(name[:-10] + "-7.2") == (4026531836, 123)  # a slot's part file
+    assert volume.owner_of(name + "x") is None
+    assert volume.owner_of(name.replace("reserve.3", "reserve.0")) is None
 
 
 def test_a_part_takes_a_file_of_its_own_size_before_a_full_one(tmp_path):
@@ -119,9 +120,9 @@ def test_a_reserve_sized_for_a_state_dict_holds_every_part_its_first_put_needs()
     sizes = volume.reserve_for(sd)
     assert sorted(sizes) == sorted([PART, 20020 - PART, PART, PART, PART, PART, 20])
     with tidal.store.connect(keep=1, reserve=sd) as store:
-        assert store._server.volume.reserved == sum(sizes)
+        assert testing.reserved(store) == sum(sizes)
         store.put_state_dict(sd, "p")
-        assert store._server.volume.reserved == 0 and not _reserve_files()  # each one used
+        assert testing.reserved(store) == 0 and not _reserve_files()  # each one used
         assert torch.equal(store.get_state_dict("p")["big"], sd["big"])
     with pytest.raises(ValueError, match="reserve files hold 1 to"):
         Volume("v0", new_store_id(), reserve=[PART + 1])

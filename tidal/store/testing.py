@@ -4,6 +4,7 @@ Everything a test needs to look at or steer inside a store handle or an embedded
 goes through these functions, so the internals can change without touching the tests:
 
 - :func:`controller`: the embedded store's controller (counts, waiting readers);
+- :func:`reserved`: bytes left in the embedded store's reserve;
 - :func:`raw`: a fresh authenticated connection, to send ops by hand as another client or a
   hostile one would;
 - :func:`on_request`: watch (or hold up) the requests a handle sends;
@@ -39,6 +40,14 @@ def controller(store: Store) -> Controller:
 def leases(store: Store) -> int:
     """Leases held on the embedded store ``store`` started."""
     return controller(store).counts()["leases"]
+
+
+def reserved(store: Store) -> int:
+    """Bytes in the reserve of the embedded store ``store`` started (tidal/store/reserve.py)."""
+    server = store._server
+    if server is None or server.volume is None:
+        raise ValueError("this handle did not start an embedded store with a volume")
+    return server.volume.reserved
 
 
 def readers_waiting(store: Store, key: str, version: int) -> bool:

@@ -159,6 +159,13 @@ def part_spans(offset: int, size: int) -> Iterator[tuple[int, int, int]]:
         offset += n
 
 
+def owner_of(name: str) -> tuple[int, int] | None:
+    """The (pid namespace, pid) that made the file ``name`` if it is a tidal part or reserve
+    file's name, else None."""
+    m = _SEGMENT.fullmatch(name)
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
 def reap_stale(shm_dir: str = "/dev/shm") -> int:
     """Unlink the part files of stores whose owning process is gone; returns how many.
 
@@ -173,8 +180,8 @@ def reap_stale(shm_dir: str = "/dev/shm") -> int:
     except OSError:
         return 0
     for name in names:
-        m = _SEGMENT.fullmatch(name)
-        if m is None or ns == 0 or int(m.group(1)) != ns:
+        owner = owner_of(name)
+        if owner is None or ns == 0 or owner[0] != ns:
             continue
         path = os.path.join(shm_dir, name)
         try:
@@ -184,7 +191,7 @@ def reap_stale(shm_dir: str = "/dev/shm") -> int:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             continue
         try:
-            os.kill(int(m.group(2)), 0)
+            os.kill(owner[1], 0)
             continue  # owner alive (or a reused pid: keep, to be safe)
         except ProcessLookupError:
             pass

@@ -70,10 +70,14 @@ class BatchCopier:
     """Issues a plan's copies on a stream: one batched driver call where the driver has it,
     else ``loop`` (one call a pair)."""
 
-    def __init__(self, driver_path: str | None, loop: Loop) -> None:
+    def __init__(
+        self, driver_path: str | None, loop: Loop, call: Callable[[Batch, int], int] | None = None
+    ) -> None:
+        """``call``: the batched copy (returns a CUresult) when not the driver's from
+        ``driver_path``; tests pass a stand-in to steer the fallback."""
         self._loop = loop
-        self._call: Callable[[Batch, int], int] | None = None
-        if driver_path is not None:
+        self._call = call
+        if call is None and driver_path is not None:
             self._call = _batch_call(ctypes.CDLL(driver_path))
         self.supported = self._call is not None  # the driver has the call
         self.batches = 0  # batched calls made (tidal.store.testing, the GPU tests)

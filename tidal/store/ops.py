@@ -1,8 +1,10 @@
 """Every message of the tidal.store protocol, declared once.
 
 An :class:`Op` names its request fields and its reply fields (named maps, never positional
-lists), which process serves it and whether it carries bulk bytes. The server dispatches from
-this table (``Server`` calls the method of the same name on its controller or volume), the
+lists), which process serves it and whether it carries bulk bytes. Servers dispatch by op
+name from tables built against it (``Server._build_handlers``: the controller's method of the
+same name, or the volume's data ops; ``standalone._REGISTRATION_OPS`` on a volume's
+registration connection), the
 client builds every request with :func:`request` and both check what they receive against it
 (:func:`check_request`, :func:`check_reply`). Nothing else in the store spells out a message.
 

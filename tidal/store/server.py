@@ -88,6 +88,22 @@ class _RateLimited:
         self._log(msg + more)
 
 
+Reply = tuple[dict[str, Any], memoryview | None]  # reply fields, and bulk bytes to send after
+# handler(connection id, request fields, payload length, socket): the payload, if any, is
+# still on the socket for the handler to read
+Handler = Callable[[int, dict[str, Any], int, socket.socket], Reply]
+
+
+def _controller_op(method: Callable[..., dict[str, Any]]) -> Handler:
+    """A controller method ``method(conn id, **fields)`` as a handler (controller ops carry
+    no payload: ops.check_request refused one)."""
+
+    def handle(cid: int, fields: dict[str, Any], plen: int, sock: socket.socket) -> Reply:
+        return method(cid, **fields), None
+
+    return handle
+
+
 class Server:
     """Serves a controller and/or a volume on ``host:port`` (port 0: any free port).
 
@@ -169,14 +185,49 @@ class Server:
         self._thread = threading.Thread(target=self._accept_loop, name=SERVER_THREAD, daemon=True)
         self._thread.start()
 
-    def _build_handlers(self) -> dict[str, Callable[..., dict[str, Any]]]:
-        """op name -> handler(conn id, **fields), from the ops this server can serve."""
-        out: dict[str, Callable[..., dict[str, Any]]] = {}
-        for name, op in ops.OPS.items():
-            if op.served_by == "controller" and self.controller is not None:
-                if name not in ("hello", "bye", "register_volume"):  # served here
-                    out[name] = getattr(self.controller, name)
+    def _build_handlers(self) -> dict[str, Handler]:
+        """op name -> handler, for every op this server answers on its port (tidal/store/ops.py
+        says who serves what): its controller's ops call the controller's method of the same
+        name, a volume's data ops the volume, and ``bye`` / ``hello`` end or refuse here.
+        ``register_volume`` takes the connection over and is served before dispatch."""
+        out: dict[str, Handler] = {"bye": self._bye, "hello": self._hello_again}
+        if self.volume is not None:
+            out["vol_write"], out["vol_read"] = self._vol_write, self._vol_read
+        if self.controller is not None:
+            for name, op in ops.OPS.items():
+                if (
+                    op.served_by == "controller"
+                    and name not in out
+                    and op is not ops.REGISTER_VOLUME
+                ):
+                    out[name] = _controller_op(getattr(self.controller, name))
         return out
+
+    def _bye(self, cid: int, fields: dict[str, Any], plen: int, sock: socket.socket) -> Reply:
+        """A graceful close: the connection's leases and pending writes go before the reply."""
+        if self.controller is not None:
+            self.controller.connection_closed(cid)
+        return {}, None
+
+    def _hello_again(
+        self, cid: int, fields: dict[str, Any], plen: int, sock: socket.socket
+    ) -> Reply:
+        raise ValueError("this connection said hello already")
+
+    def _vol_write(self, cid: int, fields: dict[str, Any], plen: int, sock: socket.socket) -> Reply:
+        assert self.volume is not None, "served only with a volume"
+        if fields["nbytes"] != plen:
+            wire.discard(sock, plen)
+            raise ValueError(f"vol_write declares {fields['nbytes']} bytes, payload has {plen}")
+        self.volume.write_from(
+            sock, **{k: fields[k] for k in ("slot", "offset", "nbytes", "grant")}
+        )
+        return {}, None
+
+    def _vol_read(self, cid: int, fields: dict[str, Any], plen: int, sock: socket.socket) -> Reply:
+        assert self.volume is not None, "served only with a volume"
+        view = self.volume.read_view(**fields)
+        return {"nbytes": view.nbytes}, view
 
     # ------------------------------------------------------------------ connections
 
@@ -344,38 +395,18 @@ class Server:
 
     def _dispatch(
         self, op: ops.Op, m: dict[str, Any], plen: int, sock: socket.socket, cid: int
-    ) -> tuple[dict[str, Any], memoryview | None]:
-        fields = {k: v for k, v in m.items() if k != "op"}
-        if op is ops.BYE:  # a graceful close: leases and pending writes go before the reply
-            if self.controller is not None:
-                self.controller.connection_closed(cid)
-            return {}, None
-        if op is ops.VOL_WRITE:
-            if self.volume is None:
-                wire.discard(sock, plen)
-                raise ValueError("op 'vol_write' needs a volume; this server runs none")
-            if fields["nbytes"] != plen:
-                wire.discard(sock, plen)
-                raise ValueError(f"vol_write declares {fields['nbytes']} bytes, payload has {plen}")
-            self.volume.write_from(sock, **{k: fields[k] for k in ("slot", "offset", "nbytes",
-                                                                   "grant")})  # fmt: skip
-            return {}, None
-        if op is ops.VOL_READ:
-            if self.volume is None:
-                raise ValueError("op 'vol_read' needs a volume; this server runs none")
-            view = self.volume.read_view(**fields)
-            return {"nbytes": view.nbytes}, view
-        if op is ops.HELLO:
-            raise ValueError("this connection said hello already")
+    ) -> Reply:
         handler = self._handlers.get(op.name)
         if handler is None:
+            if plen:  # keep the stream framed: the payload is not for this port
+                wire.discard(sock, plen)
             where = {
                 "controller": "a controller",
                 "volume": "a volume",
                 "registration": "a volume's registration connection",
             }[op.served_by]
             raise ValueError(f"op {op.name!r} is served by {where}, not on this port")
-        return handler(cid, **fields), None
+        return handler(cid, {k: v for k, v in m.items() if k != "op"}, plen, sock)
 
     def _register(self, sock: socket.socket, cid: int, m: dict[str, Any]) -> None:
         """A volume process joins: from now on this connection carries the controller's

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from typing import Any
 
 from tidal.store import ops, wire
 from tidal.store.conn import Conn
@@ -68,6 +69,21 @@ def run_volume(
         server.close()
 
 
+def _create(vol: Volume, m: dict[str, Any]) -> None:
+    for seg in m["segments"]:
+        vol.create(seg["slot"], seg["nbytes"])
+
+
+# op name -> handler(volume, request) for every op ops.py declares served by "registration"
+_REGISTRATION_OPS: dict[str, Callable[[Volume, dict[str, Any]], None]] = {
+    "vol_create": _create,
+    "vol_destroy": lambda vol, m: vol.destroy(m["slots"]),
+    "vol_grant": lambda vol, m: vol.grant(m["slots"], m["grant"]),
+    "vol_seal": lambda vol, m: vol.seal(m["slots"]),
+}
+assert set(_REGISTRATION_OPS) == {n for n, o in ops.OPS.items() if o.served_by == "registration"}
+
+
 def serve_registration(sock: socket.socket, vol: Volume) -> None:
     """Serve the controller's registration ops on ``sock`` until it closes."""
     sock.settimeout(None)
@@ -80,15 +96,7 @@ def serve_registration(sock: socket.socket, vol: Volume) -> None:
         except (wire.ConnectionClosed, OSError, StoreError):
             return  # the controller went away (or broke the protocol): leave
         try:
-            if op is ops.VOL_CREATE:
-                for seg in header["segments"]:
-                    vol.create(seg["slot"], seg["nbytes"])
-            elif op is ops.VOL_DESTROY:
-                vol.destroy(header["slots"])
-            elif op is ops.VOL_GRANT:
-                vol.grant(header["slots"], header["grant"])
-            elif op is ops.VOL_SEAL:
-                vol.seal(header["slots"])
+            _REGISTRATION_OPS[op.name](vol, header)
             reply: dict[str, object] = {"ok": True}
         except _USER_ERRORS as e:
             reply = {"ok": False, "etype": type(e).__name__, "error": str(e)}

@@ -12,10 +12,15 @@ timing includes). Prints ms per forward + backward, the share of forward, and TF
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sampler import time_us  # noqa: E402  (a benchmark beside this one)
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -30,19 +35,6 @@ def run(q, k, v, gqa: str) -> torch.Tensor:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -60,7 +52,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("attention_backends.py needs a CUDA GPU")
     B, S, H, G, D = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
 
     def rand(h: int) -> torch.Tensor:
         t = torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -80,8 +73,9 @@ def main() -> None:
         for gqa in ("gqa", "repeat"):
             try:
                 with sdpa_kernel([backend]):
-                    fwd = time_ms(lambda gqa=gqa: run(q, k, v, gqa), args.iters)
-                    both = time_ms(lambda gqa=gqa: run(q, k, v, gqa).backward(grad), args.iters)
+                    fwd = time_us(lambda gqa=gqa: run(q, k, v, gqa), args.iters, dev) / 1e3
+                    both = time_us(lambda gqa=gqa: run(q, k, v, gqa).backward(grad), args.iters,
+                                   dev) / 1e3  # fmt: skip
             except RuntimeError as e:
                 print(f"{name:<10} {gqa:<7} not available: {str(e).splitlines()[0][:80]}")
                 continue

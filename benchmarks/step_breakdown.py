@@ -38,7 +38,12 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def breakdown(trace: dict) -> dict:
+def _events(trace: dict | list) -> list[dict]:
+    """A Chrome trace's events (the object form holds them under ``traceEvents``)."""
+    return trace if isinstance(trace, list) else trace.get("traceEvents", [])
+
+
+def breakdown(trace: dict | list) -> dict:
     """The recorded window's steps: wall time per step, GPU busy time per step, kernel time by
     kind per step and the longest GPU idle gap, all in ms.
 
@@ -46,7 +51,7 @@ def breakdown(trace: dict) -> dict:
     the last kernel, whichever is later: the trainer does not wait for the device at each step,
     so a step's span ends while its kernels still run and the next span begins by waiting for
     them. Per-step figures are the window's divided by its step count."""
-    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    events = _events(trace)
     steps = [
         e
         for e in events
@@ -108,9 +113,8 @@ def main() -> None:
     total = sum(rec["kernels_ms"].values())
     for kind, ms in rec["kernels_ms"].items():
         print(f"  {kind:<30} {ms:9.1f} ms a step  {100 * ms / total:5.1f}% of kernel time")
-    events = trace.get("traceEvents", [])
     per_name: dict[str, float] = defaultdict(float)
-    for e in events:
+    for e in _events(trace):
         if e.get("ph") == "X" and e.get("cat") == "kernel":
             per_name[e["name"]] += e["dur"] / 1e3
     print(f"top {args.top} kernels over the whole trace (ms, kind):")

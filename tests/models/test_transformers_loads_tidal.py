@@ -1,6 +1,7 @@
 """transformers' `AutoModelForCausalLM.from_pretrained` loads what `save_hf` writes and computes
 the same logits: models that came from Hugging Face (the tiny Llama 3.1 with RoPE scaling and
-tied embeddings, the tiny Qwen 3 with QK-norm and head_dim != dim / heads), in one file and
+tied embeddings, the tiny Llama 2, the tiny Qwen 3 with QK-norm and head_dim != dim / heads,
+untied and tied), in one file and
 sharded, and a model tidal built itself (its config.json made from ModelArgs alone).
 
 transformers is a test dependency (the dev extra); tidal never imports it.
@@ -34,7 +35,7 @@ def hf_logits(auto_model, folder: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_llama2", "tiny_qwen3", "tiny_qwen3_tied"])
 @pytest.mark.parametrize("shard", [None, 20_000])
 def test_transformers_loads_a_round_tripped_hf_model(auto_model, tmp_path, name, shard):
     ref = load_file(str(DATA / name / "reference_logits.safetensors"))

@@ -3,10 +3,11 @@ warmup-stable-decay learning-rate schedule.
 
 bf16 optimizer states (`optimizer.state_dtype=bf16`, as in DeepSeek-V3 and torchtitan's
 `fused_opt_states_bf16`): `exp_avg` and `exp_avg_sq` are stored in bfloat16 while parameters
-and gradients stay fp32, halving optimizer-state memory. torchtitan relies on the fused CUDA
-kernel's mixed-precision path; torch's CPU kernels (fused, foreach and for-loop) reject moments
-whose dtype differs from the parameters', so `AdamWBF16States` runs its own per-tensor step,
-the same on every device: read the moments as fp32, update them, store them rounded to nearest
+and gradients stay fp32, halving optimizer-state memory. torch's kernels (fused, foreach and
+for-loop on CPU; fused on CUDA too: torch 2.11's `_fused_adamw_` says "params, grads, exp_avgs,
+and exp_avg_sqs must have same dtype", measured on an H200) reject moments whose dtype differs
+from the parameters', so `AdamWBF16States` runs its own per-tensor step, the same on every
+device: read the moments as fp32, update them, store them rounded to nearest
 bf16, and apply the update from the fp32 values. Rounding to nearest drops a second-moment
 increment smaller than 2^-9 of its value, so with beta2 close to 1 (0.999) `exp_avg_sq` can
 stall where it should grow; tidal's default beta2 of 0.95 keeps increments of 5%.

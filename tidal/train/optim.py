@@ -11,10 +11,17 @@ device: read the moments as fp32, update them, store them rounded to nearest
 bf16, and apply the update from the fp32 values. Rounding to nearest drops a second-moment
 increment smaller than 2^-9 of its value, so with beta2 close to 1 (0.999) `exp_avg_sq` can
 stall where it should grow; tidal's default beta2 of 0.95 keeps increments of 5%.
+
+On CUDA the per-tensor update is one kernel compiled by inductor (`compiled=None`, the
+default, turns it on for CUDA parameters): it reads the parameter, gradient and both moments
+once and writes them once, where the eager form makes a dozen passes. The scalars of a step
+(learning rate, bias corrections) reach it in a small device tensor, so one compiled graph
+with a dynamic length serves every tensor and every step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -42,11 +49,14 @@ class AdamWBF16States(torch.optim.AdamW):
 
     state_dtype = torch.bfloat16
 
-    def __init__(self, params: Any, **kw: Any) -> None:
+    def __init__(self, params: Any, *, compiled: bool | None = None, **kw: Any) -> None:
+        """`compiled`: run the update as one inductor kernel per tensor (None: for CUDA
+        parameters only; True on CPU needs a C++ compiler)."""
         for name in ("amsgrad", "maximize", "foreach", "fused", "capturable"):
             if kw.get(name):
                 raise ValueError(f"AdamWBF16States does not support {name}=True")
         super().__init__(params, foreach=False, fused=False, **kw)
+        self.compiled = compiled
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -57,6 +67,7 @@ class AdamWBF16States(torch.optim.AdamW):
         for group in self.param_groups:
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
+            scalars: dict[tuple[float, torch.device], torch.Tensor] = {}  # by (step, device)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -69,13 +80,23 @@ class AdamWBF16States(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["step"] += 1
                 t = float(state["step"])
+                bias1, bias2 = 1 - beta1**t, 1 - beta2**t
+                compiled = p.is_cuda if self.compiled is None else self.compiled
+                flat = compiled and _flat_locals(p, grad, state["exp_avg"], state["exp_avg_sq"])
+                if flat:
+                    if (t, p.device) not in scalars:
+                        scalars[t, p.device] = torch.tensor(
+                            [1 - beta1, beta2, 1 - lr * wd, -lr / bias1, math.sqrt(bias2), eps],
+                            dtype=torch.float32,
+                        ).to(p.device)
+                    _compiled_update()(*flat, scalars[t, p.device])
+                    continue
                 exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
                 exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2)
                 exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
                 state["exp_avg"].copy_(exp_avg)
                 state["exp_avg_sq"].copy_(exp_avg_sq)
                 p.mul_(1 - lr * wd)
-                bias1, bias2 = 1 - beta1**t, 1 - beta2**t
                 denom = exp_avg_sq.sqrt_().div_(math.sqrt(bias2)).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-lr / bias1)
         return loss
@@ -86,6 +107,42 @@ class AdamWBF16States(torch.optim.AdamW):
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state and state[key].dtype != self.state_dtype:
                     state[key] = state[key].to(self.state_dtype)
+
+
+def _flat_locals(*tensors: torch.Tensor) -> list[torch.Tensor] | None:
+    """Each tensor's local data (a DTensor's shard: the parameter, its gradient and moments
+    share one placement) as a 1-D view, or None if one is not contiguous."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if not local.is_contiguous():
+            return None
+        out.append(local.view(-1))
+    return out
+
+
+def _update(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    s: torch.Tensor,
+) -> None:
+    """The step of `AdamWBF16States.step` on 1-D tensors; `s` holds 1 - beta1, beta2,
+    1 - lr * wd, -lr / bias1, sqrt(bias2) and eps (fp32, on the tensors' device)."""
+    g = grad.float()
+    m = exp_avg.float().lerp(g, s[0])
+    v = exp_avg_sq.float() * s[1] + (1 - s[1]) * g * g
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    p.copy_(p * s[2] + s[3] * m / (v.sqrt() / s[4] + s[5]))
+
+
+@functools.cache
+def _compiled_update() -> Callable[..., None]:
+    return torch.compile(_update, dynamic=True)
 
 
 def build_optimizer(

@@ -38,7 +38,16 @@ def _train(argv: list[str]) -> int:
         # second Ctrl-C in the loop.
         if os.environ.get("RANK", "0") == "0":  # once for a job, not once per rank
             print("tidal train: interrupted", file=sys.stderr)
-        return 130
+    # Out of the handler the interrupted trainer is garbage: a rank leaves its process groups
+    # now, as Trainer.close() does (not called: it waits for a background save), for a gloo
+    # group destroyed at interpreter exit now and then aborts the process ("terminate called
+    # without an active exception"). A save still running on its thread is abandoned, as before.
+    dist = sys.modules.get("torch.distributed")  # not imported when interrupted before it was
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from tidal.parallel.launch import destroy_process_group
+
+        destroy_process_group()
+    return 130
 
 
 def _train_command(argv: list[str]) -> int:

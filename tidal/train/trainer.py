@@ -484,8 +484,9 @@ class Trainer:
         return s.prompt + text
 
     def train(self) -> dict:
-        """Run the remaining steps up to `training.steps`; returns the last logged record
-        (with "interrupted": True after a Ctrl-C)."""
+        """Run the remaining steps up to `training.steps`, then the end-of-run sample; returns
+        the last logged record (with "interrupted": True after a Ctrl-C in the loop). A Ctrl-C
+        after the loop's last check raises KeyboardInterrupt, in or before the sample."""
         cfg = self.cfg
         total_steps, m = cfg.training.steps, cfg.metrics
         if self.train_iter is None and not cfg.checkpoint.create_seed_checkpoint:
@@ -578,8 +579,15 @@ class Trainer:
             elif self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
                 self.log("sample: skipped (end-of-run sampling runs without TP, PP or CP)")
             else:
+                if stop.flag:
+                    # Ctrl-C came after the last step's check: it ends the run here, as it does
+                    # on a rank that gets it a moment later, in the sample (every rank gets it).
+                    raise KeyboardInterrupt
                 # Every rank samples the same tokens (same seed, same gathered weights): FSDP's
-                # forward is collective, so all ranks must run it.
+                # forward is collective, so all ranks must run it. Said as it starts: on a CPU
+                # a long sample runs a while after the last step line.
+                s = cfg.sample
+                self.log(f"sampling: up to {s.max_new_tokens} tokens after {s.prompt!r}")
                 text = self.sample()
                 self.log("sample:\n" + text)
                 if logger is not None:

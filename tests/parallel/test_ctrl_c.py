@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._signals import default_sigint
 from tests.parallel.test_launch import _python_env
 
 
@@ -55,7 +56,7 @@ def _ctrl_c(cmd: list[str], at: str, timeout: float = 240) -> tuple[int, str, st
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_python_env()}
     env["PYTHONUNBUFFERED"] = "1"  # each line as it is printed, as on a terminal
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)  # fmt: skip
+                            env=env, start_new_session=True, preexec_fn=default_sigint)  # fmt: skip
     stdout = proc.stdout
     assert stdout is not None
     lines: queue.Queue[str | None] = queue.Queue()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import tidal.store
+from tests._signals import default_sigint
 from tidal.rl.report import STEP_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,12 +199,6 @@ def test_when_a_role_dies_the_other_exits_with_a_clear_message(tmp_path, victim)
         store.close()
 
 
-def _ctrl_c_reaches_it() -> None:
-    """In the child before exec: SIGINT at its default, as under a terminal. A shell running
-    pytest in the background (``cmd &``) ignores SIGINT, and children inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def test_ctrl_c_stops_every_role(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
@@ -211,7 +206,7 @@ def test_ctrl_c_stops_every_role(tmp_path):
         [sys.executable, "-m", "tidal", "rl", "--config", CONFIG, "--job.output_dir", str(out),
          "--rl.steps", "10000", "--metrics.plot", "false"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, preexec_fn=_ctrl_c_reaches_it,
+        start_new_session=True, preexec_fn=default_sigint,
     )  # fmt: skip
     try:
         assert p.stdout is not None

@@ -50,6 +50,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 CONFIG = "rl_addition_135m"
@@ -309,21 +310,17 @@ def mps_daemon() -> Iterator[None]:
     }
     for path in env.values():
         Path(path).mkdir()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        subprocess.run([exe, "-d"], check=True, timeout=30)
-        print(f"   MPS daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
-        yield
+        with mock.patch.dict(os.environ, env):  # the runs started inside inherit it
+            subprocess.run([exe, "-d"], check=True, timeout=30)
+            print(f"   MPS daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
+            try:
+                yield
+            finally:
+                subprocess.run([exe], input="quit\n", text=True, timeout=30, check=False)
+                print("   MPS daemon stopped", flush=True)
     finally:
-        subprocess.run([exe], input="quit\n", text=True, timeout=30, check=False)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         shutil.rmtree(root, ignore_errors=True)
-        print("   MPS daemon stopped", flush=True)
 
 
 def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:

@@ -92,7 +92,7 @@ def test_prefetch_hits_and_misses_are_counted_at_batch_starts():
     model = tiny_model()
     with tidal.store.connect() as store:
         store.put_state_dict(model.state_dict(), "policy", version=0)
-        stager = Stager(store, "policy", model.state_dict(), held=0, last=3, slice_s=0.1)
+        stager = Stager(store, "policy", model.state_dict(), held=0, last=4, slice_s=0.1)
         assert stager.at_batch_start() is None  # nothing newer: not a need
         assert (stager.hits, stager.misses) == (0, 0)
         store.put_state_dict(model.state_dict(), "policy", version=1)
@@ -104,10 +104,19 @@ def test_prefetch_hits_and_misses_are_counted_at_batch_starts():
             # The thread holds version 1 staged until it is swapped in; meanwhile 2 and 3 come.
             store.put_state_dict(model.state_dict(), "policy", version=2)
             store.put_state_dict(model.state_dict(), "policy", version=3)
-            assert stager.at_batch_start() == 1  # staged in time: a hit, swapped in at once
-            assert (stager.hits, stager.misses, stager.held) == (1, 1, 1)
-            # The newest committed version is staged next, skipping 2.
+            assert stager.at_batch_start() == 1  # swapped in, but the batch starts behind 3
+            assert (stager.hits, stager.misses, stager.held) == (0, 2, 1)
+            # The newest committed version is staged next, skipping 2, and swapped in between
+            # decode steps of the batch: the next batch starts on the newest version, a hit.
             assert stager.wait_staged(30) == 3 and stager.swap() == 3
+            assert stager.at_batch_start() is None
+            assert (stager.hits, stager.misses) == (1, 2)
+            assert stager.at_batch_start() is None  # nothing new since: not a need
+            assert (stager.hits, stager.misses) == (1, 2)
+            store.put_state_dict(model.state_dict(), "policy", version=4)
+            assert stager.wait_staged(30) == 4
+            assert stager.at_batch_start() == 4  # staged in time, swapped in at the start
+            assert (stager.hits, stager.misses) == (2, 2)
         finally:
             stager.close()
 

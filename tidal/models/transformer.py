@@ -370,6 +370,7 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         attention=None,
         return_hidden: bool = False,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         logits_at: torch.Tensor | None = None,
         batch_invariant: bool = False,
         blocks: Sequence[Callable[..., torch.Tensor]] | None = None,
@@ -395,6 +396,11 @@ class Transformer(nn.Module):
                 gathers keys over ranks); `positions` should then be given.
             return_hidden: return the final normed hidden states [B, T, D] instead of logits
                 (for a loss that fuses the output projection).
+            head: called as `head(h_BTD, weight_VD)` on the final normed hidden states and
+                the output projection's weight (the embedding's when tied); its result is
+                returned in place of the logits. A loss that fuses the projection
+                (`tidal.train.loss.linear_cross_entropy_sum`) runs this way inside the
+                forward, where FSDP holds the weight unsharded.
             logits_at: [B] time index per row: project only that position ([B, 1, V]), e.g.
                 the last prompt token of each right-padded row in a prefill.
             batch_invariant: compute with the fixed-reduction-order kernels of
@@ -459,14 +465,22 @@ class Transformer(nn.Module):
             h_BTD = self.norm(h_BTD)
             if return_hidden:
                 return h_BTD
+            if head is not None:
+                return head(h_BTD, self.output_weight())
             return self.logits(h_BTD)
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, D]: the embedding's with tied embeddings."""
+        if self.output is not None:
+            return self.output.weight
+        assert self.tok_embeddings is not None, "tied output needs the embedding on this stage"
+        return self.tok_embeddings.weight
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """Output projection of final hidden states: [..., D] -> [..., V]."""
         if self.output is not None:
             return self.output(h_BTD)
-        assert self.tok_embeddings is not None, "tied output needs the embedding on this stage"
-        return F.linear(h_BTD, self.tok_embeddings.weight)
+        return F.linear(h_BTD, self.output_weight())
 
 
 def _generator(seed: int, name: str, param: torch.Tensor) -> torch.Generator:

@@ -24,10 +24,11 @@ the ranks behind drop theirs and fetch the newest one offered, so they agree at 
 point. Every rank of the generator calls `swap` and `at_batch_start` at the same points
 (they run the same loop in lockstep).
 
-Prefetch hit rate: at the start of each batch, if a version newer than the one held is
-committed in the store, the version was needed; it is a hit when a newer version was
-already staged (and is swapped in at once), a miss when it was still being read (the batch
-then starts with the old weights: the generator never waits).
+Prefetch hit rate: a version was needed at a batch start when one newer than the version
+the previous batch started with has been committed in the store since; it is a hit when the
+generator then holds the newest committed version (prefetched and swapped in during the last
+batch, or staged and swapped in at this start), a miss when the batch starts behind it (the
+newest was still being read: the generator never waits).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Stager:
         self._target: int | None = None  # TP: the version the other ranks hold staged
         self.held = held
         self.hits = self.misses = self.swaps = 0
+        self._batch_version = held  # the version the last batch started with
         self.swap_s = 0.0
         """Seconds the generator spent in swaps (copying staged weights into its own)."""
         self.error: BaseException | None = None
@@ -213,20 +215,21 @@ class Stager:
             return self._staged
 
     def at_batch_start(self) -> int | None:
-        """Before a batch: count a prefetch hit or miss when a newer version is committed,
-        and swap in a staged one. Returns the version swapped in, or None."""
+        """Before a batch: swap in a staged version, and count a prefetch hit or miss when a
+        version newer than the last batch's was committed (see the module docstring).
+        Returns the version swapped in, or None."""
         try:
             newest = self.store.versions(self.key)[-1]
         except (KeyNotFoundError, IndexError):
             newest = -1
-        with self._cv:
-            staged = self._staged
-        if newest > self.held:
-            if staged is not None:
+        swapped = self.swap()
+        if newest > self._batch_version:
+            if self.held >= newest:
                 self.hits += 1
             else:
                 self.misses += 1
-        return self.swap()
+        self._batch_version = self.held
+        return swapped
 
 
 def _staging_like(t: torch.Tensor, on_device: bool, pin: bool) -> torch.Tensor:

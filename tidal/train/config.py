@@ -84,6 +84,12 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile each transformer block. The loss is not affected: its per-chunk kernels
     are always compiled on CUDA and run eagerly on CPU (tidal/train/loss.py)."""
+    fused_loss: bool = True
+    """Compute the default cross entropy together with the output projection, a chunk of
+    rows at a time (`linear_cross_entropy_sum`), so the [tokens, vocabulary] logits and
+    their gradient never exist whole. Applies without tensor or pipeline parallelism,
+    batch-invariant mode or a converted (float8) output layer; elsewhere, and for injected
+    (RL) losses, the logits are computed whole as before."""
     seed: int = 0
     """Seed for weight init, data order and sampling."""
     deterministic: bool = False

@@ -33,6 +33,7 @@ loss is multiplied by that count (`grad_scale`) so the result is the gradient of
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ from tidal.train.loss import (
     StepNorms,
     TokenLoss,
     cross_entropy_sum,
+    linear_cross_entropy_sum,
     token_logprobs,
 )
 
@@ -98,6 +100,7 @@ class StepPath:
         grad_scale: int,
         batch_invariant: bool,
         document_mask: bool = False,
+        fused_loss: bool = False,
     ):
         self.model, self.args, self.mesh, self.cp = model, args, mesh, cp
         # Packed chat samples: each sees only its own document with SDPA too (a dense mask;
@@ -106,6 +109,9 @@ class StepPath:
         self.device, self.autocast_dtype = device, autocast_dtype
         self.loss_parallel, self.grad_scale = loss_parallel, grad_scale
         self.batch_invariant = batch_invariant
+        # The default loss fused with the output projection (no [N, V] logits); the caller
+        # sets it only where the projection is a plain matrix product on this rank.
+        self.fused_loss = fused_loss and not loss_parallel and not batch_invariant
         # Model options for every forward; empty by default, so the default path's calls are
         # exactly what they were before batch-invariant mode existed.
         self.model_kwargs: dict[str, Any] = {"batch_invariant": True} if batch_invariant else {}
@@ -152,9 +158,12 @@ class StepPath:
 
     # -- forward --------------------------------------------------------------------------
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, batch: Batch, *, fused_loss: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Logits of this rank's part of a micro-batch (no pipeline), its labels, and under CP
-        the global positions of its slice (None otherwise)."""
+        the global positions of its slice (None otherwise). With `fused_loss`, the summed
+        cross entropy of that part (`linear_cross_entropy_sum`) in place of the logits."""
         flex = self.args.attention == "flex"
         doc_ids = batch.document_ids if flex or self.document_mask else None
         input_ids, labels = batch.input_ids, batch.labels
@@ -167,6 +176,8 @@ class StepPath:
                 input_ids, labels, positions = self.cp.shard(input_ids, labels)
             attention = self.cp.attention_for(positions, doc_ids, "flex" if flex else "sdpa")
             kw = {"positions": positions, "attention": attention}
+        if fused_loss:
+            kw["head"] = functools.partial(linear_cross_entropy_sum, labels_BT=labels)
         with self.autocast():
             return self.model(input_ids, **kw), labels, positions
 
@@ -183,6 +194,8 @@ class StepPath:
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed token loss of one micro-batch (of this rank's slice under CP; no pipeline)."""
+        if self.fused_loss:
+            return self.forward(batch, fused_loss=True)[0]
         logits, labels, _ = self.forward(batch)
         with self.loss_context():
             return self.token_loss_sum(logits, labels)

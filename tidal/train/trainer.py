@@ -41,6 +41,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tidal.models.transformer import Transformer
@@ -243,6 +244,12 @@ class Trainer:
             grad_scale=self.grad_scale,
             batch_invariant=t.batch_invariant,
             document_mask=cfg.data.format == "chat",
+            # The fused loss multiplies by the output weight itself: a plain matrix on this
+            # rank (no TP sharding, no float8 layer), and no pipeline stage boundary.
+            fused_loss=t.fused_loss
+            and self.dims.tp == 1
+            and self.dims.pp == 1
+            and (self.model.output is None or type(self.model.output) is nn.Linear),
         )
         if self.dims.pp > 1:
             self.pipeline = self.path.pipeline = PipelineRunner(

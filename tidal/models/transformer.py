@@ -157,6 +157,8 @@ def apply_rope(x_BTHK: torch.Tensor, cos_BTK: torch.Tensor, sin_BTK: torch.Tenso
 
 
 class Attention(nn.Module):
+    FUSABLE = ("wq", "wk", "wv")
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.k
@@ -165,6 +167,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
         self.wo = nn.Linear(args.n_heads * args.k, args.dim, bias=False)
+        self.fused = False  # one product for Q, K and V (`Transformer.fuse_projections`)
         self.q_norm: nn.RMSNorm | None = None
         self.k_norm: nn.RMSNorm | None = None
         if args.qk_norm:
@@ -179,10 +182,16 @@ class Attention(nn.Module):
         cache: LayerCache | None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
+        if self.fused:
+            projections = (self.wq.weight, self.wk.weight, self.wv.weight)
+            qkv = F.linear(x_BTD, torch.cat(projections))
+            q, k, v = qkv.split([w.shape[0] for w in projections], dim=-1)
+        else:
+            q, k, v = self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
         # -1 instead of the head count keeps the views valid when TP shards the heads.
-        q_BTHK = self.wq(x_BTD).view(B, T, -1, self.head_dim)
-        k_BTGK = self.wk(x_BTD).view(B, T, -1, self.head_dim)
-        v_BTGK = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        q_BTHK = q.view(B, T, -1, self.head_dim)
+        k_BTGK = k.view(B, T, -1, self.head_dim)
+        v_BTGK = v.view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
@@ -197,14 +206,21 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    FUSABLE = ("w1", "w3")
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.fused = False  # one product for W1 and W3 (`Transformer.fuse_projections`)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_BTD)) * self.w3(x_BTD))
+        if self.fused:
+            gate, up = F.linear(x_BTD, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, -1)
+        else:
+            gate, up = self.w1(x_BTD), self.w3(x_BTD)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -325,6 +341,23 @@ class Transformer(nn.Module):
         # cos/sin tables are derived, not learned: left out of state dicts.
         self.rope: torch.Tensor
         self.register_buffer("rope", rope_tables(args), persistent=False)
+
+    def fuse_projections(self) -> int:
+        """Compute Q, K and V as one product with the concatenated weights, and W1 and W3 as
+        another, in every block whose projections are plain `nn.Linear` layers (a float8 or
+        tensor-parallel layer keeps its own product). Parameters and state-dict keys do not
+        change: the weights are concatenated on each forward, which under compile fuses with
+        the bf16 cast autocast makes anyway. Worth it for training, where each product is
+        large; a decoding step would copy the weights for a few tokens. Returns the number
+        of fused modules."""
+        fused = 0
+        for module in self.modules():
+            if isinstance(module, (Attention, FeedForward)) and all(
+                type(getattr(module, name)) is nn.Linear for name in module.FUSABLE
+            ):
+                module.fused = True
+                fused += 1
+        return fused
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

@@ -84,6 +84,13 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile each transformer block. The loss is not affected: its per-chunk kernels
     are always compiled on CUDA and run eagerly on CPU (tidal/train/loss.py)."""
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    """torch.compile mode for the blocks. max-autotune-no-cudagraphs benchmarks Triton
+    templates against cuBLAS for each product at the first step (minutes longer to start)."""
+    fuse_projections: bool = False
+    """Compute Q, K and V as one product and W1 and W3 as another, with weights concatenated
+    on each forward (`Transformer.fuse_projections`). Parameter names and checkpoints do not
+    change. Applies without tensor parallelism and to plain (not float8) linear layers."""
     fused_loss: bool = True
     """Compute the default cross entropy together with the output projection, a chunk of
     rows at a time (`linear_cross_entropy_sum`), so the [tokens, vocabulary] logits and
@@ -109,6 +116,11 @@ class TrainingConfig:
                 f"training.{name} must be positive, got {getattr(self, name)}",
             )
         _check(self.max_norm >= 0, f"training.max_norm must be >= 0, got {self.max_norm}")
+        _check(
+            self.compile_mode in ("default", "max-autotune-no-cudagraphs"),
+            f"training.compile_mode must be default or max-autotune-no-cudagraphs, "
+            f"got {self.compile_mode!r}",
+        )
         _check(
             self.mixed_precision in ("auto", "bf16", "fp32"),
             f"training.mixed_precision must be one of auto, bf16, fp32; "

@@ -218,6 +218,8 @@ class Trainer:
                 module, cfg.quantize, device=self.device, fsdp=fsdp, state=self.float8,
                 log=self.log,
             )  # fmt: skip
+            if t.fuse_projections and self.dims.tp == 1:
+                module.fuse_projections()
         for module in self.modules:
             parallelize(
                 module,
@@ -226,6 +228,7 @@ class Trainer:
                 cfg.parallelism,
                 cfg.activation_checkpoint,
                 compile=t.compile,
+                compile_mode=t.compile_mode,
                 param_dtype=torch.bfloat16 if bf16 else None,
                 float8_tp=self.float8 is not None and self.float8.tp_styles,
             )

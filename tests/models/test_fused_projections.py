@@ -60,6 +60,23 @@ def test_layers_that_are_not_plain_linear_keep_their_own_products():
     assert not first.attention.fused and first.feed_forward.fused
 
 
+def test_linear_layers_with_hooks_keep_their_own_products():
+    """Tensor parallelism keeps the nn.Linear class and adds input/output hooks: such a layer
+    is not fused (the hooks would be skipped)."""
+    model = Transformer(get_flavor("tiny"))
+    first = next(iter(model.layers.values()))
+    first.feed_forward.w3.register_forward_pre_hook(lambda module, args: None)
+    assert model.fuse_projections() == 2 * len(model.layers) - 1
+    assert first.attention.fused and not first.feed_forward.fused
+
+
+def test_the_trainer_refuses_fused_projections_with_batch_invariant_mode(tmp_path):
+    with pytest.raises(ValueError, match="training.fuse_projections=true"):
+        tiny_trainer(
+            tmp_path, "--training.fuse_projections", "true", "--training.batch_invariant", "true"
+        )
+
+
 def test_trainer_steps_match_with_and_without_fused_projections(tmp_path):
     """Losses and gradient norms of the same steps agree (AdamW's first updates are about
     lr * sign(grad), so single weights whose gradient is near zero may differ by more than

@@ -5,6 +5,7 @@ use of it against the unfused path."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.train.test_loss import _Allocations
 from tests.train.test_trainer import tiny_trainer
@@ -88,6 +89,32 @@ def test_gradient_to_one_input_only_and_no_grad():
     torch.testing.assert_close(h1.grad, h2.grad)
     with torch.no_grad():
         torch.testing.assert_close(linear_cross_entropy_sum(h, w, labels), ref)
+
+
+def test_no_grad_runs_only_the_logits_products():
+    """Under no_grad (validation) with parameters that require grad, each chunk runs its
+    logits GEMM only: no gradient GEMMs, no [N, D] or [V, D] gradient buffers."""
+    h, w, labels = _case(seed=6)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    n_chunks = -(-labels.numel() // 40)
+    for grad, products in ((False, n_chunks), (True, 3 * n_chunks)):
+        ops = _Products()
+        with torch.set_grad_enabled(grad), ops:
+            linear_cross_entropy_sum(h, w, labels, chunk_rows=40)
+        assert ops.count == products, (grad, ops.count)
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products (mm, addmm, their out= and in-place forms) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_never_holds_logits_or_their_gradient_for_every_row():

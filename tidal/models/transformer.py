@@ -21,12 +21,16 @@ Both families share one block structure; the differences are flags on `ModelArgs
 - Batch-invariant mode (`forward(..., batch_invariant=True)`): matmuls, norms and attention
   with reduction orders that do not depend on the batch, the sequence length or prefill vs
   decode (tidal/models/batch_invariant.py), so generator and trainer log-probs match bit for bit.
+- Training hooks: `forward(..., head=fn)` hands the final hidden states and `output_weight()`
+  to `fn` in place of the logits (the fused loss of tidal/train/loss.py), and
+  `fuse_projections()` computes Q/K/V and W1/W3 as one product each.
 
 The model knows nothing of devices, ranks or precision: build it on the meta device, move it
 with `to_empty(device=...)`, then call `init_weights()` once.
 
 Shape legend: B batch, T query time, S key time (cache length), D model dim, H query heads,
-G key/value heads, K head dim, F MLP hidden dim, V vocabulary.
+G key/value heads, K head dim, E a projection's features (heads x head dim), F MLP hidden dim,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -184,14 +188,15 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         if self.fused:
             projections = (self.wq.weight, self.wk.weight, self.wv.weight)
-            qkv = F.linear(x_BTD, torch.cat(projections))
-            q, k, v = qkv.split([w.shape[0] for w in projections], dim=-1)
+            # One product over the stacked weights, split back along the features (views).
+            qkv_BTE = F.linear(x_BTD, torch.cat(projections))
+            q_BTE, k_BTE, v_BTE = qkv_BTE.split([w.shape[0] for w in projections], dim=-1)
         else:
-            q, k, v = self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
+            q_BTE, k_BTE, v_BTE = self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
         # -1 instead of the head count keeps the views valid when TP shards the heads.
-        q_BTHK = q.view(B, T, -1, self.head_dim)
-        k_BTGK = k.view(B, T, -1, self.head_dim)
-        v_BTGK = v.view(B, T, -1, self.head_dim)
+        q_BTHK = q_BTE.view(B, T, -1, self.head_dim)
+        k_BTGK = k_BTE.view(B, T, -1, self.head_dim)
+        v_BTGK = v_BTE.view(B, T, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK, k_BTGK = apply_rope(q_BTHK, *rope), apply_rope(k_BTGK, *rope)
@@ -217,10 +222,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = F.linear(x_BTD, torch.cat((self.w1.weight, self.w3.weight))).chunk(2, -1)
+            w13 = torch.cat((self.w1.weight, self.w3.weight))
+            gate_BTF, up_BTF = F.linear(x_BTD, w13).chunk(2, dim=-1)
         else:
-            gate, up = self.w1(x_BTD), self.w3(x_BTD)
-        return self.w2(F.silu(gate) * up)
+            gate_BTF, up_BTF = self.w1(x_BTD), self.w3(x_BTD)
+        return self.w2(F.silu(gate_BTF) * up_BTF)
 
 
 class TransformerBlock(nn.Module):
@@ -344,16 +350,21 @@ class Transformer(nn.Module):
 
     def fuse_projections(self) -> int:
         """Compute Q, K and V as one product with the concatenated weights, and W1 and W3 as
-        another, in every block whose projections are plain `nn.Linear` layers (a float8 or
-        tensor-parallel layer keeps its own product). Parameters and state-dict keys do not
-        change: the weights are concatenated on each forward, which under compile fuses with
-        the bf16 cast autocast makes anyway. Worth it for training, where each product is
-        large; a decoding step would copy the weights for a few tokens. Returns the number
-        of fused modules."""
+        another, in every block whose projections are plain `nn.Linear` layers without hooks
+        (a float8 layer, or one that tensor parallelism wrapped with its input and output
+        hooks, keeps its own product). Parameters and state-dict keys do not change.
+
+        The weights are concatenated on each forward and the concatenation is saved for
+        backward. With fp32 weights under bf16 autocast that takes the place of the bf16 copies
+        autocast saves anyway (compiled, one kernel makes it); with weights already in the
+        compute dtype (FSDP's bf16 parameters, plain fp32) it is one more copy of each layer's
+        projection weights held until backward. A decoding step would copy the weights for a
+        few tokens: fuse models that train, not generators. Returns the number of fused
+        modules."""
         fused = 0
         for module in self.modules():
             if isinstance(module, (Attention, FeedForward)) and all(
-                type(getattr(module, name)) is nn.Linear for name in module.FUSABLE
+                _plain_linear(getattr(module, name)) for name in module.FUSABLE
             ):
                 module.fused = True
                 fused += 1
@@ -514,6 +525,10 @@ class Transformer(nn.Module):
         if self.output is not None:
             return self.output(h_BTD)
         return F.linear(h_BTD, self.output_weight())
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and not module._forward_pre_hooks and not module._forward_hooks
 
 
 def _generator(seed: int, name: str, param: torch.Tensor) -> torch.Generator:

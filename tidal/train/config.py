@@ -90,7 +90,9 @@ class TrainingConfig:
     fuse_projections: bool = False
     """Compute Q, K and V as one product and W1 and W3 as another, with weights concatenated
     on each forward (`Transformer.fuse_projections`). Parameter names and checkpoints do not
-    change. Applies without tensor parallelism and to plain (not float8) linear layers."""
+    change. Applies to plain (not float8) linear layers; refused with tensor parallelism and
+    batch-invariant mode. Under FSDP (bf16 parameters) or in fp32 it holds one more copy of
+    each layer's projection weights until backward."""
     fused_loss: bool = True
     """Compute the default cross entropy together with the output projection, a chunk of
     rows at a time (`linear_cross_entropy_sum`), so the [tokens, vocabulary] logits and

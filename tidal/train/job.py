@@ -83,14 +83,20 @@ def check_job(
             f"parallelism.tp={dims.tp}": dims.tp > 1,
             f"parallelism.cp={dims.cp}": dims.cp > 1,
             "training.compile=true": t.compile,
+            "training.fuse_projections=true": t.fuse_projections,
         }
         if any(blockers.values()):
             bad = ", ".join(k for k, v in blockers.items() if v)
             raise ValueError(
                 f"training.batch_invariant=true does not work with {bad}: the mode's fixed "
-                "orders cover causal sdpa attention on plain (not tensor-sharded) weights in "
-                "eager mode"
+                "orders cover causal sdpa attention on plain (not tensor-sharded or fused) "
+                "weights in eager mode"
             )
+    if t.fuse_projections and dims.tp > 1:
+        raise ValueError(
+            f"training.fuse_projections=true does not work with parallelism.tp={dims.tp}: "
+            "tensor-parallel projections are sharded and keep their own products"
+        )
     check_float8(cfg.quantize, device, batch_invariant=t.batch_invariant)
     if cfg.metrics.wandb and not has_module("wandb"):
         raise ValueError(WANDB_MISSING)

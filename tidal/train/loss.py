@@ -18,6 +18,11 @@ On CUDA the per-chunk math is compiled by inductor into two fused kernels (one r
 pointwise pass): in benchmarks/train_throughput.py on an H200 this took the loss of Llama 3 1B
 at batch 4 x 4096 from about 35 ms to a few ms per step. On CPU an in-place eager version runs.
 
+`linear_cross_entropy_sum(h, weight, labels)` goes one step further and takes the final
+hidden states and the output weight instead of the logits: per chunk it also runs the output
+projection and both of its gradient products, so neither the logits nor their gradient exist
+for all rows (the trainer's default loss, `training.fused_loss`).
+
 `token_logprobs(logits, labels)` is the same scheme for per-token log-probs log p(label)
 (fp32 [B, T], 0 where the label is -100), optionally with per-token entropies (detached, for
 metrics): the forward writes d logp / d logits = onehot - softmax per chunk into a buffer of
@@ -199,8 +204,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     d(loss)/dw (fp32, summed over chunks inside the GEMM)."""
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, labels_N, chunk, weights_N, dtype):
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, h_ND, w_VD, labels_N, chunk, weights_N, dtype, grad_enabled):
+        # Inside forward grad mode is always off: whether the caller's was is passed in, so a
+        # no_grad call (validation) runs one GEMM per chunk, not three.
+        want_h = grad_enabled and ctx.needs_input_grad[0]
+        want_w = grad_enabled and ctx.needs_input_grad[1]
         chunk_fn = _compiled_chunk(chunk) if h_ND.is_cuda else _chunk_eager
         N = h_ND.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
@@ -231,7 +239,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         dh = None if grad_ND is None else (grad_ND.float() * grad_out).to(h_dtype)
         dw = None if grad_VD is None else grad_VD.mul_(grad_out).to(w_dtype)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -244,18 +252,24 @@ def linear_cross_entropy_sum(
     """`cross_entropy_sum(F.linear(h_BTD, weight_VD), labels_BT)` without the logits: the
     output projection and the loss run together over chunks of rows, so at most one chunk's
     logits and their gradient exist (for Llama 3 1B at 4 x 4096 tokens, 2 x 1 GB instead of
-    2 x 4.2 GB), and backward makes no pass over [N, V] tensors.
+    2 x 4.2 GB), and backward makes no pass over [N, V] tensors. What it holds instead until
+    backward: d(loss)/d(weight) in fp32, [V, D] (1 GB for Llama 3 1B; while a chunk is added
+    on CUDA a second one exists briefly), and d(loss)/dh, [N, D]. So it saves memory when
+    N is well above D, as in training batches; for a few hundred tokens and a large
+    vocabulary the plain loss holds less.
 
     The GEMMs run in the autocast dtype when autocast is on (as `F.linear` would), else in
     the inputs' common dtype; the loss and d(loss)/d(weight) are summed in fp32. Gradients
     reach `h_BTD` and `weight_VD` (backward at most once per forward); `weights_BT`, as in
     `cross_entropy_sum`, is a constant.
 
-    Example::
+    Example (what `training.fused_loss` does; `output_weight()` is the embedding when tied)::
 
-        h = model(ids[:, :-1], return_hidden=True)
-        loss = linear_cross_entropy_sum(h, model.output.weight, ids[:, 1:]) / n_tokens
+        head = functools.partial(linear_cross_entropy_sum, labels_BT=ids[:, 1:])
+        loss = model(ids[:, :-1], head=head) / n_tokens
     """
+    if chunk_rows <= 0:
+        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
     if h_BTD.shape[:-1] != labels_BT.shape or h_BTD.shape[-1] != weight_VD.shape[-1]:
         raise ValueError(
             f"hidden states {tuple(h_BTD.shape)}, weight {tuple(weight_VD.shape)} and labels "
@@ -274,6 +288,7 @@ def linear_cross_entropy_sum(
         chunk_rows,
         weights_N,
         dtype,
+        torch.is_grad_enabled() and (h_BTD.requires_grad or weight_VD.requires_grad),
     )
 
 

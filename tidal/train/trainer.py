@@ -218,8 +218,9 @@ class Trainer:
                 module, cfg.quantize, device=self.device, fsdp=fsdp, state=self.float8,
                 log=self.log,
             )  # fmt: skip
-            if t.fuse_projections and self.dims.tp == 1:
-                module.fuse_projections()
+            if t.fuse_projections:  # refused with TP by check_job
+                n = module.fuse_projections()
+                self.log(f"fused projections in {n} of {2 * len(module.layers)} modules")
         for module in self.modules:
             parallelize(
                 module,

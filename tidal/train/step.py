@@ -13,8 +13,8 @@ Per layout:
 - one process / FSDP / TP: the loss runs after the model's forward on this rank's
   micro-batch. Without TP and PP (and outside batch-invariant mode) the default loss is
   fused with the output projection (`fused_loss`): the model hands its final hidden states
-  to `linear_cross_entropy_sum` in place of the logits. Under loss-parallel TP the logits are vocabulary-sharded DTensors; the default
-  loss is loss_parallel's cross entropy, an injected one gets its log-probs from
+  to `linear_cross_entropy_sum` in place of the logits. Under loss-parallel TP the logits
+  are vocabulary-sharded DTensors; the default loss is loss_parallel's cross entropy, an injected one gets its log-probs from
   `token_logprobs`' distributed log-sum-exp (the same values on every TP rank).
 - pipeline parallel: the schedule calls `pp_loss(output, target)` on the last stage per
   pipeline micro-batch. For the default loss the target is the labels. An injected loss needs

@@ -14,8 +14,9 @@ Per layout:
   micro-batch. Without TP and PP (and outside batch-invariant mode) the default loss is
   fused with the output projection (`fused_loss`): the model hands its final hidden states
   to `linear_cross_entropy_sum` in place of the logits. Under loss-parallel TP the logits
-  are vocabulary-sharded DTensors; the default loss is loss_parallel's cross entropy, an injected one gets its log-probs from
-  `token_logprobs`' distributed log-sum-exp (the same values on every TP rank).
+  are vocabulary-sharded DTensors; the default loss is loss_parallel's cross entropy, an
+  injected one gets its log-probs from `token_logprobs`' distributed log-sum-exp (the same
+  values on every TP rank).
 - pipeline parallel: the schedule calls `pp_loss(output, target)` on the last stage per
   pipeline micro-batch. For the default loss the target is the labels. An injected loss needs
   the micro-batch's extras, which torch's schedules cannot split (they split one target

@@ -14,6 +14,7 @@ from tests.rl.conftest import tiny_model
 from tests.rl.test_loop import CONFIG, records, tidal_rl
 from tidal.rl import Generator, GeneratorConfig, SamplingParams
 from tidal.rl.config import LoopConfig
+from tidal.rl.configs import get_rl_config
 from tidal.rl.loss import LossConfig, policy_loss
 from tidal.rl.report import ASYNC_FIELDS
 from tidal.rl.rollout import RolloutBatch
@@ -247,6 +248,44 @@ def test_async_run_reward_rises_and_every_token_is_within_max_staleness(tmp_path
     assert last > first + 0.3, [round(s["reward_mean"], 3) for s in steps]
     assert {0, 8} <= {e["step"] for e in evals}
     assert "stale dropped" in r.stdout and "prefetch hit" in r.stdout
+
+
+def test_two_batches_in_flight_keep_every_token_within_max_staleness(tmp_path):
+    """The generator may decode two batches at once (the next one's groups take the rows the
+    current one frees): every trained token is still within max_staleness, nothing is lost,
+    and generator 0 still evaluates the first and the last version."""
+    out = tmp_path / "run"
+    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.mode", "async",
+                 "--loss.tis_cap", "2", "--rl.max_staleness", "3", "--rl.batches_in_flight", "2",
+                 "--rl.steps", "6", "--rl.eval_every", "3", "--generator.max_batch", "64",
+                 "--metrics.plot", "false")  # fmt: skip
+    assert r.returncode == 0, r.stdout
+    assert "queue 1 batch(es) per generator, 2 in flight" in r.stdout
+    steps, evals = records(out)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    for s in steps:
+        assert s["samples_trained"] + s["stale_samples_dropped"] == 32
+        if s["samples_trained"]:
+            assert s["step"] - 1 - s["version_min"] <= 3 and s["version_max"] <= s["step"] - 1
+    assert sum(s["samples_trained"] for s in steps) >= 4 * 32
+    # Batch 2 is fed while batch 1 decodes (its slot is free from the start); later ones
+    # wait for the trainer here, where generation is faster than training.
+    assert sum(s["batches_overlapped"] for s in steps) >= 1
+    assert {0, 6} <= {e["step"] for e in evals}
+
+
+def test_batches_in_flight_default_leaves_room_for_the_lag():
+    """None: two batches in flight when max_staleness covers the queue, the extra batch and a
+    prefetch miss; one otherwise. A value below 1 is refused."""
+    cfg = get_rl_config("rl_addition")
+    cfg.rl.mode = "async"
+    for staleness, slots, expected in [(2, 1, 1), (3, 1, 2), (4, 1, 2), (3, 2, 1), (4, 2, 2)]:
+        cfg.rl.max_staleness, cfg.rl.queue_depth = staleness, slots
+        assert cfg.batches_in_flight() == expected, (staleness, slots)
+    cfg.rl.batches_in_flight = 1
+    assert cfg.batches_in_flight() == 1
+    with pytest.raises(ValueError, match="rl.batches_in_flight must be None or >= 1, got 0"):
+        LoopConfig(batches_in_flight=0)
 
 
 def test_forced_staleness_drops_and_counts_samples(tmp_path):

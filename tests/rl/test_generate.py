@@ -160,6 +160,50 @@ def test_finished_rows_are_refilled_at_once(model):
         assert group[0].completion_ids == greedy_by_recompute(model, prompt, p.max_new_tokens)
 
 
+def test_stream_overlaps_batches_and_yields_them_in_order(model):
+    """Three batches through `stream`: each batch's samples are those `generate` gives it
+    alone (same seeds), they come out in feed order, and the next batch's groups take the
+    slots the previous one frees, so the stream decodes fewer steps than the batches one
+    after the other."""
+    long = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=5)
+    short = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=6)
+    batches = [([PROMPTS[0], PROMPTS[1]], [long, short]),
+               ([PROMPTS[2], PROMPTS[3]], [short, short]),
+               ([PROMPTS[1]], [long])]  # fmt: skip
+    config = GeneratorConfig(max_batch=4, max_seq_len=64, check_every=2)
+    alone = Generator(model, config=config)
+    expected, steps_alone = [], 0
+    for prompts, params in batches:
+        expected.append(ids(alone.generate(prompts, params)))
+        steps_alone += alone.stats.decode_steps
+        alone.stats.decode_steps = 0
+
+    gen = Generator(model, config=config)
+    fed, asked_busy = iter(batches), []
+
+    def feed(idle: bool):
+        asked_busy.append(not idle)
+        return next(fed, Generator.END)
+
+    out = [ids(groups) for groups in gen.stream(feed)]
+    assert out == expected
+    assert any(asked_busy[1:])  # later batches were fed while earlier rows still decoded
+    assert gen.stats.decode_steps < steps_alone
+
+
+def test_stream_asks_again_until_fed_and_checks_each_batch(model, tokenizer):
+    """A feed with nothing yet (None) is asked again; END ends a stream at once; a bad batch
+    raises the error `generate` raises, when it is fed."""
+    gen = Generator(model, tokenizer=tokenizer, config=GeneratorConfig(max_batch=2, max_seq_len=64))
+    answers = iter([None, None, ([PROMPTS[0]], GREEDY)])
+    out = list(gen.stream(lambda idle: next(answers, Generator.END)))
+    assert ids(out[0]) == ids(gen.generate([PROMPTS[0]], GREEDY)) and len(out) == 1
+    assert list(gen.stream(lambda idle: Generator.END)) == []
+    bad = iter([([PROMPTS[0]], GREEDY), ([[]], GREEDY)])
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        list(gen.stream(lambda idle: next(bad, Generator.END)))
+
+
 def test_rows_move_down_to_smaller_buckets(model):
     """Eight rows, seven finish early: the long one moves into slot 0 and decodes alone."""
     gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64, check_every=2))

@@ -253,6 +253,12 @@ class LoopConfig:
     when its share is full. None: one per generator. A generator with q slots runs q batches
     ahead of the trainer, so its tokens lag about q versions (q + 1 when the next version
     was not yet staged at a batch start): keep max_staleness >= q."""
+    batches_in_flight: int | None = None
+    """async: rollout batches a generator decodes at once. With 2, the next batch's groups
+    take the KV-cache rows the current batch's finished samples free, so the generator never
+    idles on one batch's longest samples (Generator.stream); its tokens then lag one version
+    more. None: 2 when max_staleness >= queue slots + 2 (room for that lag and a prefetch
+    miss), else 1."""
     steps: int = 20
     """Optimizer steps (policy versions 1..steps are published)."""
     eval_every: int = 5
@@ -284,6 +290,10 @@ class LoopConfig:
         )
         _check(self.queue_depth is None or self.queue_depth >= 1,
                f"rl.queue_depth must be None or >= 1, got {self.queue_depth}")  # fmt: skip
+        _check(
+            self.batches_in_flight is None or self.batches_in_flight >= 1,
+            f"rl.batches_in_flight must be None or >= 1, got {self.batches_in_flight}",
+        )
         _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
         _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
         for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s", "lost_after_s"):
@@ -427,6 +437,12 @@ class RLConfig:
         if self.rl.queue_depth is None:
             return 1
         return max(1, self.rl.queue_depth // self.generator.count)
+
+    def batches_in_flight(self) -> int:
+        """async: batches each generator decodes at once (see rl.batches_in_flight)."""
+        if self.rl.batches_in_flight is not None:
+            return self.rl.batches_in_flight
+        return 2 if self.rl.max_staleness >= self.queue_slots() + 2 else 1
 
     def queue_warning(self) -> str | None:
         """A warning when there are more generators than rl.queue_depth can serve."""

@@ -54,8 +54,8 @@ import functools
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -64,10 +64,13 @@ from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
 from tidal.rl.generator_types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
 from tidal.rl.sampling import SamplingParams, sample, sample_key
-from tidal.rl.slots import Request, Rows, Slot, buckets, round_up
+from tidal.rl.slots import Request, Rows, Slot, buckets, make_requests, round_up
 from tidal.rl.warmup import compiled_blocks, mark_batch, variant, warm_up
 
 _PREFILL_PAD = 16  # prompts are right-padded to a multiple of this many tokens
+
+END = object()
+"""What a `Generator.stream` feed returns to end the stream (also `Generator.END`)."""
 
 
 class Generator:
@@ -89,6 +92,9 @@ class Generator:
         for s in groups[0]:
             print(s.finish_reason, s.text, sum(s.logprobs))
     """
+
+    END = END
+    """What a `stream` feed returns to end the stream."""
 
     def __init__(
         self,
@@ -315,18 +321,85 @@ class Generator:
                 produce (its encoding does not decode back to it), more than
                 MAX_STOP_IDS stop token ids.
         """
-        requests = self._requests(prompts, params)
-        results: list[list[Sample | None]] = [[None] * r.params.n for r in requests]
-        pending = deque(requests)
+        requests = self._requests(prompts, params)  # every error before anything runs
+        feed = iter([requests])
+        (groups,) = self._run(lambda idle: next(feed, END))
+        return groups
+
+    def stream(
+        self,
+        feed: Callable[[bool], tuple[Sequence[Sequence[int]], Any] | None | object],
+    ) -> Iterator[list[list[Sample]]]:
+        """Generate batch after batch without draining the slots in between: while the
+        last rows of one batch finish, the next batch's groups take the slots freed.
+
+        `feed(idle)` is asked for the next batch whenever every request fed so far has
+        been admitted: it returns `(prompts, params)` (as `generate` takes them), None for
+        "nothing yet" (decoding goes on and it is asked again after the next host check),
+        or `Generator.END` to stop: the batches in flight finish and the iterator ends.
+        `idle` is True when nothing is in flight; a feed with nothing to give should then
+        wait (bounded) before returning None, or the loop spins.
+
+        Yields each batch's groups (as `generate` returns them), in the order the batches
+        were fed, each as soon as it and every batch before it are complete. `swap_hook`
+        runs between decode steps as in `generate`. Raises what `generate` raises, when
+        the batch is fed.
+
+        Example::
+
+            batches = iter([(prompts_a, params), (prompts_b, params)])
+            for groups in gen.stream(lambda idle: next(batches, Generator.END)):
+                print(len(groups))
+        """
+
+        def requests(idle: bool) -> list[Request] | None | object:
+            item = feed(idle)
+            if item is None or item is END:
+                return item
+            batch = cast(tuple[Sequence[Sequence[int]], Any], item)
+            return self._requests(*batch)
+
+        return self._run(requests)
+
+    @torch.no_grad()
+    def _run(self, next_requests: Callable[[bool], Any]) -> Iterator[list[list[Sample]]]:
+        """The continuous batcher under `generate` and `stream` (see `stream`)."""
+        results: dict[int, list[list[Sample | None]]] = {}  # batch -> its groups, as they fill
+        pending: deque[Request] = deque()
+        fed = done = 0  # batches fed; batches yielded
+        ended = False
         self._reset()
-        with self._autocast():
-            while pending or any(s is not None for s in self._slots):
-                admitted = self._admit(pending)
-                if admitted:
-                    self._prefill(admitted)
-                self._decode_and_check(results)
-                self._maybe_swap()
-        return [[s for s in group if s is not None] for group in results]
+        while True:
+            # Feed batches while every one fed so far has been admitted: a batch whose groups
+            # all fit leaves room to ask for the next one before decoding.
+            while not ended and not pending:
+                reqs = next_requests(all(s is None for s in self._slots))
+                if reqs is END:
+                    ended = True
+                    break
+                if reqs is None:
+                    break
+                for r in reqs:
+                    r.batch = fed
+                results[fed] = [[None] * r.params.n for r in reqs]
+                pending.extend(reqs)
+                fed += 1
+                with self._autocast():
+                    admitted = self._admit(pending)
+                    if admitted:
+                        self._prefill(admitted)
+            if pending or any(s is not None for s in self._slots):
+                with self._autocast():
+                    admitted = self._admit(pending)
+                    if admitted:
+                        self._prefill(admitted)
+                    self._decode_and_check(results)
+                    self._maybe_swap()
+            while done in results and all(s is not None for g in results[done] for s in g):
+                yield [list(g) for g in results.pop(done)]  # type: ignore[arg-type]
+                done += 1
+            if ended and done == fed:
+                return
 
     def _maybe_swap(self) -> None:
         """Between decode steps: let `swap_hook` switch the weights, and mark where each
@@ -342,76 +415,10 @@ class Generator:
             if slot is not None:
                 slot.marks.append((slot.count, version))
 
-    # -- validation -----------------------------------------------------------------------
-
     def _requests(self, prompts, params) -> list[Request]:
-        if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a sequence of token-id sequences, one per prompt")
-        if params is None:
-            params = SamplingParams()
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        out = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            prompt = [int(t) for t in prompt]
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): "
-                    f"{bad[:5]}"
-                )
-            if len(prompt) >= self.capacity:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; a row holds at most "
-                    f"{self.capacity} (GeneratorConfig.max_seq_len, model max_seq_len "
-                    f"{self.model.args.max_seq_len}) including at least one new token"
-                )
-            if len(prompt) + p.max_new_tokens > self.capacity:
-                raise ValueError(
-                    f"prompt {i}: {len(prompt)} tokens + max_new_tokens={p.max_new_tokens} "
-                    f"exceeds the {self.capacity} positions of a row; at most "
-                    f"{self.capacity - len(prompt)} new tokens fit"
-                )
-            if p.n > self.config.max_batch:
-                raise ValueError(
-                    f"prompt {i}: n={p.n} samples exceed GeneratorConfig.max_batch="
-                    f"{self.config.max_batch} (a group is decoded at once)"
-                )
-            stop_ids = p.stop_token_ids
-            if stop_ids is None:
-                eos = getattr(self.tokenizer, "eos_id", None)
-                stop_ids = (eos,) if eos is not None else ()
-            if len(stop_ids) > MAX_STOP_IDS:
-                raise ValueError(
-                    f"prompt {i}: {len(stop_ids)} stop_token_ids, at most {MAX_STOP_IDS}"
-                )
-            bad = [t for t in stop_ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i}: stop_token_ids {bad} outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-            self._check_stop_strings(i, p.stop)
-            out.append(Request(i, prompt, p, tuple(stop_ids)))
-        return out
-
-    def _check_stop_strings(self, i: int, stop: tuple[str, ...]) -> None:
-        if not stop:
-            return
-        if self.tokenizer is None:
-            raise ValueError(f"prompt {i}: stop strings {stop!r} need a tokenizer")
-        for s in stop:
-            # "Unknown": text the tokenizer cannot produce, i.e. whose encoding does not
-            # decode back to it (characters outside a non-byte-level vocabulary, specials).
-            if self.tokenizer.decode(self.tokenizer.encode(s)) != s:
-                raise ValueError(
-                    f"prompt {i}: stop string {s!r} cannot be produced by the tokenizer "
-                    f"(it decodes its encoding as "
-                    f"{self.tokenizer.decode(self.tokenizer.encode(s))!r})"
-                )
+        return make_requests(prompts, params, vocab_size=self.vocab_size,
+                             capacity=self.capacity, model_max_seq_len=self.model.args.max_seq_len,
+                             max_batch=self.config.max_batch, tokenizer=self.tokenizer)  # fmt: skip
 
     # -- admission and prefill ------------------------------------------------------------
 
@@ -639,7 +646,7 @@ class Generator:
         self.stats.graphs_captured += 1
         return graph
 
-    def _decode_and_check(self, results: list[list[Sample | None]]) -> None:
+    def _decode_and_check(self, results: dict[int, list[list[Sample | None]]]) -> None:
         """Run up to `check_every` decode steps on the smallest bucket holding every active
         row, then collect the finished rows."""
         active = [i for i, s in enumerate(self._slots) if s is not None]
@@ -722,7 +729,7 @@ class Generator:
                 ids = tok[:n].tolist()
                 if not reason:
                     reason = "stop" if ids[-1] in slot.request.stop_ids else "length"
-                results[slot.request.index][slot.sample_index] = self._sample(
+                results[slot.request.batch][slot.request.index][slot.sample_index] = self._sample(
                     slot, ids, lp[:n].tolist(), slp[:n].tolist(), reason
                 )
                 self._slots[slot_id] = None

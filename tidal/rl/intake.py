@@ -175,4 +175,5 @@ class AsyncIntake:
             "weight_swaps_in_flight": sum(p.meta["swaps_in_flight"] for p in parts),
             "prefetch_hit_rate": hits / (hits + misses) if hits + misses else None,
             "prefetch_needed": hits + misses,
+            "batches_overlapped": sum(int(p.meta.get("overlapped", False)) for p in parts),
         }

@@ -149,11 +149,11 @@ def shard_model(model: Transformer, mesh: Any) -> None:
     apply_tp(model, mesh, loss_parallel=False, sequence_parallel=False)
 
 
-def follow_main(value: bool, model: Transformer) -> bool:
-    """Rank 0's `value`, on every rank of a tensor-parallel `model`'s mesh (a broadcast:
-    every rank calls it at the same point); `value` itself for a model on one rank. The
-    ranks of a generator take each decision that depends on the store (is a queue slot
-    free, is the run over) from rank 0, so that they never part ways."""
+def follow_main(value: int, model: Transformer) -> int:
+    """Rank 0's `value` (a bool or a small int), on every rank of a tensor-parallel `model`'s
+    mesh (a broadcast: every rank calls it at the same point); `value` itself for a model on
+    one rank. The ranks of a generator take each decision that depends on the store (is a
+    queue slot free, is the run over) from rank 0, so that they never part ways."""
     mesh = _tp_mesh(model)
     if mesh is None:
         return value
@@ -161,7 +161,7 @@ def follow_main(value: bool, model: Transformer) -> bool:
 
     flag = torch.tensor([int(value)], device=model.rope.device)
     dist.broadcast(flag, group_src=0, group=mesh.get_group())
-    return bool(flag.item())
+    return int(flag.item())
 
 
 def agree_start(first: int, ident: str, model: Transformer) -> tuple[int, str]:

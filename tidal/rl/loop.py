@@ -33,7 +33,6 @@ Waiting for the other role to produce something is idle time, reported apart
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -51,17 +50,14 @@ from tidal.rl.coupling import (
     NotYet,
     generator_name,
     rollouts_key,
-    taken_key,
 )
-from tidal.rl.generate import Generator
-from tidal.rl.intake import AsyncIntake, first_batch, take_sync
-from tidal.rl.layouts import follow_main
+from tidal.rl.generate import Generator, Sample
+from tidal.rl.intake import AsyncIntake, take_sync
 from tidal.rl.loss import group_advantages
 from tidal.rl.membership import Members, share_of
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.sampling import SamplingParams
 from tidal.rl.schedule import AsyncSchedule, make_schedule
-from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Grade, Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
@@ -242,10 +238,21 @@ def _wait_policy(link: Link, version: int) -> int:
 def _sample_batch(policy: Policy, task: Task, grader: Grader, cfg: RLConfig,
                   seeds: tuple[int, ...], stop: tuple[int, ...], n_prompts: int,
                   meta: dict[str, Any]) -> RolloutBatch:  # fmt: skip
-    """The graded samples of one batch of `n_prompts` problems; its problems and sampling
-    noise are seeded by `seeds` (the same whatever ran before: a resumed run draws what the
-    uninterrupted one would have)."""
-    r, gen = cfg.rollout, policy.generator
+    """The graded samples of one batch of `n_prompts` problems (see `batch_requests`)."""
+    problems, prompts, params = batch_requests(policy, task, cfg, seeds, stop, n_prompts)
+    t0 = time.perf_counter()
+    groups = policy.generator.generate(prompts, params)
+    return graded_batch(policy, task, grader, problems, groups,
+                        {**meta, "gen_s": time.perf_counter() - t0})  # fmt: skip
+
+
+def batch_requests(policy: Policy, task: Task, cfg: RLConfig, seeds: tuple[int, ...],
+                   stop: tuple[int, ...], n_prompts: int,
+                   ) -> tuple[list[Problem], list[list[int]], list[SamplingParams]]:  # fmt: skip
+    """The problems of one batch, their prompts' token ids and their sampling parameters. Its
+    problems and sampling noise are seeded by `seeds` (the same whatever ran before: a
+    resumed run draws what the uninterrupted one would have)."""
+    r = cfg.rollout
     stream: Iterator[Problem] = task.problems("train", seed=request_seed(*seeds))
     problems = [next(stream) for _ in range(n_prompts)]
     prompts = [encode_prompt(policy, p) for p in problems]
@@ -253,133 +260,21 @@ def _sample_batch(policy: Policy, task: Task, grader: Grader, cfg: RLConfig,
                              top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                              stop_token_ids=stop, seed=request_seed(*seeds, i))
               for i in range(len(prompts))]  # fmt: skip
-    t0 = time.perf_counter()
-    groups = gen.generate(prompts, params)
-    gen_s = time.perf_counter() - t0
+    return problems, prompts, params
+
+
+def graded_batch(policy: Policy, task: Task, grader: Grader, problems: list[Problem],
+                 groups: list[list[Sample]], meta: dict[str, Any]) -> RolloutBatch:  # fmt: skip
+    """The rollout batch of `groups` (one per problem), each sample graded; `meta` gains the
+    token and grader-error counts."""
     samples = [s for g in groups for s in g]
     errors_before = grader.errors
     grades = [grader(s.text, problems[s.prompt_index].reference) for s in samples]
-    meta = {**meta, "gen_s": gen_s, "gen_tokens": sum(len(s.completion_ids) for s in samples),
+    meta = {**meta, "gen_tokens": sum(len(s.completion_ids) for s in samples),
             "grader_errors": grader.errors - errors_before,
             "grader_error": grader.first_error}  # fmt: skip
     return RolloutBatch.from_samples(samples, grades, task=task.name, pad_id=policy.pad_id,
                                      meta=meta)  # fmt: skip
-
-
-def generate_loop_async(
-    policy: Policy,
-    task: Task,
-    link: Link,
-    cfg: RLConfig,
-    *,
-    index: int,
-    first_step: int,
-    log: Log,
-    main: bool = True,
-) -> None:
-    """Generator `index`'s side of the async loop: batches 1, 2, ... until the trainer has
-    published its last version, each started with the newest version staged and switched to
-    newer ones between decode steps; it waits only for a free slot of the rollout queue (and
-    for the very first version). Generator 0 evaluates the eval versions it holds at a batch
-    start, and the last version at the end. A tensor-parallel generator runs it on every
-    rank in lockstep: the `main` rank waits for the queue and tells the others (the Stager
-    agrees on the swaps), and only it puts the rollouts and evaluations."""
-    store, gen, steps = link.store, policy.generator, cfg.rl.steps
-    grader = Grader(task)
-    eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
-    evals, evaluated = set(eval_versions(steps, cfg.rl.eval_every)), set()
-    stop = tuple(sorted(policy.encoder.stop_ids))
-    slots, key = cfg.queue_slots(), rollouts_key(index)
-
-    def load_exactly(version: int) -> float:
-        t0 = time.perf_counter()
-        link.wait_version(POLICY, version, f"policy version {version}", into={})
-        store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
-        gen.version = version
-        return time.perf_counter() - t0
-
-    def maybe_eval(version: int) -> None:
-        if index != 0 or version not in evals or version in evaluated:
-            return
-        hook, gen.swap_hook = gen.swap_hook, None  # an evaluation scores one version only
-        try:
-            result = evaluate(policy, grader, eval_set, log=log,
-                              max_new_tokens=cfg.rollout.max_new_tokens,
-                              label=f"eval of policy version {version}")  # fmt: skip
-        finally:
-            gen.swap_hook = hook
-        assert gen.version == version, (gen.version, version)
-        if main:
-            store.put_state_dict(result, EVAL, version=version)
-        evaluated.add(version)
-
-    since = time.perf_counter()  # the first batch's wall time includes the first wait
-    idle_s = load_exactly(first_step)
-    # GPU slots when the versions live in the trainer's GPU memory (read device to device).
-    on_device = gen.device.type == "cuda" and cfg.store.policy_memory == "cuda"
-    stager = Stager(store, POLICY, gen.model.state_dict(), held=first_step, last=steps,
-                    slice_s=cfg.rl.heartbeat_s, on_device=on_device)  # fmt: skip
-    stager.start()
-    gen.swap_hook = stager.swap
-    try:
-        first = first_batch(store, index)  # 1, or past a predecessor's under this index
-        k, torn = first - 1, 0
-        while True:
-            t0 = time.perf_counter()
-            free = k + 1 - slots  # the batch that must have been taken first
-            ready = _queue_slot(link, index, free if free >= first else 0, steps) if main else True
-            if not follow_main(ready, gen.model):
-                break  # the trainer published its last version: no more batches needed
-            idle_s += time.perf_counter() - t0
-            swap_s = stager.swap_s
-            swapped = stager.at_batch_start()
-            if swapped is not None:
-                gen.version = swapped
-            for aborted, why in stager.torn[torn:]:
-                log(f"{generator_name(index)}: policy version {aborted} was never completely "
-                    f"written ({why}); keeping version {gen.version}")  # fmt: skip
-            torn = len(stager.torn)
-            version = gen.version
-            assert version is not None
-            maybe_eval(version)
-            k += 1
-            swaps = stager.swaps
-            batch = _sample_batch(policy, task, grader, cfg, (cfg.rollout.seed, first_step,
-                                  k, index), stop, cfg.prompts_of(index),
-                                  {"generator": index, "version": version,
-                                   "idle_s": idle_s})  # fmt: skip
-            now = time.perf_counter()
-            batch.meta.update(swaps_in_flight=stager.swaps - swaps, prefetch_hits=stager.hits,
-                              prefetch_misses=stager.misses, wall_s=now - since,
-                              sync_s=stager.swap_s - swap_s)  # fmt: skip
-            if main:
-                store.put_state_dict(batch.to_state_dict(), key, version=k, keep=slots + 2)
-            idle_s, since = 0.0, now
-    finally:
-        gen.swap_hook = None
-        stager.close()
-    if index == 0 and steps in evals and steps not in evaluated:
-        load_exactly(steps)
-        maybe_eval(steps)
-
-
-def _queue_slot(link: Link, index: int, taken: int, steps: int) -> bool:
-    """Wait until the trainer has taken batch `taken` of generator `index` (its queue has a
-    free slot); False when the trainer has published its last version instead."""
-    store = link.store
-
-    def attempt(seconds: float) -> bool:
-        if store.exists(POLICY, steps):
-            return False
-        if taken <= 0 or store.exists(taken_key(index), taken):
-            return True
-        with contextlib.suppress(KeyNotFoundError, IndexError):
-            if store.versions(taken_key(index))[-1] >= taken:
-                return True
-        store.get_state_dict(taken_key(index), into={}, version=taken, wait=seconds)
-        return True
-
-    return link.wait(f"a free slot of generator {index}'s rollout queue", attempt)
 
 
 # -- trainer side ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ STEP_FIELDS = ("step", "reward_mean", "reward_std", "response_len_mean", "entrop
 ASYNC_FIELDS = ("staleness_hist", "stale_samples_dropped", "stale_dropped_frac",
                 "stale_samples_dropped_total", "version_min", "version_max", "samples_trained",
                 "trainer_idle_frac", "generator_idle_frac", "weight_swaps_in_flight",
-                "prefetch_hit_rate", "prefetch_needed")  # fmt: skip
+                "prefetch_hit_rate", "prefetch_needed", "batches_overlapped")  # fmt: skip
 """Fields a step record of async mode adds (with the loss's correction figures:
 "tis_weight_mean" and "tis_capped_frac", or "is_masked_frac")."""
 

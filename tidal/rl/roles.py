@@ -324,7 +324,8 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
                 f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
                 f"step over {cfg.generator.count} generator(s), {cfg.rl.mode} mode"
                 + (f" (max_staleness {cfg.rl.max_staleness}, queue {cfg.queue_slots()} "
-                   f"batch(es) per generator)" if cfg.rl.mode == "async" else ""))  # fmt: skip
+                   f"batch(es) per generator, {cfg.batches_in_flight()} in flight)"
+                   if cfg.rl.mode == "async" else ""))  # fmt: skip
         train_loop(side, link, cfg, first_step=first,
                    log_record=report.log if report else lambda r: None)  # fmt: skip
         summary = report.finish() if report else {}
@@ -426,8 +427,9 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
 
 def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, index: int,
                    info: Any, mesh: Any, log: Log) -> None:  # fmt: skip
+    from tidal.rl.async_generator import generate_loop_async
     from tidal.rl.layouts import agree_start
-    from tidal.rl.loop import Policy, generate_loop, generate_loop_async
+    from tidal.rl.loop import Policy, generate_loop
     from tidal.rl.membership import leave
 
     name, main = generator_name(index), info.is_main

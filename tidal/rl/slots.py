@@ -1,10 +1,12 @@
-"""The Generator's bookkeeping of its KV-cache rows ("slots"): a request, the host view of an
-occupied row, the device state of every row that decode steps update in place, and the decode
-batch sizes (tidal/rl/generate.py uses them)."""
+"""The Generator's bookkeeping of its KV-cache rows ("slots"): a request (and the checks that
+make one), the host view of an occupied row, the device state of every row that decode steps
+update in place, and the decode batch sizes (tidal/rl/generate.py uses them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -15,9 +17,84 @@ from tidal.rl.sampling import SamplingParams
 @dataclass(slots=True)
 class Request:
     index: int
+    """The prompt's index in its batch."""
     prompt: list[int]
     params: SamplingParams
     stop_ids: tuple[int, ...]
+    batch: int = 0
+    """Which batch of a stream it belongs to (Generator.stream numbers them 0, 1, ...)."""
+
+
+def make_requests(prompts: Sequence[Sequence[int]],
+                  params: SamplingParams | Sequence[SamplingParams] | None, *, vocab_size: int,
+                  capacity: int, model_max_seq_len: int, max_batch: int,
+                  tokenizer: Any) -> list[Request]:  # fmt: skip
+    """Check one batch of prompts and their sampling parameters against the generator's
+    sizes (`Generator.generate` documents each error) and make its requests."""
+    if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
+        raise TypeError("prompts must be a sequence of token-id sequences, one per prompt")
+    if params is None:
+        params = SamplingParams()
+    plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+    out = []
+    for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
+        if len(prompt) >= capacity:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; a row holds at most {capacity} "
+                f"(GeneratorConfig.max_seq_len, model max_seq_len {model_max_seq_len}) "
+                "including at least one new token"
+            )
+        if len(prompt) + p.max_new_tokens > capacity:
+            raise ValueError(
+                f"prompt {i}: {len(prompt)} tokens + max_new_tokens={p.max_new_tokens} exceeds "
+                f"the {capacity} positions of a row; at most {capacity - len(prompt)} new "
+                "tokens fit"
+            )
+        if p.n > max_batch:
+            raise ValueError(
+                f"prompt {i}: n={p.n} samples exceed GeneratorConfig.max_batch={max_batch} "
+                "(a group is decoded at once)"
+            )
+        stop_ids = p.stop_token_ids
+        if stop_ids is None:
+            eos = getattr(tokenizer, "eos_id", None)
+            stop_ids = (eos,) if eos is not None else ()
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"prompt {i}: {len(stop_ids)} stop_token_ids, at most {MAX_STOP_IDS}")
+        bad = [t for t in stop_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i}: stop_token_ids {bad} outside the vocabulary [0, {vocab_size})"
+            )
+        _check_stop_strings(i, p.stop, tokenizer)
+        out.append(Request(i, prompt, p, tuple(stop_ids)))
+    return out
+
+
+def _check_stop_strings(i: int, stop: tuple[str, ...], tokenizer: Any) -> None:
+    if not stop:
+        return
+    if tokenizer is None:
+        raise ValueError(f"prompt {i}: stop strings {stop!r} need a tokenizer")
+    for s in stop:
+        # "Unknown": text the tokenizer cannot produce, i.e. whose encoding does not decode
+        # back to it (characters outside a non-byte-level vocabulary, specials).
+        back = tokenizer.decode(tokenizer.encode(s))
+        if back != s:
+            raise ValueError(
+                f"prompt {i}: stop string {s!r} cannot be produced by the tokenizer (it decodes "
+                f"its encoding as {back!r})"
+            )
 
 
 @dataclass(slots=True)

@@ -209,8 +209,12 @@ def report(figs: list[dict]) -> None:
     # only where it helps the asynchronous loop.
     syncs = [f for f in (sync, by.get("tidal sync +MPS")) if f]
     best = max(syncs, key=lambda f: f["steps_per_hour"]) if syncs else None
-    for name in ("tidal async s1", "tidal async s4", "tidal async s4, 1 batch in flight",
-                 "tidal async s4 +MPS"):
+    for name in (
+        "tidal async s1",
+        "tidal async s4",
+        "tidal async s4, 1 batch in flight",
+        "tidal async s4 +MPS",
+    ):
         if best and name in by:
             a = by[name]
             ok = a["pass1_after"] is not None and a["pass1_after"] >= best["pass1_after"]
@@ -287,8 +291,11 @@ RUNS = {
     "sync": ("tidal sync", ["--rl.mode", "sync"], False),
     "s1": ("tidal async s1", [*_ASYNC, "--rl.max_staleness", "1"], False),
     "s4": ("tidal async s4", [*_ASYNC, "--rl.max_staleness", "4"], False),
-    "s4_one": ("tidal async s4, 1 batch in flight",
-               [*_ASYNC, "--rl.max_staleness", "4", "--rl.batches_in_flight", "1"], False),
+    "s4_one": (
+        "tidal async s4, 1 batch in flight",
+        [*_ASYNC, "--rl.max_staleness", "4", "--rl.batches_in_flight", "1"],
+        False,
+    ),
     "sync_mps": ("tidal sync +MPS", ["--rl.mode", "sync"], True),
     "s4_mps": ("tidal async s4 +MPS", [*_ASYNC, "--rl.max_staleness", "4"], True),
     "trl": ("trl", [], False),

@@ -345,7 +345,8 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
                    "cpu", "--task.eval_problems", "8", "--metrics.plot", "false",
                    "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
                    "--rollout.max_new_tokens", "16", "--rl.eval_every", "2",
-                   "--policy.sft_overrides", "model.flavor=tiny training.steps=20"]  # fmt: skip
+                   "--policy.sft_overrides", "model.flavor=tiny training.steps=20",
+                   "--trainer.compile", "false", "--generator.compile_scope", "step"]  # fmt: skip
         common += [] if args.steps else ["--rl.steps", "3"]
     bench = _rl_bench()
     raw: dict[str, dict] = {}

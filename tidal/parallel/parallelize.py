@@ -192,10 +192,11 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_compile(model: Transformer, mode: str = "default") -> None:
+def apply_compile(model: Transformer, mode: str = "default", dynamic: bool | None = None) -> None:
     """Compile each block on its own: one graph shape reused by every layer."""
     for block in model.layers.values():
-        block.compile(mode=mode)  # in place: parameter names and state-dict keys stay the same
+        # In place: parameter names and state-dict keys stay the same.
+        block.compile(mode=mode, dynamic=dynamic)
 
 
 def apply_fsdp(
@@ -231,18 +232,19 @@ def parallelize(
     param_dtype: torch.dtype | None,
     float8_tp: bool = False,
     compile_mode: str = "default",
+    compile_dynamic: bool | None = None,
 ) -> Transformer:
     """Apply TP/SP, activation checkpointing, compile and FSDP2 to `model` in place. `mesh`
     is None only in a single process, where every degree is 1. `float8_tp`: give the float8
     layers (converted beforehand) torchao's float8 TP styles (`float8_tp_plan`). `compile_mode`:
-    the torch.compile mode of the blocks."""
+    the torch.compile mode of the blocks; `compile_dynamic`, their `dynamic`."""
     sharded = dims.tp > 1 or dims.fsdp_enabled
     assert mesh is not None or not sharded, "a sharded layout needs a device mesh"
     if dims.tp > 1 and mesh is not None:
         apply_tp(model, mesh["tp"], cfg.loss_parallel, float8=float8_tp)
     apply_ac(model, ac)
     if compile:
-        apply_compile(model, compile_mode)
+        apply_compile(model, compile_mode, compile_dynamic)
     if dims.fsdp_enabled and mesh is not None:
         if dims.dp_replicate == 1:
             dp_mesh = mesh["dp_shard_cp"]

@@ -11,7 +11,7 @@ stream, with weights switched in flight, until the trainer has published its las
 
 The generator never waits for weights; it waits only for a free slot of its rollout queue
 (cfg.queue_slots()) and, at the very start, for version 0. With `batches_in_flight` b
-(cfg.batches_in_flight()), batch k + 1 is fed once batch k + 2 - slots - b has been taken:
+(rl.batches_in_flight), batch k + 1 is fed once batch k + 2 - slots - b has been taken:
 b = 2 lets the next batch's groups take the KV-cache rows the current batch's finished
 samples free (`Generator.stream`), so the decode batch stays full instead of shrinking to one
 batch's longest samples.
@@ -132,7 +132,7 @@ class _Feed:
         free; when nothing is in flight, wait for the slot (idle time, bounded by
         rl.wait_timeout_s); stop once the trainer has published its last version."""
         store, steps = self.link.store, self.cfg.rl.steps
-        must_be_taken = self.number + 2 - self.cfg.queue_slots() - self.cfg.batches_in_flight()
+        must_be_taken = self.number + 2 - self.cfg.queue_slots() - self.cfg.rl.batches_in_flight
         taken = must_be_taken if must_be_taken >= self.first else 0
         if not idle:
             now = time.perf_counter()
@@ -184,7 +184,7 @@ def generate_loop_async(
     store, gen, steps = link.store, policy.generator, cfg.rl.steps
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
-    key, keep = rollouts_key(index), cfg.queue_slots() + cfg.batches_in_flight() + 1
+    key, keep = rollouts_key(index), cfg.queue_slots() + cfg.rl.batches_in_flight + 1
 
     def load_exactly(version: int) -> float:
         t0 = time.perf_counter()

@@ -145,7 +145,8 @@ class TrainerConfig:
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     """As training.mixed_precision: auto is bf16 on CUDA and fp32 on CPU."""
     compile: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block, with dynamic sizes (every step's rollouts have
+    their own length: one compile serves them all)."""
     max_norm: float = 1.0
     """Gradient clipping on the global L2 norm; 0 disables it."""
     seed: int = 0
@@ -253,12 +254,13 @@ class LoopConfig:
     when its share is full. None: one per generator. A generator with q slots runs q batches
     ahead of the trainer, so its tokens lag about q versions (q + 1 when the next version
     was not yet staged at a batch start): keep max_staleness >= q."""
-    batches_in_flight: int | None = None
+    batches_in_flight: int = 1
     """async: rollout batches a generator decodes at once. With 2, the next batch's groups
-    take the KV-cache rows the current batch's finished samples free, so the generator never
-    idles on one batch's longest samples (Generator.stream); its tokens then lag one version
-    more. None: 2 when max_staleness >= queue slots + 2 (room for that lag and a prefetch
-    miss), else 1."""
+    take the KV-cache rows the current batch's finished samples free (Generator.stream), so
+    the decode batch stays full instead of shrinking to one batch's longest samples; tokens
+    then lag one version more (keep max_staleness >= queue slots + 2). It pays where decoding
+    is latency-bound on a GPU of its own; on one H200 shared with the trainer it was slower
+    (more rows and prefills per batch: benchmarks/README.md), hence 1."""
     steps: int = 20
     """Optimizer steps (policy versions 1..steps are published)."""
     eval_every: int = 5
@@ -290,10 +292,8 @@ class LoopConfig:
         )
         _check(self.queue_depth is None or self.queue_depth >= 1,
                f"rl.queue_depth must be None or >= 1, got {self.queue_depth}")  # fmt: skip
-        _check(
-            self.batches_in_flight is None or self.batches_in_flight >= 1,
-            f"rl.batches_in_flight must be None or >= 1, got {self.batches_in_flight}",
-        )
+        _check(self.batches_in_flight >= 1,
+               f"rl.batches_in_flight must be >= 1, got {self.batches_in_flight}")  # fmt: skip
         _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
         _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
         for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s", "lost_after_s"):
@@ -437,12 +437,6 @@ class RLConfig:
         if self.rl.queue_depth is None:
             return 1
         return max(1, self.rl.queue_depth // self.generator.count)
-
-    def batches_in_flight(self) -> int:
-        """async: batches each generator decodes at once (see rl.batches_in_flight)."""
-        if self.rl.batches_in_flight is not None:
-            return self.rl.batches_in_flight
-        return 2 if self.rl.max_staleness >= self.queue_slots() + 2 else 1
 
     def queue_warning(self) -> str | None:
         """A warning when there are more generators than rl.queue_depth can serve."""

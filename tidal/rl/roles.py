@@ -207,6 +207,7 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
             max_norm=t.max_norm,
             mixed_precision=t.mixed_precision,
             compile=t.compile,
+            compile_dynamic=True,  # every step's rollouts have their own length
             seed=t.seed,
             deterministic=t.deterministic,
             batch_invariant=cfg.generator.batch_invariant,
@@ -324,7 +325,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
                 f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
                 f"step over {cfg.generator.count} generator(s), {cfg.rl.mode} mode"
                 + (f" (max_staleness {cfg.rl.max_staleness}, queue {cfg.queue_slots()} "
-                   f"batch(es) per generator, {cfg.batches_in_flight()} in flight)"
+                   f"batch(es) per generator, {cfg.rl.batches_in_flight} in flight)"
                    if cfg.rl.mode == "async" else ""))  # fmt: skip
         train_loop(side, link, cfg, first_step=first,
                    log_record=report.log if report else lambda r: None)  # fmt: skip

@@ -87,6 +87,10 @@ class TrainingConfig:
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
     """torch.compile mode for the blocks. max-autotune-no-cudagraphs benchmarks Triton
     templates against cuBLAS for each product at the first step (minutes longer to start)."""
+    compile_dynamic: bool | None = None
+    """torch.compile's `dynamic` for the blocks. None: the first shape is compiled static and
+    a second one recompiles with dynamic sizes (torch's default); True: dynamic from the
+    first call, for batches whose sequence length changes every step (the RL trainer)."""
     fuse_projections: bool = False
     """Compute Q, K and V as one product and W1 and W3 as another, with weights concatenated
     on each forward (`Transformer.fuse_projections`). Parameter names and checkpoints do not

@@ -230,6 +230,7 @@ class Trainer:
                 cfg.activation_checkpoint,
                 compile=t.compile,
                 compile_mode=t.compile_mode,
+                compile_dynamic=t.compile_dynamic,
                 param_dtype=torch.bfloat16 if bf16 else None,
                 float8_tp=self.float8 is not None and self.float8.tp_styles,
             )

@@ -135,6 +135,8 @@ class _Feed:
         must_be_taken = self.number + 2 - self.cfg.queue_slots() - self.cfg.rl.batches_in_flight
         taken = must_be_taken if must_be_taken >= self.first else 0
         if not idle:
+            if taken > self.fed[0].number - 1:
+                return _WAIT  # the batch to be taken is still decoding here
             now = time.perf_counter()
             if now - self.asked < _ASK_EVERY_S:
                 return _WAIT  # decoding goes on; ask the store again in a moment

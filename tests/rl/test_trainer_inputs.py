@@ -107,6 +107,34 @@ def test_grpo_step_equals_a_hand_written_reference(tmp_path):
         trainer.close()
 
 
+def test_old_logprobs_from_the_step_forward_equal_a_recomputation(tmp_path):
+    """PolicyLoss(old_is_current=True) takes the PPO ratio against the step's own forward:
+    with one optimizer step per batch that is what a recomputation pass gives. Same loss and
+    gradients as the batches carrying `Trainer.logprobs` as old log-probs; every ratio is 1."""
+    cfg = LossConfig(tis_cap=2.0)
+    runs = []
+    for current in (False, True):
+        trainer = Trainer(rl_config(tmp_path / str(current)), data=no_data(), log=lambda *a: None)
+        grads = capture_grads(trainer)
+        batches = rl_batches(trainer, 3)
+        for b in batches:
+            if current:
+                del b.extras["old_logprobs"]  # not needed
+            else:
+                b.extras["old_logprobs"] = trainer.logprobs(b)
+        n_tokens = sum(b.target_count() for b in batches)
+        result = trainer.train_step(batches, n_tokens, loss=PolicyLoss(cfg, old_is_current=current))
+        runs.append((result, dict(grads)))
+        trainer.close()
+    (recomputed, grads_a), (current, grads_b) = runs
+    torch.testing.assert_close(current.loss, recomputed.loss)
+    assert float(current.metrics["ratio_min"]) == float(current.metrics["ratio_max"]) == 1.0
+    for k in ("tis_weight_mean", "tis_capped_frac"):
+        torch.testing.assert_close(current.metrics[k], recomputed.metrics[k], msg=k)
+    for k, g in grads_a.items():
+        torch.testing.assert_close(grads_b[k], g, atol=1e-6, rtol=1e-5, msg=k)
+
+
 def test_injected_cross_entropy_equals_the_default_loss(tmp_path):
     """The TokenLoss path (per-token log-probs, then the loss) against the fused default."""
     results = []

@@ -311,7 +311,9 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
 
     trainer, store = side.trainer, link.store
     schedule = make_schedule(cfg.rl.mode, cfg.rl.steps, cfg.rl.max_staleness)
-    loss = PolicyLoss(cfg.loss)
+    # With a correction the PPO ratio is taken against the trainer's own policy at the
+    # step's start: one optimizer step per batch, so that is this step's forward (detached).
+    loss = PolicyLoss(cfg.loss, old_is_current=cfg.loss.corrects)
     pending_evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
     members = side.members
     is_async = isinstance(schedule, AsyncSchedule)
@@ -504,9 +506,6 @@ def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
     if not batches:
         return {}, 0, 0
     batches = [b.to(trainer.device) for b in batches]
-    if cfg.loss.corrects:  # the PPO ratio against the trainer's own old log-probs
-        for b in batches:
-            b.extras["old_logprobs"] = trainer.logprobs(b)
     if side.reference is not None:  # the KL term's frozen reference, in the same layout
 
         def score_reference() -> None:

@@ -14,9 +14,11 @@ trainer is `Trainer.logprobs(batch)[row, p - 1 + k]`.
 Lifecycle (in the trainer process, every rank): the loop gets a `RolloutBatch` from the store,
 computes `group_advantages`, builds this rank's batches with `rollout_batches(...,
 dp_rank=, dp_world=)` (every rank the same rollout: each takes its share of the rows, and all
-get the same number of batches of one shape), optionally fills `extras["old_logprobs"]` with
-`Trainer.logprobs` (the trainer's recomputation, for TIS) or `extras["ref_logprobs"]` with a
-reference model's, and calls `trainer.train_step(batches, n_tokens, loss=PolicyLoss(cfg))`.
+get the same number of batches of one shape), optionally fills `extras["ref_logprobs"]` with a
+reference model's (`Trainer.logprobs` under its weights), and calls
+`trainer.train_step(batches, n_tokens, loss=PolicyLoss(cfg))`; with a correction (TIS or the
+mask band) `PolicyLoss(cfg, old_is_current=True)` takes the PPO ratio against the step's own
+forward.
 
 Example (one process; `trainer` built with `DataBundle(train=None)`, `rollout` and its
 advantages from the generator and tidal.rl.loss)::
@@ -171,6 +173,12 @@ class PolicyLoss:
     """
 
     cfg: LossConfig
+    old_is_current: bool = False
+    """Take the old log-probs (the PPO ratio's denominator) from this forward, detached,
+    instead of the batch's "old_logprobs": the trainer's own policy at the step's weights.
+    The RL loop makes one optimizer step per rollout batch, so they are exactly what a
+    separate recomputation pass would give, without that pass (and without its rounding
+    differences from the training forward)."""
     wants_entropy: bool = True
     """Compute the policy's per-token entropy for the "entropy" metric (one more pass over
     each chunk's logits); False reports the sampled tokens' mean -logp instead."""
@@ -183,7 +191,7 @@ class PolicyLoss:
         entropy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x = batch.extras
-        need = ["advantages", "old_logprobs"]
+        need = ["advantages"] + ([] if self.old_is_current else ["old_logprobs"])
         need += ["ref_logprobs"] if self.cfg.kl_coef > 0 else []
         need += ["gen_logprobs"] if self.cfg.corrects else []
         missing = [k for k in need if k not in x]
@@ -195,7 +203,7 @@ class PolicyLoss:
         mask = x["mask"] if "mask" in x else batch.labels != IGNORE_INDEX
         loss, m = policy_loss(
             logprobs,
-            x["old_logprobs"],
+            logprobs.detach() if self.old_is_current else x["old_logprobs"],
             x["advantages"],
             mask,
             self.cfg,

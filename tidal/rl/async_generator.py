@@ -87,6 +87,8 @@ class _Feed:
     first_step: int
     """The policy version it started from (part of every batch's seed)."""
     log: Log
+    stop: tuple[int, ...]
+    """The policy's stop token ids, every batch's."""
     evals: set[int]
     evaluated: set[int] = field(default_factory=set)
     over: bool = False
@@ -120,9 +122,8 @@ class _Feed:
             self.eval_due, gen.swap_hook = version, None  # finish the batches in flight on it
             return Generator.END
         self.number += 1
-        stop = tuple(sorted(self.policy.encoder.stop_ids))
         seeds = (cfg.rollout.seed, self.first_step, self.number, self.index)
-        problems, prompts, params = batch_requests(self.policy, self.task, cfg, seeds, stop,
+        problems, prompts, params = batch_requests(self.policy, self.task, cfg, seeds, self.stop,
                                                    cfg.prompts_of(self.index))  # fmt: skip
         self.fed.append(_Fed(self.number, problems, version, overlapped=bool(self.fed)))
         return prompts, params
@@ -196,15 +197,12 @@ def generate_loop_async(
         return time.perf_counter() - t0
 
     def evaluate_held(feed: _Feed, version: int) -> None:
+        """Score the version held; swaps are off (the feed paused them, or the stream ended)."""
+        assert gen.swap_hook is None and gen.version == version, (gen.version, version)
         t0 = time.perf_counter()
-        hook, gen.swap_hook = gen.swap_hook, None  # an evaluation scores one version only
-        try:
-            result = evaluate(policy, grader, eval_set, log=log,
-                              max_new_tokens=cfg.rollout.max_new_tokens,
-                              label=f"eval of policy version {version}")  # fmt: skip
-        finally:
-            gen.swap_hook = hook
-        assert gen.version == version, (gen.version, version)
+        result = evaluate(policy, grader, eval_set, log=log,
+                          max_new_tokens=cfg.rollout.max_new_tokens,
+                          label=f"eval of policy version {version}")  # fmt: skip
         if main:
             store.put_state_dict(result, EVAL, version=version)
         feed.evaluated.add(version)
@@ -219,6 +217,7 @@ def generate_loop_async(
     first = first_batch(store, index)
     feed = _Feed(policy=policy, task=task, link=link, cfg=cfg, stager=stager, index=index,
                  main=main, number=first - 1, first=first, first_step=first_step, log=log,
+                 stop=tuple(sorted(policy.encoder.stop_ids)),
                  evals=set(eval_versions(steps, cfg.rl.eval_every)), idle_s=idle_s,
                  since=since)  # fmt: skip
     stager.start()

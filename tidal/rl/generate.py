@@ -384,15 +384,10 @@ class Generator:
                 results[fed] = [[None] * r.params.n for r in reqs]
                 pending.extend(reqs)
                 fed += 1
-                with self._autocast():
-                    admitted = self._admit(pending)
-                    if admitted:
-                        self._prefill(admitted)
+                self._admit_and_prefill(pending)
             if pending or any(s is not None for s in self._slots):
+                self._admit_and_prefill(pending)
                 with self._autocast():
-                    admitted = self._admit(pending)
-                    if admitted:
-                        self._prefill(admitted)
                     self._decode_and_check(results)
                     self._maybe_swap()
             while done in results and all(s is not None for g in results[done] for s in g):
@@ -426,6 +421,13 @@ class Generator:
         self._slots = [None] * self.config.max_batch
         self._rows.done.fill_(True)
         self.cache.reset()
+
+    def _admit_and_prefill(self, pending: deque[Request]) -> None:
+        """Admit what fits of `pending` into free slots and prefill it."""
+        admitted = self._admit(pending)
+        if admitted:
+            with self._autocast():
+                self._prefill(admitted)
 
     def _admit(self, pending: deque[Request]) -> list[tuple[Request, list[int]]]:
         """Take waiting requests (in order) while their groups fit into free slots."""

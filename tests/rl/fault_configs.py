@@ -5,8 +5,10 @@ chosen point of a put so that the test can kill it there.
 The point is a put of `KEY` at version `VERSION` or later (`TIDAL_TEST_STALL=KEY:VERSION`,
 set by the test for the roles' processes), held just before its commit request goes out:
 the bytes are written, the version is not visible. The first process to get there creates
-`TIDAL_TEST_STALL_FILE` (exclusively) with its pid and stalls until it is killed; every other
-process goes on. Without the variables the configs are `tiny` unchanged."""
+`TIDAL_TEST_STALL_FILE` (exclusively) and stalls until it is killed; every other process goes
+on. It writes its pid into the file only once its commit is held (the version declared and
+its bytes written), so a test that kills it on reading the pid always kills it mid-put, never
+before the put began. Without the variables the configs are `tiny` unchanged."""
 
 from __future__ import annotations
 
@@ -35,17 +37,19 @@ def _claim(key: str, version: Any) -> bool:
         fd = os.open(os.environ["TIDAL_TEST_STALL_FILE"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
-    os.write(fd, f"{os.getpid()} {key} {version}\n".encode())
-    os.close(fd)
+    os.close(fd)  # claimed; the pid is written by the held commit (_hold_commit)
     return True
 
 
-def _hold_commit(store: Any, key: str) -> None:
-    """Make `store`'s next commit of `key` wait (until this process is killed)."""
+def _hold_commit(store: Any, key: str, version: int) -> None:
+    """Make `store`'s next commit of `key` wait (until this process is killed), saying so in
+    the stall file: "<pid> <key> <version>\n"."""
     from tidal.store import ops, testing
 
     def hook(connection: str, op: Any, fields: dict[str, Any]) -> None:
         if op is ops.PUT_COMMIT and fields.get("key") == key:
+            with open(os.environ["TIDAL_TEST_STALL_FILE"], "w") as f:
+                f.write(f"{os.getpid()} {key} {version}\n")
             deadline = time.monotonic() + STALL_S
             while time.monotonic() < deadline:
                 time.sleep(0.1)  # stalled on purpose: the test kills this process
@@ -62,12 +66,12 @@ def stall(out: str = "outputs/rl_test") -> RLConfig:
 
     def put_state_dict(self, state_dict, key, **kwargs):
         if _claim(key, kwargs.get("version")):
-            _hold_commit(self, key)
+            _hold_commit(self, key, kwargs["version"])
         return real_put(self, state_dict, key, **kwargs)
 
     def put_state_dict_async(self, state_dict, key, **kwargs):
         if _claim(key, kwargs.get("version")):
-            _hold_commit(self, key)
+            _hold_commit(self, key, kwargs["version"])
         return real_async(self, state_dict, key, **kwargs)
 
     Store.put_state_dict = put_state_dict  # type: ignore[method-assign]

@@ -23,34 +23,31 @@ the ratios against the targets:
 
 The reward curves of all runs go to one PNG (`--png`).
 
-Runs named `..._mps` are the same runs under a CUDA MPS daemon that this script starts for
-them alone (private pipe and log folders, stopped after the run). On one GPU without MPS the
-trainer's and the generator's processes time-slice the GPU: their kernels never run at the same
-time, so the asynchronous loop can only overlap their host-side gaps. Under MPS their kernels
-share the GPU's SMs at once. Measured on an H200 (benchmarks/README.md), MPS changed the async
-run by under 1% and slowed the sync run by 11%, so the MPS runs are left out unless named.
+Runs named `..._mps` are the same runs with `--rl.mps true`: `tidal rl` starts a CUDA MPS
+daemon for their roles alone (tidal/rl/mps.py). On one GPU without MPS the trainer's and the
+generator's processes time-slice the GPU: their kernels never run at the same time, so the
+asynchronous loop can only overlap their host-side gaps. Under MPS their kernels may share the
+GPU's SMs at once; the `s4_t50` and `s4_t30` runs also cap the trainer at 50% and 30% of the
+SMs (`--trainer.sm_percent`), leaving the rest to the generator's decode kernels. Measured on
+an H200 (benchmarks/README.md), MPS alone changed the async run by under 1% and slowed the
+sync run by 11%, so the MPS runs are left out unless named.
 
     python benchmarks/rl_peer.py --png rl_peer.png --json rl_peer.json   # one GPU
-    python benchmarks/rl_peer.py --only sync s4 s4_mps --no-trl          # async under MPS too
+    python benchmarks/rl_peer.py --only sync s4 s4_t50 --no-trl          # an SM split under MPS
     python benchmarks/rl_peer.py --smoke --no-trl         # CPU, tiny sizes (tested)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import itertools
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 CONFIG = "rl_addition_135m"
@@ -214,6 +211,8 @@ def report(figs: list[dict]) -> None:
         "tidal async s4",
         "tidal async s4, 2 batches in flight",
         "tidal async s4 +MPS",
+        "tidal async s4 +MPS, trainer 50% of SMs",
+        "tidal async s4 +MPS, trainer 30% of SMs",
     ):
         if best and name in by:
             a = by[name]
@@ -287,6 +286,7 @@ def main() -> None:
 
 
 _ASYNC = ["--rl.mode", "async", "--loss.tis_cap", "2.0"]
+_MPS = ["--rl.mps", "true"]
 RUNS = {
     "sync": ("tidal sync", ["--rl.mode", "sync"], False),
     "s1": ("tidal async s1", [*_ASYNC, "--rl.max_staleness", "1"], False),
@@ -296,8 +296,18 @@ RUNS = {
         [*_ASYNC, "--rl.max_staleness", "4", "--rl.batches_in_flight", "2"],
         False,
     ),
-    "sync_mps": ("tidal sync +MPS", ["--rl.mode", "sync"], True),
-    "s4_mps": ("tidal async s4 +MPS", [*_ASYNC, "--rl.max_staleness", "4"], True),
+    "sync_mps": ("tidal sync +MPS", ["--rl.mode", "sync", *_MPS], True),
+    "s4_mps": ("tidal async s4 +MPS", [*_ASYNC, "--rl.max_staleness", "4", *_MPS], True),
+    "s4_t50": (
+        "tidal async s4 +MPS, trainer 50% of SMs",
+        [*_ASYNC, "--rl.max_staleness", "4", *_MPS, "--trainer.sm_percent", "50"],
+        True,
+    ),
+    "s4_t30": (
+        "tidal async s4 +MPS, trainer 30% of SMs",
+        [*_ASYNC, "--rl.max_staleness", "4", *_MPS, "--trainer.sm_percent", "30"],
+        True,
+    ),
     "trl": ("trl", [], False),
 }
 """The runs: name, the overrides of `rl_addition_135m` (TRL: its own script), and whether
@@ -305,34 +315,6 @@ the run's processes share the GPU through an MPS daemon. s4_two decodes two batc
 (rl.batches_in_flight 2), the others one at a time."""
 
 DEFAULT_RUNS = ("sync", "s1", "s4", "trl")
-
-
-@contextlib.contextmanager
-def mps_daemon() -> Iterator[None]:
-    """A CUDA MPS control daemon for the processes started inside (they inherit its pipe
-    folder through the environment; other processes on the machine do not see it), quit on
-    exit. Changes no setting of the GPU (compute mode stays as it is)."""
-    exe = shutil.which("nvidia-cuda-mps-control")
-    if exe is None:
-        raise SystemExit("MPS runs need nvidia-cuda-mps-control on PATH (NVIDIA driver tools)")
-    root = Path(tempfile.mkdtemp(prefix="tidal-mps-"))  # short: the pipe is a unix socket
-    env = {
-        "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
-        "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
-    }
-    for path in env.values():
-        Path(path).mkdir()
-    try:
-        with mock.patch.dict(os.environ, env):  # the runs started inside inherit it
-            subprocess.run([exe, "-d"], check=True, timeout=30)
-            print(f"   MPS daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
-            try:
-                yield
-            finally:
-                subprocess.run([exe], input="quit\n", text=True, timeout=30, check=False)
-                print("   MPS daemon stopped", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
@@ -359,8 +341,7 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
             continue
         if key != "trl":
             try:
-                with mps_daemon() if mps else contextlib.nullcontext():
-                    result = tidal_run(bench, name, [*extra, *common], folder / key, args.timeout)
+                result = tidal_run(bench, name, [*extra, *common], folder / key, args.timeout)
             except SystemExit as e:  # one failed run: the others still run and report
                 print(f"   {e}")
                 continue

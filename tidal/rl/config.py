@@ -153,8 +153,16 @@ class TrainerConfig:
     """Seed of the trainer (weight init for policy.init=seed)."""
     deterministic: bool = False
     """Deterministic algorithms (slower)."""
+    sm_percent: int = 100
+    """Under CUDA MPS (rl.mps), the share of the GPU's SMs the trainer's kernels may use, in
+    percent: `tidal rl` sets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for its processes (roles
+    started by hand set it themselves); 100 is all of them. On a GPU shared with the
+    generators, a share below 100 keeps SMs free for their decode kernels, so the two roles'
+    kernels run at the same time (docs/rl.md, "One GPU for every role")."""
 
     def __post_init__(self) -> None:
+        _check(1 <= self.sm_percent <= 100,
+               f"trainer.sm_percent must be in 1..100, got {self.sm_percent}")  # fmt: skip
         _check(self.micro_batch_size > 0,
                f"trainer.micro_batch_size must be > 0, got {self.micro_batch_size}")  # fmt: skip
         _check(self.max_norm >= 0, f"trainer.max_norm must be >= 0, got {self.max_norm}")
@@ -204,9 +212,14 @@ class GeneratorRoleConfig:
     sampler, the rest eager, the step still replayed as a CUDA graph (a block's compile per
     shape instead of the model's per bucket and sampler; GeneratorConfig.compile_scope,
     docs/generate.md)."""
+    sm_percent: int = 100
+    """Under CUDA MPS (rl.mps), the share of the GPU's SMs each generator's kernels may use,
+    in percent, as trainer.sm_percent; 100 is all of them."""
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
+        _check(1 <= self.sm_percent <= 100,
+               f"generator.sm_percent must be in 1..100, got {self.sm_percent}")  # fmt: skip
         degrees = (self.tp,) if isinstance(self.tp, int) else tuple(self.tp)
         _check(
             isinstance(self.tp, int) or len(degrees) == self.count,
@@ -282,6 +295,12 @@ class LoopConfig:
     """The trainer stops with an error when fewer generators than this are live (a lost one
     counts until dead_after_s: it may come back; at the start the trainer waits up to
     wait_timeout_s for generator.count of them)."""
+    mps: bool = False
+    """`tidal rl` runs its roles under a CUDA MPS control daemon of their own (started before
+    them, quit after them; needs nvidia-cuda-mps-control, from the NVIDIA driver). Roles
+    sharing a GPU then run their kernels at the same time instead of taking turns;
+    trainer.sm_percent and generator.sm_percent split its SMs between them. Roles started by
+    hand use the daemon their environment names (CUDA_MPS_PIPE_DIRECTORY), if any."""
 
     def __post_init__(self) -> None:
         _check(self.mode in ("sync", "async"), f"rl.mode must be sync or async, got {self.mode!r}")
@@ -424,7 +443,12 @@ class RLConfig:
             f"rollout.group_size={self.rollout.group_size} exceeds generator.max_batch="
             f"{self.generator.max_batch} (a group is decoded at once)",
         )
-
+        for role in ("trainer", "generator"):
+            share = getattr(self, role).sm_percent
+            _check(share == 100 or self.rl.mps,
+                   f"{role}.sm_percent={share} splits a GPU's SMs between the roles only "
+                   "under CUDA MPS: set --rl.mps true (tidal rl starts a daemon for its "
+                   "roles)")  # fmt: skip
         _check(
             self.rl.mode == "sync" or self.loss.corrects,
             "rl.mode=async trains on tokens of older policy versions and needs a per-token "

@@ -23,6 +23,7 @@ store address (`tidal store serve`) on a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -54,6 +55,7 @@ from tidal.rl.layouts import (
     leave_generator_group,
     shard_model,
 )
+from tidal.rl.mps import mps_daemon, role_env
 from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
 
 Log = Callable[[str], None]
@@ -557,6 +559,9 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: 
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     src = check_rl_job(cfg, log=log)
+    if cfg.rl.mps and generator_device(cfg).type != "cuda":
+        raise ValueError("rl.mps shares a GPU between the roles, but the generators run "
+                         f"on {generator_device(cfg)}: set --rl.mps false")  # fmt: skip
     if cfg.store.address:
         store = connect_store(cfg.store.address, cfg, token=token)
     else:
@@ -565,13 +570,15 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: 
         if src is None:
             prepare_policy(cfg, log=log)
             check_task_text(cfg, resolve_policy(cfg, log=log), make_task(cfg))
-        return _run_roles(cfg, store, role_argv, nproc, log)
+        with mps_daemon(log) if cfg.rl.mps else contextlib.nullcontext({}) as mps:
+            return _run_roles(cfg, store, role_argv, nproc, log, mps)
     finally:
         store.close()
 
 
-def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log: Log) -> int:
-    env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1"}
+def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log: Log,
+               mps: dict[str, str]) -> int:  # fmt: skip
+    env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1", **mps}
     env.setdefault("OMP_NUM_THREADS", "1")
     memory = cfg.store.policy_memory
     if memory == "auto":  # every role is on this machine: CUDA IPC when the trainer is on CUDA
@@ -581,13 +588,15 @@ def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log:
     common = ["--store", store.address, *role_argv, "--store.policy_memory", memory]
     procs: dict[str, subprocess.Popen] = {}
     for i in range(cfg.generator.count):
-        procs[generator_name(i)] = subprocess.Popen(generator_command(cfg, i, common), env=env)
+        procs[generator_name(i)] = subprocess.Popen(
+            generator_command(cfg, i, common), env=role_env(env, cfg.generator.sm_percent)
+        )
     trainer_cmd = [sys.executable, "-m", "tidal", "rl", "trainer", *common]
     if nproc > 1:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}"]  # fmt: skip
         trainer_cmd = [*torchrun, "-m", "tidal", "rl", "trainer", *common]
-    procs["trainer"] = subprocess.Popen(trainer_cmd, env=env)
+    procs["trainer"] = subprocess.Popen(trainer_cmd, env=role_env(env, cfg.trainer.sm_percent))
     try:
         return _watch(procs, store, log)
     except KeyboardInterrupt:

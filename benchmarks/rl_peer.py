@@ -35,6 +35,7 @@ sync run by 11%, so the MPS runs are left out unless named.
     python benchmarks/rl_peer.py --png rl_peer.png --json rl_peer.json   # one GPU
     python benchmarks/rl_peer.py --only sync s4 s4_t50 --no-trl          # an SM split under MPS
     python benchmarks/rl_peer.py --smoke --no-trl         # CPU, tiny sizes (tested)
+    python benchmarks/rl_peer.py --config rl_addition --only sync s4 --no-trl   # the CPU demo
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def summarize(name: str, steps: list[dict], evals: list[dict], step_s: list[floa
     return fig
 
 
-def tidal_run(bench, name: str, extra: list[str], out: Path, timeout: float) -> dict:
-    fig = bench.run(name, ["--config", CONFIG, *extra], out, timeout=timeout)
+def tidal_run(bench, name: str, config: str, extra: list[str], out: Path,
+              timeout: float) -> dict:  # fmt: skip
+    fig = bench.run(name, ["--config", config, *extra], out, timeout=timeout)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     fig["records"] = records
     return fig
@@ -120,7 +122,7 @@ def tidal_summary(fig: dict, target: float | None) -> dict:
     return out
 
 
-def export_for_trl(overrides: list[str], folder: Path) -> Path:
+def export_for_trl(config: str, overrides: list[str], folder: Path) -> Path:
     """The SFT warm start as a Hugging Face folder, and the run's prompts as JSON."""
     from tidal.rl.configs import get_rl_config
     from tidal.rl.loop import request_seed
@@ -129,7 +131,7 @@ def export_for_trl(overrides: list[str], folder: Path) -> Path:
     from tidal.train.checkpoint.hf import dcp_to_hf
     from tidal.train.config_parse import apply_overrides
 
-    cfg = apply_overrides(get_rl_config(CONFIG), overrides)
+    cfg = apply_overrides(get_rl_config(config), overrides)
     src = resolve_policy(cfg, log=lambda _: None)
     assert src.checkpoint is not None, "the SFT warm start was not trained"
     dcp_to_hf(src.checkpoint, folder / "hf", args=src.args, tokenizer=src.tokenizer,
@@ -244,6 +246,8 @@ def plot(figs: list[dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=CONFIG, help=f"the RL config of every run (default "
+                   f"{CONFIG}; rl_addition is the CPU demo's)")  # fmt: skip
     p.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
     p.add_argument("--only", nargs="*", choices=RUNS, default=list(DEFAULT_RUNS),
@@ -341,7 +345,8 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
             continue
         if key != "trl":
             try:
-                result = tidal_run(bench, name, [*extra, *common], folder / key, args.timeout)
+                result = tidal_run(bench, name, args.config, [*extra, *common], folder / key,
+                                   args.timeout)  # fmt: skip
             except SystemExit as e:  # one failed run: the others still run and report
                 print(f"   {e}")
                 continue
@@ -349,7 +354,7 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
             print("TRL is not installed (pip install trl): its run is left out")
             continue
         else:
-            run = json.loads(export_for_trl(common, folder).read_text())
+            run = json.loads(export_for_trl(args.config, common, folder).read_text())
             result = trl_run(folder, args.timeout)
             if result is None:
                 continue

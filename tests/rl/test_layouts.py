@@ -94,9 +94,12 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
     tmp_path, monkeypatch, mode
 ):
     """Trainer FSDP on 2 ranks (fp32, publishing bf16), generator 0 TP on 2 ranks, generator
-    1 on one (both bf16): every generator rank's parameters at each batch start, gathered
-    from its shards, equal the trainer's full parameters cast to bf16 at the same version,
-    bit for bit. In async mode the two ranks of generator 0 switch versions together."""
+    1 on one (both bf16): every generator rank's parameters at each version it holds,
+    gathered from its shards, equal the trainer's full parameters cast to bf16 at that
+    version, bit for bit. Sync mode: seen at each batch and evaluation. Async mode: also
+    where the generator starts and at each swap (at a batch start or between decode steps,
+    `_write_weights` in tests/rl/loop_configs.py), and the two ranks of generator 0 switch
+    versions together."""
     weights = tmp_path / "weights"
     weights.mkdir()
     monkeypatch.setenv("TIDAL_TEST_WEIGHTS", str(weights))
@@ -127,9 +130,20 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
     assert sorted(held) == ["generator0-rank0", "generator0-rank1", "generator1-rank0"]
     assert held["generator0-rank0"] == held["generator0-rank1"]  # the TP ranks in lockstep
     assert {0, steps} <= set(held["generator0-rank0"]) and 0 in held["generator1-rank0"]
+    by = {(name, v): torch.load(weights / f"{name}-v{v}.pt")["by"]
+          for name, versions in held.items() for v in versions}  # fmt: skip
     if mode == "sync":
         assert held == {"generator0-rank0": [0, 1, 2], "generator0-rank1": [0, 1, 2],
                         "generator1-rank0": [0, 1]}  # fmt: skip
+        assert set(by.values()) == {"generate"}
+    else:  # each generator starts from version 0; versions between the evaluated ones are
+        # seen only where they are swapped in
+        assert all(by[name, 0] == "start" for name in held), by
+        swapped = {v for (_, v), b in by.items() if b in ("batch start", "in flight")}
+        assert swapped & set(range(1, steps)), by
+        # The TP ranks take each version at the same kind of point (they swap in lockstep).
+        assert all(by["generator0-rank0", v] == by["generator0-rank1", v]
+                   for v in held["generator0-rank0"]), by  # fmt: skip
     for name, versions in held.items():
         for v in versions:
             got = torch.load(weights / f"{name}-v{v}.pt")

@@ -26,8 +26,8 @@ def test_sm_percent_is_checked_and_needs_mps():
             TrainerConfig(sm_percent=bad)
         with pytest.raises(ValueError, match=f"generator.sm_percent must be in 1..100, got {bad}"):
             GeneratorRoleConfig(sm_percent=bad)
-    with pytest.raises(ValueError, match=r"trainer.sm_percent=50 splits a GPU's SMs between "
-                                         r"the roles only under CUDA MPS: set --rl.mps true"):  # fmt: skip
+    needs = r"trainer.sm_percent=50 splits a GPU's SMs between the roles only under CUDA MPS"
+    with pytest.raises(ValueError, match=needs + ": set --rl.mps true"):
         apply_overrides(tiny(), ["--trainer.sm_percent", "50"])
     cfg = apply_overrides(tiny(), ["--rl.mps", "true", "--trainer.sm_percent", "50"])
     assert cfg.rl.mps and cfg.trainer.sm_percent == 50 and cfg.generator.sm_percent == 100

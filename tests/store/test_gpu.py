@@ -163,6 +163,40 @@ def test_a_reader_in_another_process_waits_for_the_writers_copies():
                 proc.kill()
 
 
+def test_a_streaming_reader_waits_for_the_writers_copies():
+    """A reader already waiting for each next version (a streaming read: an RL generator's
+    prefetch) while the writer's stream is busy. From a key's third put on, the writer's
+    slots are reserved: it queues every copy, then reports every slot to the waiting reader
+    at once, before the copies ran. The reader waits for the writer's event before each copy,
+    so it never sees an older version's bytes (found by the RL generator's GPU test)."""
+    from tests.store import _gpu_procs
+    from tests.store.conftest import until_waited_for
+
+    with tidal.store.connect(keep=1) as store:
+        writer = tidal.store.connect(store.address)
+        proc, parent = _gpu_procs.start_reader(store.address)
+        reports: list[list[int]] = []
+        testing.on_request(
+            writer, lambda c, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
+        )
+        try:
+            for v in range(5):
+                parent.send(("wait", "p", v))
+                assert parent.recv() == "waiting"
+                until_waited_for(store, "p", v)
+                torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after the report
+                writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
+                assert parent.recv() == ("ok", v)  # the reader checks every byte
+            assert reports, "the writer reported no progress to the waiting reader"
+            parent.send(None)
+            proc.join(60)
+            assert proc.exitcode == 0
+        finally:
+            writer.close()
+            if proc.is_alive():
+                proc.kill()
+
+
 @pytest.mark.parametrize("memory", ["host", "cuda"])
 def test_async_copies_wait_for_the_callers_queued_work(memory):
     """put_async/get_async copy on a side stream, but only after the work the caller queued

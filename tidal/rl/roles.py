@@ -570,7 +570,8 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: 
         if src is None:
             prepare_policy(cfg, log=log)
             check_task_text(cfg, resolve_policy(cfg, log=log), make_task(cfg))
-        with mps_daemon(log) if cfg.rl.mps else contextlib.nullcontext({}) as mps:
+        with contextlib.ExitStack() as stack:
+            mps = stack.enter_context(mps_daemon(log)) if cfg.rl.mps else {}
             return _run_roles(cfg, store, role_argv, nproc, log, mps)
     finally:
         store.close()

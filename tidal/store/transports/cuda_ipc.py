@@ -38,9 +38,12 @@ hang the reader's stream for good if the writer died mid-put. Its own copies are
 for with a plain stream synchronize before its lease is released. The event's latest record
 follows every earlier put (one copy stream), so a reader never copies bytes still being
 written. On the H200 the put's host wait for its own copies was 1.1 ms of a 3.1 ms
-put. A put with a streaming reader (``get(..., wait=)`` already waiting) still copies slot
-by slot and waits, since each progress report promises written bytes. ``put_async`` and
-friends wait for the copies before their future is done (tidal/store/streams.py).
+put. A streaming reader (``get(..., wait=)`` already waiting) copies each slot once the
+writer reported it, and waits for the writer's event first too: a put with reserved slots
+(a key's third put on) queues all its copies before it learns that a reader streams, then
+reports every slot at once, before the copies ran. A put without reserved slots copies
+slot by slot and waits, so its reports come after the bytes. ``put_async`` and friends
+wait for the copies before their future is done (tidal/store/streams.py).
 
 CUDA runtime calls go through ``ctypes`` to the ``libcudart`` that torch loaded
 (tidal/store/transports/cuda_runtime.py); no extension is compiled.
@@ -251,10 +254,13 @@ class CudaIpcTransport:
         with torch.no_grad():
             if gate is None:
                 devices |= self._copy(vol, jobs)
-            else:  # a streaming read: each slot is reported once its copies are done
+            else:  # a streaming read: each slot once the writer reported it
                 for job in jobs:
                     gate(job.slot)
                     self._open(vol, [job])  # a slot's handle is registered before it is written
+                    # A writer with its slots reserved queues every copy and reports them
+                    # all at once, before they ran: its event says when they did.
+                    _await_writer(self._events(vol), self._timeout, f"volume {vol['id']!r}")
                     # into host memory: a synchronous copy
                     job.dst.copy_(self._source(vol, job), non_blocking=job.dst.is_cuda)
         for d in devices:
@@ -291,11 +297,16 @@ class CudaIpcTransport:
             return CopyPlan.of(dsts, [self._source(vol, j) for j in jobs])
 
         plan = self._read_plans.get(key, dsts, build)
-        local = _LOCAL.get(vol["id"])  # the writer's copies of this version come first
-        events = local.events() if local is not None else self._imports.events(vol["id"])
-        _await_writer(events, self._timeout, f"volume {vol['id']!r}")
+        # the writer's copies of this version come first
+        _await_writer(self._events(vol), self._timeout, f"volume {vol['id']!r}")
         plan.run(dsts.__getitem__, lambda i: self._source(vol, jobs[i]), copier())
         return plan.devices
+
+    def _events(self, vol: dict[str, Any]) -> list[torch.cuda.Event]:
+        """The writer's interprocess events of volume ``vol`` (one per GPU), or its own
+        events for a volume of this process."""
+        local = _LOCAL.get(vol["id"])
+        return local.events() if local is not None else self._imports.events(vol["id"])
 
     def _read_key(self, volume_id: str, jobs: list[ReadJob]) -> tuple[Any, ...]:
         """The read plan's key for ``jobs``: the slots, boxes and destinations they name.

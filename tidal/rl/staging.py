@@ -9,9 +9,11 @@ call `stager.at_batch_start()` before each batch (it swaps too, and counts prefe
 `close()` at the end.
 
 Staging memory is a second set of host tensors shaped like the parameters (pinned when the
-parameters are on a GPU), or of device tensors (`on_device`: GPU slots). The background
-thread fills it with the newest committed version (or waits for the next one to be written,
-streaming it as it lands), then waits until the generator has swapped it in. A swap is one
+parameters are on a GPU), or of device tensors (`on_device`: GPU slots, filled on a CUDA
+stream of the thread's own, so the reads overlap the generator's decode steps). The
+background thread fills it with the newest committed version (or waits for the next one to
+be written, streaming it as it lands; each read returns once its copies are done), then
+waits until the generator has swapped it in. A swap is one
 in-place `copy_` per parameter: no reallocation, so captured CUDA graphs stay valid; on a
 GPU the copies are queued on the current stream (non-blocking from pinned memory) and the
 staging buffer is refilled only after they ran.
@@ -105,26 +107,36 @@ class Stager:
 
     def _run(self) -> None:
         try:
-            while True:
-                with self._cv:
-                    while self._staged is not None and not self._halt:
-                        self._cv.wait()
-                    if self._halt:
-                        return
-                    held = self.held
-                if held >= self.last:
-                    return
-                if self._copied is not None:
-                    self._copied.synchronize()  # the last swap has read the staging buffer
-                version = self._fetch(held)
-                if version is not None:
-                    with self._cv:
-                        self._staged = version
-                        self._cv.notify_all()
+            # GPU staging slots are filled on a stream of this thread's own: on the thread's
+            # default stream the reads would queue behind the generator's decode steps, and
+            # their closing synchronize would wait for those too.
+            own = self._device.type == "cuda" and any(
+                _local(t).is_cuda for t in self.staging.values()
+            )
+            with torch.cuda.stream(torch.cuda.Stream(self._device) if own else None):
+                self._loop()
         except BaseException as e:  # reported by the next swap, in the generator's thread
             with self._cv:
                 self.error = e
                 self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._staged is not None and not self._halt:
+                    self._cv.wait()
+                if self._halt:
+                    return
+                held = self.held
+            if held >= self.last:
+                return
+            if self._copied is not None:
+                self._copied.synchronize()  # the last swap has read the staging buffer
+            version = self._fetch(held)
+            if version is not None:
+                with self._cv:
+                    self._staged = version
+                    self._cv.notify_all()
 
     def _fetch(self, held: int) -> int | None:
         """Read the newest committed version above `held` (or wait a slice for held + 1)

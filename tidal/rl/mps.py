@@ -39,7 +39,7 @@ def mps_daemon(log: Callable[[str], None] = print) -> Iterator[dict[str, str]]:
     exe = shutil.which(CONTROL)
     if exe is None:
         raise ValueError(f"rl.mps needs {CONTROL} on PATH (it comes with the NVIDIA driver); "
-                           "set --rl.mps false to share the GPU by time-slicing")  # fmt: skip
+                         "set --rl.mps false to share the GPU by time-slicing")  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="tidal-mps-"))  # short: the pipe is a unix socket
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
            "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}  # fmt: skip

@@ -13,10 +13,10 @@ parameters are on a GPU), or of device tensors (`on_device`: GPU slots, filled o
 stream of the thread's own, so the reads overlap the generator's decode steps). The
 background thread fills it with the newest committed version (or waits for the next one to
 be written, streaming it as it lands; each read returns once its copies are done), then
-waits until the generator has swapped it in. A swap is one
-in-place `copy_` per parameter: no reallocation, so captured CUDA graphs stay valid; on a
-GPU the copies are queued on the current stream (non-blocking from pinned memory) and the
-staging buffer is refilled only after they ran.
+waits until the generator has swapped it in. A swap is one in-place `copy_` per parameter:
+no reallocation, so captured CUDA graphs stay valid; on a GPU the copies are queued on the
+generator's current stream (non-blocking from pinned memory) and the staging buffer is
+refilled only after they ran.
 
 Tensor-parallel generators: over DTensor parameters the staging tensors are DTensors of the
 same layout (each rank reads only its own shards), and the ranks of the parameters' mesh

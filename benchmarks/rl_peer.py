@@ -208,21 +208,12 @@ def report(figs: list[dict]) -> None:
     # only where it helps the asynchronous loop.
     syncs = [f for f in (sync, by.get("tidal sync +MPS")) if f]
     best = max(syncs, key=lambda f: f["steps_per_hour"]) if syncs else None
-    for name in (
-        "tidal async s1",
-        "tidal async s4",
-        "tidal async s4, 2 batches in flight",
-        "tidal async s4 +MPS",
-        "tidal async s4 +MPS, trainer 50% of SMs",
-        "tidal async s4 +MPS, trainer 30% of SMs",
-    ):
-        if best and name in by:
-            a = by[name]
-            ok = a["pass1_after"] is not None and a["pass1_after"] >= best["pass1_after"]
-            print(f"{name} / {best['name']} steps/hour: "
-                  f"{a['steps_per_hour'] / best['steps_per_hour']:.2f}x (target >= 1.3x); "
-                  f"trainer idle {100 * a['trainer_idle_frac']:.0f}% (target <= 15%); final "
-                  f"pass@1 {'reaches' if ok else 'misses'} {best['name']}'s")  # fmt: skip
+    for a in [f for f in figs if f["name"].startswith("tidal async")] if best else []:
+        ok = a["pass1_after"] is not None and a["pass1_after"] >= best["pass1_after"]
+        print(f"{a['name']} / {best['name']} steps/hour: "
+              f"{a['steps_per_hour'] / best['steps_per_hour']:.2f}x (target >= 1.3x); "
+              f"trainer idle {100 * a['trainer_idle_frac']:.0f}% (target <= 15%); final "
+              f"pass@1 {'reaches' if ok else 'misses'} {best['name']}'s")  # fmt: skip
 
 
 def plot(figs: list[dict], path: Path) -> None:
@@ -290,33 +281,28 @@ def main() -> None:
 
 
 _ASYNC = ["--rl.mode", "async", "--loss.tis_cap", "2.0"]
+_S4 = [*_ASYNC, "--rl.max_staleness", "4"]
 _MPS = ["--rl.mps", "true"]
 RUNS = {
-    "sync": ("tidal sync", ["--rl.mode", "sync"], False),
-    "s1": ("tidal async s1", [*_ASYNC, "--rl.max_staleness", "1"], False),
-    "s4": ("tidal async s4", [*_ASYNC, "--rl.max_staleness", "4"], False),
-    "s4_two": (
-        "tidal async s4, 2 batches in flight",
-        [*_ASYNC, "--rl.max_staleness", "4", "--rl.batches_in_flight", "2"],
-        False,
-    ),
-    "sync_mps": ("tidal sync +MPS", ["--rl.mode", "sync", *_MPS], True),
-    "s4_mps": ("tidal async s4 +MPS", [*_ASYNC, "--rl.max_staleness", "4", *_MPS], True),
+    "sync": ("tidal sync", ["--rl.mode", "sync"]),
+    "s1": ("tidal async s1", [*_ASYNC, "--rl.max_staleness", "1"]),
+    "s4": ("tidal async s4", _S4),
+    "s4_two": ("tidal async s4, 2 batches in flight", [*_S4, "--rl.batches_in_flight", "2"]),
+    "sync_mps": ("tidal sync +MPS", ["--rl.mode", "sync", *_MPS]),
+    "s4_mps": ("tidal async s4 +MPS", [*_S4, *_MPS]),
     "s4_t50": (
         "tidal async s4 +MPS, trainer 50% of SMs",
-        [*_ASYNC, "--rl.max_staleness", "4", *_MPS, "--trainer.sm_percent", "50"],
-        True,
+        [*_S4, *_MPS, "--trainer.sm_percent", "50"],
     ),
     "s4_t30": (
         "tidal async s4 +MPS, trainer 30% of SMs",
-        [*_ASYNC, "--rl.max_staleness", "4", *_MPS, "--trainer.sm_percent", "30"],
-        True,
+        [*_S4, *_MPS, "--trainer.sm_percent", "30"],
     ),
-    "trl": ("trl", [], False),
+    "trl": ("trl", []),
 }
-"""The runs: name, the overrides of `rl_addition_135m` (TRL: its own script), and whether
-the run's processes share the GPU through an MPS daemon. s4_two decodes two batches at once
-(rl.batches_in_flight 2), the others one at a time."""
+"""The runs: name and the overrides of `rl_addition_135m` (TRL: its own script). Those with
+`rl.mps` share the GPU through an MPS daemon (left out of `--smoke`, on the CPU). s4_two
+decodes two batches at once (rl.batches_in_flight 2), the others one at a time."""
 
 DEFAULT_RUNS = ("sync", "s1", "s4", "trl")
 
@@ -336,12 +322,13 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
         common += [] if args.steps else ["--rl.steps", "3"]
     bench = _rl_bench()
     raw: dict[str, dict] = {}
-    for key, (name, extra, mps) in RUNS.items():
+    for key, (name, extra) in RUNS.items():
         saved = folder / f"result-{key}.json"
         if saved.exists():
             raw[key] = json.loads(saved.read_text())
             continue
-        if key not in args.only or (key == "trl" and args.no_trl) or (mps and args.smoke):
+        on_gpu_only = _MPS[0] in extra
+        if key not in args.only or (key == "trl" and args.no_trl) or (on_gpu_only and args.smoke):
             continue
         if key != "trl":
             try:

@@ -1,11 +1,16 @@
-"""A reader process for the CUDA IPC test (imported by the spawned process)."""
+"""A reader process for the CUDA IPC tests (imported by the spawned process), and the
+tests' helpers around it."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 import tidal.store
-from tidal.store import VolumeLostError
+from tidal.store import VolumeLostError, ops, testing
 
 
 def payload(v: int) -> dict[str, torch.Tensor]:
@@ -13,6 +18,32 @@ def payload(v: int) -> dict[str, torch.Tensor]:
         "emb": torch.full((4096, 512), float(v), device="cuda", dtype=torch.bfloat16),
         "layers": [torch.arange(1000, device="cuda") * (v + 1) for _ in range(3)],
     }
+
+
+@contextlib.contextmanager
+def reader_process(address: str) -> Iterator[Any]:
+    """:func:`start_reader`, yielding the parent's end of the pipe. When the block ends
+    without an error, the reader is told to stop and must exit 0; it is killed if it is
+    still alive after the block either way."""
+    proc, parent = start_reader(address)
+    try:
+        yield parent
+        parent.send(None)
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def progress_reports(writer: tidal.store.Store) -> list[list[int]]:
+    """A list that gathers the slots of every progress report ``writer`` sends (made only
+    while a reader waits for the version being put)."""
+    reports: list[list[int]] = []
+    testing.on_request(
+        writer, lambda c, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
+    )
+    return reports
 
 
 def start_reader(address: str):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tidal.store
-from tidal.store import ops, testing
+from tidal.store import testing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,44 +87,35 @@ def test_device_memory_across_processes(monkeypatch):
 
     monkeypatch.setattr(progress, "PROGRESS_BYTES", 1)  # the writer reports every tensor
 
-    with tidal.store.connect(keep=1) as store:
-        writer = tidal.store.connect(store.address)
-        proc, parent = _gpu_procs.start_reader(store.address)
-        reports: list[list[int]] = []
-        testing.on_request(
-            writer, lambda c, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
-        )
-
-        try:
-            # A reader waiting for a key's first version: every slot is new to it.
-            parent.send(("wait", "fresh", 0))
-            assert parent.recv() == "waiting"
-            until_waited_for(store, "fresh", 0)
-            writer.put_state_dict(_gpu_procs.payload(0), "fresh", version=0, memory="cuda")
-            assert parent.recv() == ("ok", 0)
-            for v in range(4):
-                writer.put_state_dict(_gpu_procs.payload(v), "policy", version=v, memory="cuda")
-                parent.send(("get", "policy", v))
-                assert parent.recv() == ("ok", v)
-            # A reader waiting for the next version streams it from the writer's GPU memory.
-            parent.send(("wait", "policy", 4))
-            assert parent.recv() == "waiting"
-            until_waited_for(store, "policy", 4)
-            reports.clear()
-            writer.put_state_dict(_gpu_procs.payload(4), "policy", version=4, memory="cuda")
-            assert parent.recv() == ("ok", 4)
-            assert reports, "the writer reported no progress to the waiting reader"
-            # The writer goes away: its GPU memory, and the versions in it, are lost.
-            writer.close()
-            parent.send(("get", "policy", 4))
-            kind, msg = parent.recv()
-            assert kind == "VolumeLostError" and "GPU memory of a writer" in msg, msg
-            parent.send(None)
-            proc.join(60)
-            assert proc.exitcode == 0
-        finally:
-            if proc.is_alive():
-                proc.kill()
+    with (
+        tidal.store.connect(keep=1) as store,
+        tidal.store.connect(store.address) as writer,
+        _gpu_procs.reader_process(store.address) as parent,
+    ):
+        reports = _gpu_procs.progress_reports(writer)
+        # A reader waiting for a key's first version: every slot is new to it.
+        parent.send(("wait", "fresh", 0))
+        assert parent.recv() == "waiting"
+        until_waited_for(store, "fresh", 0)
+        writer.put_state_dict(_gpu_procs.payload(0), "fresh", version=0, memory="cuda")
+        assert parent.recv() == ("ok", 0)
+        for v in range(4):
+            writer.put_state_dict(_gpu_procs.payload(v), "policy", version=v, memory="cuda")
+            parent.send(("get", "policy", v))
+            assert parent.recv() == ("ok", v)
+        # A reader waiting for the next version streams it from the writer's GPU memory.
+        parent.send(("wait", "policy", 4))
+        assert parent.recv() == "waiting"
+        until_waited_for(store, "policy", 4)
+        reports.clear()
+        writer.put_state_dict(_gpu_procs.payload(4), "policy", version=4, memory="cuda")
+        assert parent.recv() == ("ok", 4)
+        assert reports, "the writer reported no progress to the waiting reader"
+        # The writer goes away: its GPU memory, and the versions in it, are lost.
+        writer.close()
+        parent.send(("get", "policy", 4))
+        kind, msg = parent.recv()
+        assert kind == "VolumeLostError" and "GPU memory of a writer" in msg, msg
 
 
 def test_a_put_of_gpu_memory_is_ordered_on_the_callers_stream():
@@ -145,56 +136,41 @@ def test_a_reader_in_another_process_waits_for_the_writers_copies():
     copies wait for the writer's interprocess event, so it never sees old bytes."""
     from tests.store import _gpu_procs
 
-    with tidal.store.connect(keep=1) as store:
-        writer = tidal.store.connect(store.address)
-        proc, parent = _gpu_procs.start_reader(store.address)
-        try:
-            for v in range(4):
-                torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after commit
-                writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
-                parent.send(("get", "p", v))  # the reader checks every byte
-                assert parent.recv() == ("ok", v)
-            parent.send(None)
-            proc.join(60)
-            assert proc.exitcode == 0
-        finally:
-            writer.close()
-            if proc.is_alive():
-                proc.kill()
+    with (
+        tidal.store.connect(keep=1) as store,
+        tidal.store.connect(store.address) as writer,
+        _gpu_procs.reader_process(store.address) as parent,
+    ):
+        for v in range(4):
+            torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after commit
+            writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
+            parent.send(("get", "p", v))  # the reader checks every byte
+            assert parent.recv() == ("ok", v)
 
 
 def test_a_streaming_reader_waits_for_the_writers_copies():
     """A reader already waiting for each next version (a streaming read: an RL generator's
     prefetch) while the writer's stream is busy. From a key's third put on, the writer's
     slots are reserved: it queues every copy, then reports every slot to the waiting reader
-    at once, before the copies ran. The reader waits for the writer's event before each copy,
-    so it never sees an older version's bytes (found by the RL generator's GPU test)."""
+    at once, before the copies ran. The reader waits for the writer's event before its first
+    copy, so it never sees an older version's bytes (found by the RL generator's GPU test)."""
     from tests.store import _gpu_procs
     from tests.store.conftest import until_waited_for
 
-    with tidal.store.connect(keep=1) as store:
-        writer = tidal.store.connect(store.address)
-        proc, parent = _gpu_procs.start_reader(store.address)
-        reports: list[list[int]] = []
-        testing.on_request(
-            writer, lambda c, op, f: reports.append(f["slots"]) if op is ops.PUT_PROGRESS else None
-        )
-        try:
-            for v in range(5):
-                parent.send(("wait", "p", v))
-                assert parent.recv() == "waiting"
-                until_waited_for(store, "p", v)
-                torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after the report
-                writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
-                assert parent.recv() == ("ok", v)  # the reader checks every byte
-            assert reports, "the writer reported no progress to the waiting reader"
-            parent.send(None)
-            proc.join(60)
-            assert proc.exitcode == 0
-        finally:
-            writer.close()
-            if proc.is_alive():
-                proc.kill()
+    with (
+        tidal.store.connect(keep=1) as store,
+        tidal.store.connect(store.address) as writer,
+        _gpu_procs.reader_process(store.address) as parent,
+    ):
+        reports = _gpu_procs.progress_reports(writer)
+        for v in range(5):
+            parent.send(("wait", "p", v))
+            assert parent.recv() == "waiting"
+            until_waited_for(store, "p", v)
+            torch.cuda._sleep(300_000_000)  # ~0.15 s: the copies run well after the report
+            writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
+            assert parent.recv() == ("ok", v)  # the reader checks every byte
+        assert reports, "the writer reported no progress to the waiting reader"
 
 
 @pytest.mark.parametrize("memory", ["host", "cuda"])

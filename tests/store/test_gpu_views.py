@@ -79,24 +79,18 @@ def test_a_gpu_views_lease_outlives_the_kernels_queued_on_it():
 def test_gpu_views_in_another_process():
     from tests.store import _gpu_procs
 
-    with tidal.store.connect(keep=1) as store:
-        writer = tidal.store.connect(store.address)
-        proc, parent = _gpu_procs.start_reader(store.address)
-        try:
-            for v in range(5):
-                torch.cuda._sleep(100_000_000)  # the writer's copies run after its commit
-                writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
-                parent.send(("view", "p", v))
-                assert parent.recv() == ("ok", v)
-            _until_released(store)
-            assert testing.device_allocations(writer) == 2 * 4  # the ring of keep + 1 only
-            parent.send(None)
-            proc.join(60)
-            assert proc.exitcode == 0
-        finally:
-            writer.close()
-            if proc.is_alive():
-                proc.kill()
+    with (
+        tidal.store.connect(keep=1) as store,
+        tidal.store.connect(store.address) as writer,
+        _gpu_procs.reader_process(store.address) as parent,
+    ):
+        for v in range(5):
+            torch.cuda._sleep(100_000_000)  # the writer's copies run after its commit
+            writer.put_state_dict(_gpu_procs.payload(v), "p", version=v, memory="cuda")
+            parent.send(("view", "p", v))
+            assert parent.recv() == ("ok", v)
+        _until_released(store)
+        assert testing.device_allocations(writer) == 2 * 4  # the ring of keep + 1 only
 
 
 def test_a_versions_slots_share_a_few_allocations():

@@ -110,10 +110,8 @@ class Stager:
             # GPU staging slots are filled on a stream of this thread's own: on the thread's
             # default stream the reads would queue behind the generator's decode steps, and
             # their closing synchronize would wait for those too.
-            own = self._device.type == "cuda" and any(
-                _local(t).is_cuda for t in self.staging.values()
-            )
-            with torch.cuda.stream(torch.cuda.Stream(self._device) if own else None):
+            on_gpu = _local(next(iter(self.staging.values()))).is_cuda
+            with torch.cuda.stream(torch.cuda.Stream(self._device) if on_gpu else None):
                 self._loop()
         except BaseException as e:  # reported by the next swap, in the generator's thread
             with self._cv:

@@ -39,11 +39,12 @@ for with a plain stream synchronize before its lease is released. The event's la
 follows every earlier put (one copy stream), so a reader never copies bytes still being
 written. On the H200 the put's host wait for its own copies was 1.1 ms of a 3.1 ms
 put. A streaming reader (``get(..., wait=)`` already waiting) copies each slot once the
-writer reported it, and waits for the writer's event first too: a put with reserved slots
-(a key's third put on) queues all its copies before it learns that a reader streams, then
-reports every slot at once, before the copies ran. A put without reserved slots copies
-slot by slot and waits, so its reports come after the bytes. ``put_async`` and friends
-wait for the copies before their future is done (tidal/store/streams.py).
+writer reported it, and waits for the writer's event at the first report: a put with
+reserved slots (a key's third put on) queues all its copies and records its event before it
+learns that a reader streams, then reports every slot at once, before the copies ran. A put
+without reserved slots copies slot by slot and waits, so its reports come after the bytes.
+``put_async`` and friends wait for the copies before their future is done
+(tidal/store/streams.py).
 
 CUDA runtime calls go through ``ctypes`` to the ``libcudart`` that torch loaded
 (tidal/store/transports/cuda_runtime.py); no extension is compiled.
@@ -255,12 +256,13 @@ class CudaIpcTransport:
             if gate is None:
                 devices |= self._copy(vol, jobs)
             else:  # a streaming read: each slot once the writer reported it
-                for job in jobs:
+                for i, job in enumerate(jobs):
                     gate(job.slot)
                     self._open(vol, [job])  # a slot's handle is registered before it is written
-                    # A writer with its slots reserved queues every copy and reports them
-                    # all at once, before they ran: its event says when they did.
-                    _await_writer(self._events(vol), self._timeout, f"volume {vol['id']!r}")
+                    if i == 0:  # a writer with its slots reserved queues every copy, records
+                        # its event, then reports them all at once, before they ran; one that
+                        # reports slot by slot does so once each slot's copies are done
+                        _await_writer(self._events(vol), self._timeout, f"volume {vol['id']!r}")
                     # into host memory: a synchronous copy
                     job.dst.copy_(self._source(vol, job), non_blocking=job.dst.is_cuda)
         for d in devices:

@@ -74,8 +74,10 @@ def main() -> None:
             try:
                 with sdpa_kernel([backend]):
                     fwd = time_us(lambda gqa=gqa: run(q, k, v, gqa), args.iters, dev) / 1e3
-                    both = time_us(lambda gqa=gqa: run(q, k, v, gqa).backward(grad), args.iters,
-                                   dev) / 1e3  # fmt: skip
+                    both = (
+                        time_us(lambda gqa=gqa: run(q, k, v, gqa).backward(grad), args.iters, dev)
+                        / 1e3
+                    )
             except RuntimeError as e:
                 print(f"{name:<10} {gqa:<7} not available: {str(e).splitlines()[0][:80]}")
                 continue

@@ -152,15 +152,16 @@ def run_tidal(args, mode: str) -> dict:
             keep_latest_k=2,
             async_mode=mode,
             checksums=not args.no_checksums,
-        ),  # fmt: skip
+        ),
     )
     vocab = get_flavor(args.flavor).vocab_size
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, (max_steps + 2) * args.batch * args.seq + 1)
     loader = PackedLoader(tokens, np.array([0]), seq_len=args.seq, batch_size=args.batch, seed=0)
     tok = SimpleNamespace(vocab_size=vocab, bos_id=0, eos_id=1)
-    trainer = Trainer(cfg, data=DataBundle(tokenizer=tok, train=loader, val=None),
-                      log=lambda *a: None)  # fmt: skip
+    trainer = Trainer(
+        cfg, data=DataBundle(tokenizer=tok, train=loader, val=None), log=lambda *a: None
+    )
     ckpt, device = trainer.checkpoint, trainer.device
     if ckpt.staging is not None and args.pinned_writer == "thread":
         from tidal.train.checkpoint.staging import PinnedStaging
@@ -224,8 +225,14 @@ def run_tidal(args, mode: str) -> dict:
         copy_s = statistics.median(copies)
         del flat
 
-    plan = plan_load(cfg.checkpoint, out, trainer.args, args.flavor, total_steps=max_steps + 1,
-                     log=lambda *a: None)  # fmt: skip
+    plan = plan_load(
+        cfg.checkpoint,
+        out,
+        trainer.args,
+        args.flavor,
+        total_steps=max_steps + 1,
+        log=lambda *a: None,
+    )
     assert plan is not None
     start = time.perf_counter()
     ckpt.load(plan)
@@ -286,9 +293,11 @@ def run_torchtitan(args) -> list[dict]:
     tokens = args.batch * args.seq
     folder = Path(args.folder)
     modes = [m for m in args.torchtitan_modes.split(",") if m]
-    common = (f"--model.flavor {flavor} --training.local_batch_size {args.batch} "
-              f"--training.seq_len {args.seq} --metrics.log_freq 1 --checkpoint.enable "
-              f"--checkpoint.keep_latest_k 2 --checkpoint.no_last_save_model_only")  # fmt: skip
+    common = (
+        f"--model.flavor {flavor} --training.local_batch_size {args.batch} "
+        f"--training.seq_len {args.seq} --metrics.log_freq 1 --checkpoint.enable "
+        f"--checkpoint.keep_latest_k 2 --checkpoint.no_last_save_model_only"
+    )
     runs = []
     for mode in modes:
         # torchtitan saves at step % interval == 0 (and, synchronously, at its last step,
@@ -315,8 +324,10 @@ def run_torchtitan(args) -> list[dict]:
             if loads and results and "error" not in results[0]:
                 results[0]["load_s"] = loads[-1]
             continue
-        times = {int(m.group(1)): tokens / float(m.group(2).replace(",", ""))
-                 for m in STEP_RE.finditer(log)}  # fmt: skip
+        times = {
+            int(m.group(1)): tokens / float(m.group(2).replace(",", ""))
+            for m in STEP_RE.finditer(log)
+        }
         calls = [float(x) for x in SAVE_RE.findall(log)][: args.saves]  # not the last step's
         if len(times) < steps or not calls:
             tail = (log or proc.stdout + proc.stderr)[-3000:]
@@ -334,13 +345,19 @@ def run_torchtitan(args) -> list[dict]:
         n = args.interval
         background = [float(x) for x in BG_RE.findall(log)][: args.saves]
         steady = blocked[1:] or blocked
-        results.append({
-            "system": "torchtitan", "mode": mode, "ordinary_step_s": ordinary,
-            "first_stall_s": blocked[0], "blocked_s": statistics.fmean(steady),
-            "noise_s": spread * (n + n * n / len(quiet)) ** 0.5,
-            "first_call_s": calls[0], "call_s": statistics.fmean(calls[1:] or calls),
-            "total_s": statistics.fmean(background[1:] or background) if background else None,
-        })  # fmt: skip
+        results.append(
+            {
+                "system": "torchtitan",
+                "mode": mode,
+                "ordinary_step_s": ordinary,
+                "first_stall_s": blocked[0],
+                "blocked_s": statistics.fmean(steady),
+                "noise_s": spread * (n + n * n / len(quiet)) ** 0.5,
+                "first_call_s": calls[0],
+                "call_s": statistics.fmean(calls[1:] or calls),
+                "total_s": statistics.fmean(background[1:] or background) if background else None,
+            }
+        )
         if mode != "disabled":  # the synchronous run's folder is resumed by the load run
             shutil.rmtree(folder / f"tt_{mode}", ignore_errors=True)
     shutil.rmtree(folder / "tt_disabled", ignore_errors=True)
@@ -359,10 +376,12 @@ def fmt(r: dict) -> str:
         sees = f"step sees {s('stall_s')} +-{r['noise_s']:.3f} (waited {s('wait_s')}, "
     else:  # torchtitan: a wait for the previous save, if any, included
         sees = f"step sees {s('blocked_s')} +-{r['noise_s']:.3f} ("
-    line = (f"{r['system']:10s} {r['mode']:22s} {sees}call {s('call_s')})  total "
-            f"{s('total_s')}  first save: call {s('first_call_s')}, step sees "
-            f"{s('first_stall_s')}  load {s('load_s')}  ordinary step "
-            f"{s('ordinary_step_s')}")  # fmt: skip
+    line = (
+        f"{r['system']:10s} {r['mode']:22s} {sees}call {s('call_s')})  total "
+        f"{s('total_s')}  first save: call {s('first_call_s')}, step sees "
+        f"{s('first_stall_s')}  load {s('load_s')}  ordinary step "
+        f"{s('ordinary_step_s')}"
+    )
     if r.get("bytes"):
         line += f"  {r['bytes'] / 1e9:.2f} GB"
     if r.get("checksum_s") is not None:
@@ -384,10 +403,12 @@ def report_pinned(r: dict) -> None:
         verdict = "NOT met"
     else:
         verdict = "not resolved: the noise spans the target"
-    print(f"\npinned save ({r['pinned_writer']} writer, --sync {r['sync']}): the step sees "
-          f"{r['stall_s']:.3f}s +-{r['noise_s']:.3f}; the device-to-host copy of its "
-          f"{gb:.2f} GB alone takes {r['copy_s']:.3f}s ({gb / r['copy_s']:.1f} GB/s); ratio "
-          f"{ratio:.2f}x +-{noise:.2f} (target <= 1.2x): {verdict}")  # fmt: skip
+    print(
+        f"\npinned save ({r['pinned_writer']} writer, --sync {r['sync']}): the step sees "
+        f"{r['stall_s']:.3f}s +-{r['noise_s']:.3f}; the device-to-host copy of its "
+        f"{gb:.2f} GB alone takes {r['copy_s']:.3f}s ({gb / r['copy_s']:.1f} GB/s); ratio "
+        f"{ratio:.2f}x +-{noise:.2f} (target <= 1.2x): {verdict}"
+    )
     print(
         f"  first save (allocates and pins {gb:.2f} GB of staging): call "
         f"{r['first_call_s']:.3f}s, the step sees {r['first_stall_s']:.3f}s"
@@ -416,23 +437,43 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--device", default="auto")
-    p.add_argument("--interval", type=int, default=150,
-                   help="steps between saves (longer than a save's write, for a steady state; "
-                   "torchtitan also saves first after this many steps)")  # fmt: skip
-    p.add_argument("--first", type=int, default=None,
-                   help="tidal: the step of the first save (default --interval); the steps "
-                   "before it (from the third) give the ordinary step time")  # fmt: skip
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=150,
+        help="steps between saves (longer than a save's write, for a steady state; "
+        "torchtitan also saves first after this many steps)",
+    )
+    p.add_argument(
+        "--first",
+        type=int,
+        default=None,
+        help="tidal: the step of the first save (default --interval); the steps "
+        "before it (from the third) give the ordinary step time",
+    )
     p.add_argument("--saves", type=int, default=2)
-    p.add_argument("--sync", choices=("stream", "device"), default="stream",
-                   help="what a step waits for at its end: the compute stream, as the trainer "
-                   "does, or every stream of the device (the staging copy too)")  # fmt: skip
-    p.add_argument("--max-tail", type=int, default=None,
-                   help="tidal: at most this many steps after the last save while its write "
-                   "goes on (default 4 x --interval)")  # fmt: skip
+    p.add_argument(
+        "--sync",
+        choices=("stream", "device"),
+        default="stream",
+        help="what a step waits for at its end: the compute stream, as the trainer "
+        "does, or every stream of the device (the staging copy too)",
+    )
+    p.add_argument(
+        "--max-tail",
+        type=int,
+        default=None,
+        help="tidal: at most this many steps after the last save while its write "
+        "goes on (default 4 x --interval)",
+    )
     p.add_argument("--modes", default=",".join(MODES), help="tidal's modes, or none")
-    p.add_argument("--pinned-writer", choices=("process", "thread"), default="process",
-                   help="who writes the pinned mode's bytes: the writer process (tidal's "
-                   "default) or, to compare, a thread of the trainer as before")  # fmt: skip
+    p.add_argument(
+        "--pinned-writer",
+        choices=("process", "thread"),
+        default="process",
+        help="who writes the pinned mode's bytes: the writer process (tidal's "
+        "default) or, to compare, a thread of the trainer as before",
+    )
     p.add_argument(
         "--no-checksums",
         action="store_true",
@@ -470,8 +511,9 @@ def main() -> None:
             results.append(json.loads(lines[-1][7:]))
         print(fmt(results[-1]), flush=True)
 
-    pinned = next((r for r in results if r["mode"] == "async_with_pinned_mem"
-                   and "error" not in r), None)  # fmt: skip
+    pinned = next(
+        (r for r in results if r["mode"] == "async_with_pinned_mem" and "error" not in r), None
+    )
     if pinned is not None:
         report_pinned(pinned)
     if args.torchtitan:
@@ -489,8 +531,7 @@ def main() -> None:
             if not (a and b):
                 continue
             parts = []
-            for key, name in (("blocked_s", "step sees"), ("total_s", "total"),
-                              ("load_s", "load")):  # fmt: skip
+            for key, name in (("blocked_s", "step sees"), ("total_s", "total"), ("load_s", "load")):
                 if a.get(key) and b.get(key):
                     parts.append(f"{name} {a[key] / b[key]:.2f}x")
             print(f"  {mode:22s} " + ", ".join(parts))

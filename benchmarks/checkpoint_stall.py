@@ -65,9 +65,16 @@ def baseline(x: torch.Tensor, y: torch.Tensor, n: int = 40) -> float:
     return statistics.median(block(x, y) for _ in range(n))
 
 
-def one_save(kind: str, staged: dict, staging: PinnedStaging, writer: WriterProcess,
-             folder: Path, x: torch.Tensor, y: torch.Tensor, pin: tuple[int, int] | None,
-             ) -> dict:  # fmt: skip
+def one_save(
+    kind: str,
+    staged: dict,
+    staging: PinnedStaging,
+    writer: WriterProcess,
+    folder: Path,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    pin: tuple[int, int] | None,
+) -> dict:
     """Save `staged` in the background with writer `kind` while the loop runs."""
     base = baseline(x, y)
     partial = folder / f"{kind}.partial"
@@ -105,8 +112,14 @@ def one_save(kind: str, staged: dict, staging: PinnedStaging, writer: WriterProc
     # The loop never sleeps: wall time neither on a CPU nor waiting in the run queue is time
     # blocked on a lock, i.e. waiting for the GIL.
     gil = sum(blocks) - (cpu1 - cpu0) - (queued1 - queued0)
-    return {"stall_s": stall, "write_s": seconds[0], "blocks": len(blocks), "base_s": base,
-            "gil_s": gil, "queued_s": queued1 - queued0}  # fmt: skip
+    return {
+        "stall_s": stall,
+        "write_s": seconds[0],
+        "blocks": len(blocks),
+        "base_s": base,
+        "gil_s": gil,
+        "queued_s": queued1 - queued0,
+    }
 
 
 def main() -> None:
@@ -117,10 +130,11 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="saves per writer")
     p.add_argument(
-        "--pin", action="store_true",
+        "--pin",
+        action="store_true",
         help="loop on the first allowed CPU, writer (thread or process) on the second: "
         "separates the GIL's share from plain CPU contention on a small machine",
-    )  # fmt: skip
+    )
     p.add_argument("--folder", default=None, help="where the saves go (default: a temp dir)")
     args = p.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -151,10 +165,13 @@ def main() -> None:
         for kind in ("thread", "process"):
             res = one_save(kind, staged, staging, writer, folder, x, y, pin)
             results[kind].append(res)
-            print(f"save {r} {kind:7s} stall {res['stall_s']:6.3f}s over {res['blocks']:4d} "
-                  f"blocks (block alone {res['base_s'] * 1e3:.2f} ms): waiting for the GIL "
-                  f"{res['gil_s']:6.3f}s, for a CPU {res['queued_s']:6.3f}s; write "
-                  f"{res['write_s']:.2f}s", flush=True)  # fmt: skip
+            print(
+                f"save {r} {kind:7s} stall {res['stall_s']:6.3f}s over {res['blocks']:4d} "
+                f"blocks (block alone {res['base_s'] * 1e3:.2f} ms): waiting for the GIL "
+                f"{res['gil_s']:6.3f}s, for a CPU {res['queued_s']:6.3f}s; write "
+                f"{res['write_s']:.2f}s",
+                flush=True,
+            )
     writer.close()
     staging.close()
     if args.folder is None:
@@ -168,8 +185,10 @@ def main() -> None:
     def summary(kind: str) -> tuple[float, float, str]:
         med, stall = spread(kind, "stall_s")
         gil, gil_text = spread(kind, "gil_s")
-        text = (f"stall {stall}, of it waiting for the GIL {gil_text}, for a CPU "
-                f"{spread(kind, 'queued_s')[1]}; write {spread(kind, 'write_s')[1]}")  # fmt: skip
+        text = (
+            f"stall {stall}, of it waiting for the GIL {gil_text}, for a CPU "
+            f"{spread(kind, 'queued_s')[1]}; write {spread(kind, 'write_s')[1]}"
+        )
         return med, gil, text
 
     old, old_gil, old_text = summary("thread")

@@ -67,16 +67,18 @@ def worker(args) -> None:
 
     out = Path(args.out) / args.worker
     cfg = Config(
-        job=JobConfig(name=f"float8_quality_{args.worker}", output_dir=str(out),
-                      device=args.device),
+        job=JobConfig(
+            name=f"float8_quality_{args.worker}", output_dir=str(out), device=args.device
+        ),
         model=ModelConfig(flavor=args.flavor),
-        training=TrainingConfig(steps=args.steps, batch_size=args.batch, seq_len=args.seq,
-                                compile=args.compile, seed=0),
+        training=TrainingConfig(
+            steps=args.steps, batch_size=args.batch, seq_len=args.seq, compile=args.compile, seed=0
+        ),
         lr_scheduler=SchedulerConfig(warmup_steps=max(1, args.steps // 15)),
         metrics=MetricsConfig(log_every=1, val_every=0),
         sample=SampleConfig(max_new_tokens=0),
         quantize=QuantizeConfig(float8="none" if args.worker == "bf16" else args.worker),
-    )  # fmt: skip
+    )
     cfg.optimizer.lr = args.lr
     cfg = apply_overrides(cfg, [f"--{kv}" for kv in args.set])
     vocab = get_flavor(args.flavor).vocab_size
@@ -92,8 +94,10 @@ def worker(args) -> None:
 
 def smooth(xs: list[float], window: int = WINDOW) -> list[float]:
     """Trailing mean over up to `window` steps."""
-    return [sum(xs[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window))
-            for i in range(len(xs))]  # fmt: skip
+    return [
+        sum(xs[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window))
+        for i in range(len(xs))
+    ]
 
 
 def compare(ref: list[float], got: list[float]) -> dict:
@@ -119,8 +123,9 @@ def plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     ref = curves["bf16"]
     for i, (name, losses) in enumerate(curves.items()):
         color = f"C{i}"  # the same colour for a recipe in both panels
@@ -159,8 +164,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--recipes", default="tensorwise", help="comma list: tensorwise, rowwise")
     p.add_argument("--device", default="auto")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the blocks (default: on CUDA)")  # fmt: skip
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the blocks (default: on CUDA)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     p.add_argument("--out", default=None, help="run folders (default: a fresh temp folder)")
     p.add_argument("--png", default=None, help="the plot (default: OUT/float8_quality.png)")
@@ -187,37 +196,64 @@ def main() -> None:
 
     curves: dict[str, list[float]] = {}
     for name in ["bf16", *recipes]:
-        cmd = [sys.executable, __file__, "--worker", name, "--out", args.out,
-               "--device", args.device, "--flavor", args.flavor, "--batch", str(args.batch),
-               "--seq", str(args.seq), "--steps", str(args.steps), "--lr", str(args.lr),
-               "--compile" if args.compile else "--no-compile",
-               *[f"--set={kv}" for kv in args.set]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--out",
+            args.out,
+            "--device",
+            args.device,
+            "--flavor",
+            args.flavor,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+            "--lr",
+            str(args.lr),
+            "--compile" if args.compile else "--no-compile",
+            *[f"--set={kv}" for kv in args.set],
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         metrics = Path(args.out) / name / "metrics.jsonl"
         if proc.returncode or not metrics.exists():
-            print(f"{name}: failed (exit {proc.returncode})\n{proc.stdout[-2000:]}\n"
-                  f"{proc.stderr[-4000:]}", flush=True)  # fmt: skip
+            print(
+                f"{name}: failed (exit {proc.returncode})\n{proc.stdout[-2000:]}\n"
+                f"{proc.stderr[-4000:]}",
+                flush=True,
+            )
             sys.exit(1)
         records = [json.loads(x) for x in metrics.read_text().splitlines()]
         curves[name] = [r["loss"] for r in records if "loss" in r]
         last = records[-1]
-        print(f"{name:10s} loss step 1 {curves[name][0]:.4f} -> step {len(curves[name])} "
-              f"{curves[name][-1]:.4f}  tok/s {last['tokens_per_s']:,.0f}  "
-              f"peak {last['peak_memory_gib']:.2f} GiB", flush=True)  # fmt: skip
+        print(
+            f"{name:10s} loss step 1 {curves[name][0]:.4f} -> step {len(curves[name])} "
+            f"{curves[name][-1]:.4f}  tok/s {last['tokens_per_s']:,.0f}  "
+            f"peak {last['peak_memory_gib']:.2f} GiB",
+            flush=True,
+        )
 
     base = "bf16" if args.device != "cpu" else "bf16 (fp32 on CPU)"
-    print(f"\nfloat8 against {base}, {args.flavor}, batch {args.batch} x {args.seq}, "
-          f"{args.steps} steps (final: mean of the last {WINDOW}; target gap <= "
-          f"{100 * TARGET:.0f}%):")  # fmt: skip
+    print(
+        f"\nfloat8 against {base}, {args.flavor}, batch {args.batch} x {args.seq}, "
+        f"{args.steps} steps (final: mean of the last {WINDOW}; target gap <= "
+        f"{100 * TARGET:.0f}%):"
+    )
     figures = {}
     for name in recipes:
         f = figures[name] = compare(curves["bf16"], curves[name])
         ok = lambda x: "within" if x <= TARGET else "OUTSIDE"  # noqa: E731
-        print(f"  {name:10s} final {f['final_float8']:.4f} vs bf16 {f['final_bf16']:.4f} "
-              f"({100 * (f['final_float8'] / f['final_bf16'] - 1):+.2f}%)   max gap raw "
-              f"{100 * f['max_rel_gap']:.2f}% ({ok(f['max_rel_gap'])} 1%), smoothed "
-              f"{100 * f['max_rel_gap_smoothed']:.2f}% "
-              f"({ok(f['max_rel_gap_smoothed'])} 1%)")  # fmt: skip
+        print(
+            f"  {name:10s} final {f['final_float8']:.4f} vs bf16 {f['final_bf16']:.4f} "
+            f"({100 * (f['final_float8'] / f['final_bf16'] - 1):+.2f}%)   max gap raw "
+            f"{100 * f['max_rel_gap']:.2f}% ({ok(f['max_rel_gap'])} 1%), smoothed "
+            f"{100 * f['max_rel_gap_smoothed']:.2f}% "
+            f"({ok(f['max_rel_gap_smoothed'])} 1%)"
+        )
     png = Path(args.png) if args.png else Path(args.out) / "float8_quality.png"
     plot(
         curves,

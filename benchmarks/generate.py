@@ -116,10 +116,14 @@ def ragged(params, prompts: list[list[int]], new_tokens: int):
     import dataclasses
 
     n = len(prompts)
-    cut = [p[: max(1, len(p) // 2 + (len(p) - len(p) // 2) * i // max(n - 1, 1))]
-           for i, p in enumerate(prompts)]  # fmt: skip
-    return cut, [dataclasses.replace(params, max_new_tokens=max(1, new_tokens * (i + 1) // n))
-                 for i in range(n)]  # fmt: skip
+    cut = [
+        p[: max(1, len(p) // 2 + (len(p) - len(p) // 2) * i // max(n - 1, 1))]
+        for i, p in enumerate(prompts)
+    ]
+    return cut, [
+        dataclasses.replace(params, max_new_tokens=max(1, new_tokens * (i + 1) // n))
+        for i in range(n)
+    ]
 
 
 @contextlib.contextmanager
@@ -217,8 +221,10 @@ def _beside(label: str, t: dict | None, other: dict | None, ratio: Callable[[flo
     """Another configuration's figures beside tidal's on one line, with ratio(tidal / it)."""
     if other is None:
         return f" | {label} FAILED"
-    out = (f" | {label} {other['new_tokens_per_s']:,.0f} tok/s, "
-           f"{other['decode_ms_per_step']:.2f} ms/step")  # fmt: skip
+    out = (
+        f" | {label} {other['new_tokens_per_s']:,.0f} tok/s, "
+        f"{other['decode_ms_per_step']:.2f} ms/step"
+    )
     if t is not None:
         out += f" ({ratio(t['new_tokens_per_s'] / other['new_tokens_per_s'])})"
     return out
@@ -242,8 +248,11 @@ def profile_step(gen, batch: int, variant: str, steps: int = 20) -> dict:
                 for _ in range(steps):
                     step(batch)
                 torch.cuda.synchronize()
-        found = [(e.key, e.count / steps, e.self_device_time_total / steps)
-                 for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # fmt: skip
+        found = [
+            (e.key, e.count / steps, e.self_device_time_total / steps)
+            for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA
+        ]
     except Exception as e:  # the documented fallback above
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"}
@@ -263,18 +272,29 @@ def run_hf(args, batch: int, mode: str, device: torch.device) -> dict | None:
     from tidal.models import get_flavor
 
     a = get_flavor(args.flavor)
-    cfg = LlamaConfig(hidden_size=a.dim, intermediate_size=a.ffn_dim, num_hidden_layers=a.n_layers,
-                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
-                      vocab_size=a.vocab_size, rope_theta=a.rope_theta,
-                      max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps,
-                      tie_word_embeddings=a.tie_embeddings)  # fmt: skip
+    cfg = LlamaConfig(
+        hidden_size=a.dim,
+        intermediate_size=a.ffn_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        vocab_size=a.vocab_size,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_seq_len,
+        rms_norm_eps=a.norm_eps,
+        tie_word_embeddings=a.tie_embeddings,
+    )
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     ids = torch.randint(0, a.vocab_size, (batch, args.prompt_len), device=device)
-    kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-              do_sample=mode == "sampled", pad_token_id=0)  # fmt: skip
+    kw = dict(
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=mode == "sampled",
+        pad_token_id=0,
+    )
     if mode == "sampled":
         kw.update(temperature=1.0, top_p=args.top_p, top_k=0)
     with torch.no_grad():
@@ -336,21 +356,36 @@ def main() -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="for the sampled mode")
     p.add_argument("--no-batch-invariant", action="store_true", help="skip the mode's runs")
     p.add_argument("--no-hf", action="store_true", help="skip transformers even if importable")
-    p.add_argument("--tune-kernels", action="store_true",
-                   help="GeneratorConfig.tune_kernels (coordinate-descent tuning of the compiled "
-                   "decode step)")  # fmt: skip
-    p.add_argument("--compile-scope", default="step", choices=["step", "blocks"],
-                   help="GeneratorConfig.compile_scope: the whole decode step per bucket and "
-                   "sampler, or one block shared by every layer (docs/generate.md)")  # fmt: skip
-    p.add_argument("--plain-sampler", action="store_true",
-                   help="also time each normal-mode configuration with the baseline sampler "
-                   "of benchmarks/sampler.py (the one before row_stats)")  # fmt: skip
+    p.add_argument(
+        "--tune-kernels",
+        action="store_true",
+        help="GeneratorConfig.tune_kernels (coordinate-descent tuning of the compiled decode step)",
+    )
+    p.add_argument(
+        "--compile-scope",
+        default="step",
+        choices=["step", "blocks"],
+        help="GeneratorConfig.compile_scope: the whole decode step per bucket and "
+        "sampler, or one block shared by every layer (docs/generate.md)",
+    )
+    p.add_argument(
+        "--plain-sampler",
+        action="store_true",
+        help="also time each normal-mode configuration with the baseline sampler "
+        "of benchmarks/sampler.py (the one before row_stats)",
+    )
     p.add_argument("--check-every", type=int, default=8, help="GeneratorConfig.check_every")
-    p.add_argument("--ragged", action="store_true",
-                   help="rows of spread prompt lengths and new tokens: continuous batching "
-                   "moves them through every batch bucket")  # fmt: skip
-    p.add_argument("--profile", action="store_true",
-                   help="print the CUDA kernels of each configuration's decode step")  # fmt: skip
+    p.add_argument(
+        "--ragged",
+        action="store_true",
+        help="rows of spread prompt lengths and new tokens: continuous batching "
+        "moves them through every batch bucket",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the CUDA kernels of each configuration's decode step",
+    )
     p.add_argument("--hbm-gbps", type=float, default=4800.0, help="HBM bandwidth (H200: 4800)")
     p.add_argument("--score-batch", type=int, default=4)
     p.add_argument("--score-len", type=int, default=1024)
@@ -367,14 +402,21 @@ def main() -> None:
     model = build_model(args, device)
     n_params = sum(p.numel() for p in model.parameters())
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"{args.flavor}: {n_params / 1e9:.2f}B parameters, {args.dtype}, {where}, "
-          f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompts "
-          f"{args.prompt_len} + {args.new_tokens} new tokens"
-          f"{' (ragged: down to half and 1/batch)' if args.ragged else ''}, compile scope "
-          f"{args.compile_scope}")  # fmt: skip
-    results: dict = {"flavor": args.flavor, "device": where, "dtype": args.dtype,
-                     "compile_scope": args.compile_scope, "ragged": args.ragged,
-                     "runs": []}  # fmt: skip
+    print(
+        f"{args.flavor}: {n_params / 1e9:.2f}B parameters, {args.dtype}, {where}, "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompts "
+        f"{args.prompt_len} + {args.new_tokens} new tokens"
+        f"{' (ragged: down to half and 1/batch)' if args.ragged else ''}, compile scope "
+        f"{args.compile_scope}"
+    )
+    results: dict = {
+        "flavor": args.flavor,
+        "device": where,
+        "dtype": args.dtype,
+        "compile_scope": args.compile_scope,
+        "ragged": args.ragged,
+        "runs": [],
+    }
     failures: list[str] = []
     for batch in args.batches:
         for mode in args.modes:
@@ -402,9 +444,11 @@ def main() -> None:
         score = attempt(failures, "trainer logprobs", run_score, model, args)
         results["score"] = score
         if score is not None and "error" not in score:
-            print(f"trainer logprobs fwd+bwd {args.score_batch}x{args.score_len}: normal "
-                  f"{1e3 * score['normal']:.1f} ms, batch-invariant "
-                  f"{1e3 * score['batch_invariant']:.1f} ms ({score['ratio']:.2f}x)")  # fmt: skip
+            print(
+                f"trainer logprobs fwd+bwd {args.score_batch}x{args.score_len}: normal "
+                f"{1e3 * score['normal']:.1f} ms, batch-invariant "
+                f"{1e3 * score['batch_invariant']:.1f} ms ({score['ratio']:.2f}x)"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
@@ -427,21 +471,27 @@ def print_row(row: dict) -> None:
     if t is None:
         line += "FAILED"
     else:
-        line += (f"{t['new_tokens_per_s']:>10,.0f} new tok/s, decode "
-                 f"{t['decode_ms_per_step']:7.2f} ms/step, prefill+setup "
-                 f"{1e3 * t['prefill_and_setup_s']:.1f} ms, warm-up {t['warmup_s']:.1f} s "
-                 f"({t['warmup_graphs']} graphs, {t['graphs_captured']} CUDA graphs)")  # fmt: skip
+        line += (
+            f"{t['new_tokens_per_s']:>10,.0f} new tok/s, decode "
+            f"{t['decode_ms_per_step']:7.2f} ms/step, prefill+setup "
+            f"{1e3 * t['prefill_and_setup_s']:.1f} ms, warm-up {t['warmup_s']:.1f} s "
+            f"({t['warmup_graphs']} graphs, {t['graphs_captured']} CUDA graphs)"
+        )
         if t["compiles_after_warmup"]:
-            line += (f" (WARNING: {t['compiles_after_warmup']} compile(s)/capture(s) after "
-                     f"the warm-up)")  # fmt: skip
+            line += (
+                f" (WARNING: {t['compiles_after_warmup']} compile(s)/capture(s) after the warm-up)"
+            )
         if "hbm_bound_ms" in row:
             bound = row["hbm_bound_ms"]
-            line += (f" (HBM bound {bound['weights']:.2f} ms weights, "
-                     f"{bound['weights_and_kv']:.2f} ms with KV: "
-                     f"{t['decode_ms_per_step'] / bound['weights_and_kv']:.2f}x)")  # fmt: skip
+            line += (
+                f" (HBM bound {bound['weights']:.2f} ms weights, "
+                f"{bound['weights_and_kv']:.2f} ms with KV: "
+                f"{t['decode_ms_per_step'] / bound['weights_and_kv']:.2f}x)"
+            )
     if "transformers" in row:
-        line += " | transformers " + ("FAILED" if h is None else
-                                      f"{h['new_tokens_per_s']:,.0f} tok/s")  # fmt: skip
+        line += " | transformers " + (
+            "FAILED" if h is None else f"{h['new_tokens_per_s']:,.0f} tok/s"
+        )
         if t is not None and h is not None:
             line += f", tidal/transformers {t['new_tokens_per_s'] / h['new_tokens_per_s']:.1f}x"
     if "batch_invariant" in row:
@@ -457,8 +507,10 @@ def print_row(row: dict) -> None:
         if "error" in k:
             print(f"  {name} decode step kernels: profiling FAILED: {k['error']}")
             continue
-        print(f"  {name} decode step kernels: {k['us_per_step']:.1f} us in "
-              f"{k['launches_per_step']:.0f} launches per step; the longest:")  # fmt: skip
+        print(
+            f"  {name} decode step kernels: {k['us_per_step']:.1f} us in "
+            f"{k['launches_per_step']:.0f} launches per step; the longest:"
+        )
         for e in k["top"]:
             print(f"    {e['us']:8.1f} us {e['per_step']:5.1f}x  {e['kernel'][:110]}")
 

@@ -40,16 +40,23 @@ def layouts(n: int) -> dict[str, list[str]]:
         "fsdp": [f"parallelism.dp_shard={n}"],
         "hsdp": ["parallelism.dp_replicate=2", f"parallelism.dp_shard={half}"],
         "tp2_fsdp": ["parallelism.tp=2", f"parallelism.dp_shard={half}"],
-        "pp2_fsdp": ["parallelism.pp=2", f"parallelism.dp_shard={half}",
-                     "parallelism.pp_schedule=1F1B", "parallelism.pp_microbatches=2"],
+        "pp2_fsdp": [
+            "parallelism.pp=2",
+            f"parallelism.dp_shard={half}",
+            "parallelism.pp_schedule=1F1B",
+            "parallelism.pp_microbatches=2",
+        ],
         "cp2_fsdp": ["parallelism.cp=2", f"parallelism.dp_shard={half}"],
-    }  # fmt: skip
+    }
 
 
 def dp_degree(overrides: list[str], n: int) -> int:
     d = dict(kv.split("=", 1) for kv in overrides)
-    return n // (int(d.get("parallelism.tp", 1)) * int(d.get("parallelism.pp", 1))
-                 * int(d.get("parallelism.cp", 1)))  # fmt: skip
+    return n // (
+        int(d.get("parallelism.tp", 1))
+        * int(d.get("parallelism.pp", 1))
+        * int(d.get("parallelism.cp", 1))
+    )
 
 
 def markov_tokens(vocab: int, n: int, successors: int = 4, seed: int = 0):
@@ -82,7 +89,7 @@ def worker(args) -> None:
         SampleConfig,
         SchedulerConfig,
         TrainingConfig,
-    )  # fmt: skip
+    )
     from tidal.train.config_parse import apply_overrides
     from tidal.train.data import DataBundle, PackedLoader
     from tidal.train.trainer import Trainer
@@ -94,20 +101,31 @@ def worker(args) -> None:
     cfg = Config(
         job=JobConfig(name=args.worker, output_dir=str(out), device=args.device),
         model=ModelConfig(flavor=args.flavor),
-        training=TrainingConfig(steps=args.steps, batch_size=args.global_batch // dp,
-                                seq_len=args.seq, deterministic=True, seed=0),
+        training=TrainingConfig(
+            steps=args.steps,
+            batch_size=args.global_batch // dp,
+            seq_len=args.seq,
+            deterministic=True,
+            seed=0,
+        ),
         lr_scheduler=SchedulerConfig(warmup_steps=2),
         metrics=MetricsConfig(log_every=1, val_every=0),
         sample=SampleConfig(max_new_tokens=0),
-    )  # fmt: skip
+    )
     cfg = apply_overrides(cfg, [f"--{kv}" for kv in overrides])
     vocab = get_flavor(args.flavor).vocab_size
     tokens = markov_tokens(vocab, (args.steps + 1) * args.global_batch * args.seq + 1)
 
     def data(dp_rank: int, dp_world: int) -> DataBundle:
-        loader = PackedLoader(tokens, np.array([0]), seq_len=args.seq,
-                              batch_size=args.global_batch // dp_world, seed=0,
-                              dp_rank=dp_rank, dp_world=dp_world)  # fmt: skip
+        loader = PackedLoader(
+            tokens,
+            np.array([0]),
+            seq_len=args.seq,
+            batch_size=args.global_batch // dp_world,
+            seed=0,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+        )
         from types import SimpleNamespace
 
         tok = SimpleNamespace(vocab_size=vocab, bos_id=0, eos_id=1)
@@ -123,17 +141,28 @@ def worker(args) -> None:
 def run_parity(args) -> dict[str, list[float]]:
     losses = {}
     for name in layouts(args.gpus):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.gpus}", __file__, "--worker", name,
-               *sys.argv[1:]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.gpus}",
+            __file__,
+            "--worker",
+            name,
+            *sys.argv[1:],
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         metrics = Path(args.out) / name / "metrics.jsonl"
         if proc.returncode or not metrics.exists():
             print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
         losses[name] = [json.loads(x)["loss"] for x in metrics.read_text().splitlines()]
-        print(f"{name:10s} loss step 1 {losses[name][0]:.4f} -> step {len(losses[name])} "
-              f"{losses[name][-1]:.4f}", flush=True)  # fmt: skip
+        print(
+            f"{name:10s} loss step 1 {losses[name][0]:.4f} -> step {len(losses[name])} "
+            f"{losses[name][-1]:.4f}",
+            flush=True,
+        )
     ref = losses.get("fsdp")
     if ref:
         print(f"\nparity against fsdp over {len(ref)} steps (max |loss - loss_fsdp|):")
@@ -148,8 +177,18 @@ def run_throughput(args) -> None:
     """FSDP over all GPUs and FSDP x TP 2, compiled, each beside torchtitan on the same layout
     (train_throughput.py prints both and the per-device ratios)."""
     script = str(HERE / "train_throughput.py")
-    base = [sys.executable, script, "--ranks", str(args.gpus), "--modes", "compile",
-            "--device", args.device, "--flavor", args.flavor]  # fmt: skip
+    base = [
+        sys.executable,
+        script,
+        "--ranks",
+        str(args.gpus),
+        "--modes",
+        "compile",
+        "--device",
+        args.device,
+        "--flavor",
+        args.flavor,
+    ]
     titan = ["--torchtitan", args.torchtitan] if args.torchtitan else []
     print("\n== throughput: FSDP over all GPUs, compiled", flush=True)
     subprocess.run(base + titan)

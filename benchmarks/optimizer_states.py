@@ -32,17 +32,27 @@ def run(config: str, state_dtype: str, steps: int, every: int, extra: list[str])
     cfg = apply_overrides(
         get_config(config),
         [
-            "--optimizer.state_dtype", state_dtype, "--training.steps", str(steps),
-            "--metrics.val_every", str(steps), "--sample.max_new_tokens", "0",
-            "--job.output_dir", f"outputs/bench_optimizer_states_{state_dtype}", *extra,
+            "--optimizer.state_dtype",
+            state_dtype,
+            "--training.steps",
+            str(steps),
+            "--metrics.val_every",
+            str(steps),
+            "--sample.max_new_tokens",
+            "0",
+            "--job.output_dir",
+            f"outputs/bench_optimizer_states_{state_dtype}",
+            *extra,
         ],
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, log=lambda *a: None)
     losses = []
     for _ in range(steps):
         trainer.step += 1
-        set_lr(trainer.optimizer, cfg.optimizer.lr * wsd_multiplier(trainer.step, steps,
-                                                                    cfg.lr_scheduler))  # fmt: skip
+        set_lr(
+            trainer.optimizer,
+            cfg.optimizer.lr * wsd_multiplier(trainer.step, steps, cfg.lr_scheduler),
+        )
         batches, n_tokens, _ = trainer.next_batches()
         losses.append(float(trainer.train_step(batches, n_tokens).loss))
     params = sum(p.numel() * p.element_size() for p in trainer.params)
@@ -93,8 +103,10 @@ def main() -> None:
     for key in ("optimizer_state_bytes", "training_state_bytes"):
         a, b = base[key], mine[key]
         print(f"{key + ' (MiB)':28s} {a / mib:14.2f} {b / mib:14.2f} {b / a:7.3f}")
-    print(f"{'moment dtypes':28s} {','.join(base['moment_dtypes']):>14s} "
-          f"{','.join(mine['moment_dtypes']):>14s}")  # fmt: skip
+    print(
+        f"{'moment dtypes':28s} {','.join(base['moment_dtypes']):>14s} "
+        f"{','.join(mine['moment_dtypes']):>14s}"
+    )
     for i in range(args.every - 1, args.steps, args.every):
         a, b = base["losses"][i], mine["losses"][i]
         print(f"{f'loss at step {i + 1}':28s} {a:14.4f} {b:14.4f} {b / a:7.3f}")

@@ -51,8 +51,15 @@ def run(name: str, args: list[str], out: Path, *, timeout: float) -> dict:
     start = time.perf_counter()
     # Streamed, not collected at the end: a run stopped by a time limit (the benchmark's or a
     # device call's) still shows how far it got.
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, bufsize=1,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        bufsize=1,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     watchdog = threading.Timer(timeout, p.kill)
     watchdog.start()
     lines = []
@@ -108,20 +115,31 @@ def run(name: str, args: list[str], out: Path, *, timeout: float) -> dict:
 
 def report(fig: dict) -> None:
     n = fig["name"]
-    print(f"-- {n}: {fig['steps']} steps, {fig['steps_per_hour']:,.0f} steps/hour, command "
-          f"{fig['command_wall_s']:.0f}s")  # fmt: skip
-    print(f"   generator {fig['tokens_per_s_gen']:,.0f} new tokens/s, trainer "
-          f"{fig['tokens_per_s_train']:,.0f} tokens/s")  # fmt: skip
+    print(
+        f"-- {n}: {fig['steps']} steps, {fig['steps_per_hour']:,.0f} steps/hour, command "
+        f"{fig['command_wall_s']:.0f}s"
+    )
+    print(
+        f"   generator {fig['tokens_per_s_gen']:,.0f} new tokens/s, trainer "
+        f"{fig['tokens_per_s_train']:,.0f} tokens/s"
+    )
     for side in ("trainer", "generator"):
         s, top = fig[f"sync_{side}_s"], fig[f"sync_{side}_s_max"]
-        print(f"   weight sync, {side} blocked: {1000 * s:.2f} ms/step (max {1000 * top:.2f}); "
-              f"target {1000 * TARGET_SYNC_S:.0f} ms: {s / TARGET_SYNC_S:.2f}x")  # fmt: skip
-    print(f"   idle share of the loop's wall time: trainer {100 * fig['trainer_idle_frac']:.0f}%, "
-          f"generator {100 * fig['generator_idle_frac']:.0f}%")  # fmt: skip
+        print(
+            f"   weight sync, {side} blocked: {1000 * s:.2f} ms/step (max {1000 * top:.2f}); "
+            f"target {1000 * TARGET_SYNC_S:.0f} ms: {s / TARGET_SYNC_S:.2f}x"
+        )
+    print(
+        f"   idle share of the loop's wall time: trainer {100 * fig['trainer_idle_frac']:.0f}%, "
+        f"generator {100 * fig['generator_idle_frac']:.0f}%"
+    )
     print(f"   reward {fig['reward_first']:.3f} -> {fig['reward_last']:.3f}", end="")
     if "pass1_before" in fig:
-        print(f"; held-out pass@1 {100 * fig['pass1_before']:.1f}% -> "
-              f"{100 * fig['pass1_after']:.1f}%", end="")  # fmt: skip
+        print(
+            f"; held-out pass@1 {100 * fig['pass1_before']:.1f}% -> "
+            f"{100 * fig['pass1_after']:.1f}%",
+            end="",
+        )
     print()
     if "sft" in fig:
         print(f"   {fig['sft']}")
@@ -134,27 +152,70 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes (checks the script)")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("overrides", nargs="*", help="after --: config overrides for every run "
-                   "(e.g. -- --task.eval_problems 8)")  # fmt: skip
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="after --: config overrides for every run (e.g. -- --task.eval_problems 8)",
+    )
     args = p.parse_args()
 
     steps = ["--rl.steps", str(args.steps)] if args.steps else []
     with tempfile.TemporaryDirectory(prefix="tidal-rl-bench-") as tmp:
         cache = ["--policy.cache_dir", str(Path(tmp) / "cache")]  # SFT from scratch
         if args.smoke:
-            cpu = ["--generator.device", "cpu", "--generator.dtype", "fp32", "--job.device",
-                   "cpu", "--rl.eval_every", "0", "--task.eval_problems", "8",
-                   "--checkpoint.enable", "false", "--metrics.plot", "false"]  # fmt: skip
+            cpu = [
+                "--generator.device",
+                "cpu",
+                "--generator.dtype",
+                "fp32",
+                "--job.device",
+                "cpu",
+                "--rl.eval_every",
+                "0",
+                "--task.eval_problems",
+                "8",
+                "--checkpoint.enable",
+                "false",
+                "--metrics.plot",
+                "false",
+            ]
             n = str(args.steps or 3)
-            small = ["--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
-                     "--rollout.max_new_tokens", "16", "--rl.steps", n]  # fmt: skip
+            small = [
+                "--rollout.prompts_per_step",
+                "2",
+                "--rollout.group_size",
+                "4",
+                "--rollout.max_new_tokens",
+                "16",
+                "--rl.steps",
+                n,
+            ]
             runs = {
-                "addition": ["--config", "rl_addition", "--policy.init", "seed",
-                             "--policy.tokenizer", "sft:sft_addition", "--model.flavor",
-                             "debug", "--model.vocab_size", "512", *cpu, *small],
-                "llama3_1b": ["--config", "rl_llama3_1b", "--model.flavor", "tiny",
-                              "--model.vocab_size", "512", *cpu, *small],
-            }  # fmt: skip
+                "addition": [
+                    "--config",
+                    "rl_addition",
+                    "--policy.init",
+                    "seed",
+                    "--policy.tokenizer",
+                    "sft:sft_addition",
+                    "--model.flavor",
+                    "debug",
+                    "--model.vocab_size",
+                    "512",
+                    *cpu,
+                    *small,
+                ],
+                "llama3_1b": [
+                    "--config",
+                    "rl_llama3_1b",
+                    "--model.flavor",
+                    "tiny",
+                    "--model.vocab_size",
+                    "512",
+                    *cpu,
+                    *small,
+                ],
+            }
         else:
             runs = {
                 "addition": ["--config", "rl_addition", *cache, *steps],

@@ -76,8 +76,14 @@ def work_times(steps: list[dict], evals: list[dict], key: str = "elapsed_s") -> 
     return out
 
 
-def summarize(name: str, steps: list[dict], evals: list[dict], step_s: list[float],
-              gen_tokens: list[float], target: float | None) -> dict:  # fmt: skip
+def summarize(
+    name: str,
+    steps: list[dict],
+    evals: list[dict],
+    step_s: list[float],
+    gen_tokens: list[float],
+    target: float | None,
+) -> dict:
     """The figures of one run from its per-step records (the first step left out)."""
     warm = step_s[1:] or step_s
     mean_s = sum(warm) / len(warm)
@@ -103,8 +109,7 @@ def summarize(name: str, steps: list[dict], evals: list[dict], step_s: list[floa
     return fig
 
 
-def tidal_run(bench, name: str, config: str, extra: list[str], out: Path,
-              timeout: float) -> dict:  # fmt: skip
+def tidal_run(bench, name: str, config: str, extra: list[str], out: Path, timeout: float) -> dict:
     fig = bench.run(name, ["--config", config, *extra], out, timeout=timeout)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     fig["records"] = records
@@ -134,8 +139,9 @@ def export_for_trl(config: str, overrides: list[str], folder: Path) -> Path:
     cfg = apply_overrides(get_rl_config(config), overrides)
     src = resolve_policy(cfg, log=lambda _: None)
     assert src.checkpoint is not None, "the SFT warm start was not trained"
-    dcp_to_hf(src.checkpoint, folder / "hf", args=src.args, tokenizer=src.tokenizer,
-              log=lambda _: None)  # fmt: skip
+    dcp_to_hf(
+        src.checkpoint, folder / "hf", args=src.args, tokenizer=src.tokenizer, log=lambda _: None
+    )
     task, r = make_task(cfg), cfg.rollout
 
     def render(problems) -> tuple[list[str], list[list[int]], list]:
@@ -150,14 +156,23 @@ def export_for_trl(config: str, overrides: list[str], folder: Path) -> Path:
     train_text, train_ids, train_refs = render(train)
     eval_text, _, eval_refs = render(task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed))
     run = {
-        "task": cfg.task.name, "task_params": cfg.task.params, "steps": cfg.rl.steps,
-        "prompts_per_step": r.prompts_per_step, "group_size": r.group_size,
-        "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-        "lr": cfg.optimizer.lr, "warmup_steps": cfg.lr_scheduler.warmup_steps,
-        "eval_every": cfg.rl.eval_every, "stop_ids": sorted(src.encoder.stop_ids),
-        "train_text": train_text, "train_ids": train_ids, "train_refs": train_refs,
-        "eval_text": eval_text, "eval_refs": eval_refs,
-    }  # fmt: skip
+        "task": cfg.task.name,
+        "task_params": cfg.task.params,
+        "steps": cfg.rl.steps,
+        "prompts_per_step": r.prompts_per_step,
+        "group_size": r.group_size,
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "lr": cfg.optimizer.lr,
+        "warmup_steps": cfg.lr_scheduler.warmup_steps,
+        "eval_every": cfg.rl.eval_every,
+        "stop_ids": sorted(src.encoder.stop_ids),
+        "train_text": train_text,
+        "train_ids": train_ids,
+        "train_refs": train_refs,
+        "eval_text": eval_text,
+        "eval_refs": eval_refs,
+    }
     path = folder / "problems.json"
     path.write_text(json.dumps(run))
     return path
@@ -165,8 +180,16 @@ def export_for_trl(config: str, overrides: list[str], folder: Path) -> Path:
 
 def trl_run(folder: Path, timeout: float) -> dict | None:
     out = folder / "trl.json"
-    cmd = [sys.executable, str(HERE / "rl_trl.py"), "--hf", str(folder / "hf"),
-           "--problems", str(folder / "problems.json"), "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE / "rl_trl.py"),
+        "--hf",
+        str(folder / "hf"),
+        "--problems",
+        str(folder / "problems.json"),
+        "--json",
+        str(out),
+    ]
     print("== trl: " + " ".join(cmd[1:]), flush=True)
     try:
         p = subprocess.run(cmd, timeout=timeout, text=True, capture_output=True)
@@ -185,17 +208,21 @@ def trl_run(folder: Path, timeout: float) -> dict | None:
 
 def report(figs: list[dict]) -> None:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    print(f"{'run':<16}{'s/step':>8}{'median':>8}{'max':>7}{'steps/h':>9}{'gen tok/s':>11}"
-          f"{'pass@1':>16}{'to target':>11}{'trainer idle':>14}")  # fmt: skip
+    print(
+        f"{'run':<16}{'s/step':>8}{'median':>8}{'max':>7}{'steps/h':>9}{'gen tok/s':>11}"
+        f"{'pass@1':>16}{'to target':>11}{'trainer idle':>14}"
+    )
     for f in figs:
         reach = f.get("time_to_target_s")
         idle = f.get("trainer_idle_frac")
-        print(f"{f['name']:<16}{f['step_s']:>8.3f}{f.get('step_s_median', f['step_s']):>8.3f}"
-              f"{f.get('step_s_max', f['step_s']):>7.2f}{f['steps_per_hour']:>9,.0f}"
-              f"{f['gen_tokens_per_s']:>11,.0f}"
-              f"{pct(f['pass1_before']) + ' -> ' + pct(f['pass1_after']):>16}"
-              f"{'-' if reach is None else f'{reach:.0f}s':>11}"
-              f"{'-' if idle is None else f'{100 * idle:.0f}%':>14}")  # fmt: skip
+        print(
+            f"{f['name']:<16}{f['step_s']:>8.3f}{f.get('step_s_median', f['step_s']):>8.3f}"
+            f"{f.get('step_s_max', f['step_s']):>7.2f}{f['steps_per_hour']:>9,.0f}"
+            f"{f['gen_tokens_per_s']:>11,.0f}"
+            f"{pct(f['pass1_before']) + ' -> ' + pct(f['pass1_after']):>16}"
+            f"{'-' if reach is None else f'{reach:.0f}s':>11}"
+            f"{'-' if idle is None else f'{100 * idle:.0f}%':>14}"
+        )
     by = {f["name"]: f for f in figs}
     sync = by.get("tidal sync")
     if sync and "trl" in by:
@@ -210,10 +237,12 @@ def report(figs: list[dict]) -> None:
     best = max(syncs, key=lambda f: f["steps_per_hour"]) if syncs else None
     for a in [f for f in figs if f["name"].startswith("tidal async")] if best else []:
         ok = a["pass1_after"] is not None and a["pass1_after"] >= best["pass1_after"]
-        print(f"{a['name']} / {best['name']} steps/hour: "
-              f"{a['steps_per_hour'] / best['steps_per_hour']:.2f}x (target >= 1.3x); "
-              f"trainer idle {100 * a['trainer_idle_frac']:.0f}% (target <= 15%); final "
-              f"pass@1 {'reaches' if ok else 'misses'} {best['name']}'s")  # fmt: skip
+        print(
+            f"{a['name']} / {best['name']} steps/hour: "
+            f"{a['steps_per_hour'] / best['steps_per_hour']:.2f}x (target >= 1.3x); "
+            f"trainer idle {100 * a['trainer_idle_frac']:.0f}% (target <= 15%); final "
+            f"pass@1 {'reaches' if ok else 'misses'} {best['name']}'s"
+        )
 
 
 def plot(figs: list[dict], path: Path) -> None:
@@ -237,15 +266,26 @@ def plot(figs: list[dict], path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=CONFIG, help=f"the RL config of every run (default "
-                   f"{CONFIG}; rl_addition is the CPU demo's)")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default=CONFIG,
+        help=f"the RL config of every run (default {CONFIG}; rl_addition is the CPU demo's)",
+    )
     p.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
-    p.add_argument("--only", nargs="*", choices=RUNS, default=list(DEFAULT_RUNS),
-                   help=f"runs to do (default: {' '.join(DEFAULT_RUNS)})")  # fmt: skip
+    p.add_argument(
+        "--only",
+        nargs="*",
+        choices=RUNS,
+        default=list(DEFAULT_RUNS),
+        help=f"runs to do (default: {' '.join(DEFAULT_RUNS)})",
+    )
     p.add_argument("--no-trl", action="store_true", help="leave TRL out")
-    p.add_argument("--work", help="keep the runs in this folder (default: a temporary one); a "
-                   "run whose result is there already is read, not run again")  # fmt: skip
+    p.add_argument(
+        "--work",
+        help="keep the runs in this folder (default: a temporary one); a "
+        "run whose result is there already is read, not run again",
+    )
     p.add_argument("--json", help="write the figures and every run's records here")
     p.add_argument("--png", help="write the reward and pass@1 curves here")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
@@ -261,8 +301,9 @@ def main() -> None:
                 steps = result["steps"]
                 samples = result["samples_per_step"]
                 gen = [(r.get("response_len_mean") or 0.0) * samples for r in steps]
-                fig = summarize("trl", steps, result["evals"], [r["step_s"] for r in steps],
-                                gen, target)  # fmt: skip
+                fig = summarize(
+                    "trl", steps, result["evals"], [r["step_s"] for r in steps], gen, target
+                )
                 fig["prompt_id_mismatches"] = result["prompt_id_mismatches"]
             else:
                 fig = tidal_summary(result, target)
@@ -313,12 +354,32 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
     if args.steps:
         common += ["--rl.steps", str(args.steps)]
     if args.smoke:
-        common += ["--generator.device", "cpu", "--generator.dtype", "fp32", "--job.device",
-                   "cpu", "--task.eval_problems", "8", "--metrics.plot", "false",
-                   "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
-                   "--rollout.max_new_tokens", "16", "--rl.eval_every", "2",
-                   "--policy.sft_overrides", "model.flavor=tiny training.steps=20",
-                   "--trainer.compile", "false", "--generator.compile_scope", "step"]  # fmt: skip
+        common += [
+            "--generator.device",
+            "cpu",
+            "--generator.dtype",
+            "fp32",
+            "--job.device",
+            "cpu",
+            "--task.eval_problems",
+            "8",
+            "--metrics.plot",
+            "false",
+            "--rollout.prompts_per_step",
+            "2",
+            "--rollout.group_size",
+            "4",
+            "--rollout.max_new_tokens",
+            "16",
+            "--rl.eval_every",
+            "2",
+            "--policy.sft_overrides",
+            "model.flavor=tiny training.steps=20",
+            "--trainer.compile",
+            "false",
+            "--generator.compile_scope",
+            "step",
+        ]
         common += [] if args.steps else ["--rl.steps", "3"]
     bench = _rl_bench()
     raw: dict[str, dict] = {}
@@ -332,8 +393,9 @@ def collect(args: argparse.Namespace, folder: Path) -> dict[str, dict]:
             continue
         if key != "trl":
             try:
-                result = tidal_run(bench, name, args.config, [*extra, *common], folder / key,
-                                   args.timeout)  # fmt: skip
+                result = tidal_run(
+                    bench, name, args.config, [*extra, *common], folder / key, args.timeout
+                )
             except SystemExit as e:  # one failed run: the others still run and report
                 print(f"   {e}")
                 continue

@@ -58,20 +58,34 @@ def main() -> None:
     model.generation_config.pad_token_id = tok.pad_token_id
 
     def reward(completions, reference, **_):
-        return [task.grade(text, ref).reward for text, ref in zip(completions, reference,
-                                                                    strict=True)]  # fmt: skip
+        return [
+            task.grade(text, ref).reward for text, ref in zip(completions, reference, strict=True)
+        ]
 
     refs = run["train_refs"]
-    data = Dataset.from_list([{"prompt": t, "reference": r}
-                              for t, r in zip(run["train_text"], refs, strict=True)])  # fmt: skip
+    data = Dataset.from_list(
+        [{"prompt": t, "reference": r} for t, r in zip(run["train_text"], refs, strict=True)]
+    )
     P, G, N, steps = run["prompts_per_step"], run["group_size"], run["max_new_tokens"], run["steps"]
     cfg = GRPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=P * G, num_generations=G,
-        max_completion_length=N, learning_rate=run["lr"], warmup_steps=run["warmup_steps"],
-        lr_scheduler_type="cosine", logging_steps=1, max_steps=steps, bf16=device == "cuda",
-        report_to="none", save_strategy="no", use_vllm=False, gradient_accumulation_steps=1,
-        shuffle_dataset=False, temperature=run["temperature"], seed=0,
-    )  # fmt: skip
+        output_dir=args.output_dir,
+        per_device_train_batch_size=P * G,
+        num_generations=G,
+        max_completion_length=N,
+        learning_rate=run["lr"],
+        warmup_steps=run["warmup_steps"],
+        lr_scheduler_type="cosine",
+        logging_steps=1,
+        max_steps=steps,
+        bf16=device == "cuda",
+        report_to="none",
+        save_strategy="no",
+        use_vllm=False,
+        gradient_accumulation_steps=1,
+        shuffle_dataset=False,
+        temperature=run["temperature"],
+        seed=0,
+    )
     eval_text = run["eval_text"]
 
     @torch.no_grad()
@@ -115,11 +129,21 @@ def main() -> None:
     pass1, secs = evaluate()
     evals.append({"step": 0, "eval_pass1": pass1, "eval_s": secs})
     print(f"trl eval step 0: pass@1 {100 * pass1:.1f}% ({secs:.0f}s)")
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
-                          processing_class=tok, callbacks=[Clock()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Clock()],
+    )
     trainer.train()
-    result = {"steps": steps_out, "evals": evals, "prompt_id_mismatches": mismatched,
-              "params": sum(p.numel() for p in model.parameters())}  # fmt: skip
+    result = {
+        "steps": steps_out,
+        "evals": evals,
+        "prompt_id_mismatches": mismatched,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     with open(args.json, "w") as f:
         json.dump(result, f)
 

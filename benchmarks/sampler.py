@@ -75,8 +75,10 @@ def sync(device: torch.device) -> None:
 def runner(fn: Callable, inputs: dict, sampled: bool, device: torch.device, tune: bool):
     """A no-argument call of `fn` on `inputs` writing into fixed outputs: compiled and
     replayed from a CUDA graph on CUDA, eager on CPU. Returns (call, outputs)."""
-    outs = [torch.zeros(inputs["keys_B"].shape[0], dtype=t, device=device)
-            for t in (torch.long, torch.float32, torch.float32)]  # fmt: skip
+    outs = [
+        torch.zeros(inputs["keys_B"].shape[0], dtype=t, device=device)
+        for t in (torch.long, torch.float32, torch.float32)
+    ]
 
     def step() -> None:
         for o, r in zip(outs, fn(**inputs, sampled=sampled, truncate=False), strict=True):
@@ -144,10 +146,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
-    p.add_argument("--tune-kernels", nargs="?", const="on", default="off",
-                   choices=["off", "on", "both"],
-                   help="coordinate-descent tuning of the compiled sampler (both: each "
-                   "way)")  # fmt: skip
+    p.add_argument(
+        "--tune-kernels",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["off", "on", "both"],
+        help="coordinate-descent tuning of the compiled sampler (both: each way)",
+    )
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -164,10 +170,12 @@ def main() -> None:
                 r = run(batch, mode, tune, args, device)
                 rows.append(r)
                 how = "eager" if device.type != "cuda" else "tuned" if tune else "compiled"
-                print(f"batch {batch:>4} {mode:8s} {how:8s} plain {r['plain_us']:8.1f} us, "
-                      f"tidal {r['tidal_us']:8.1f} us ({r['ratio']:.2f}x); tokens equal "
-                      f"{r['tokens_equal']}, max |log-prob diff| {r['max_logprob_diff']:.2g}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"batch {batch:>4} {mode:8s} {how:8s} plain {r['plain_us']:8.1f} us, "
+                    f"tidal {r['tidal_us']:8.1f} us ({r['ratio']:.2f}x); tokens equal "
+                    f"{r['tokens_equal']}, max |log-prob diff| {r['max_logprob_diff']:.2g}",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -62,22 +62,33 @@ def main() -> None:
     by = accuracy_by_digits(problems, after.completions)
 
     print(f"config {args.config} {' '.join(extra)}")
-    print(f"data and model set-up {setup_s:.0f}s, training {train_s:.0f}s "
-          f"({cfg.training.steps} steps, {last.get('tokens_per_s', 0):,.0f} tokens/s at the "
-          f"end), evaluation {eval_s:.0f}s")  # fmt: skip
-    print(f"held-out exact match: untrained {100 * before.accuracy:.1f}% (of {before.total}), "
-          f"trained {100 * after.accuracy:.1f}% ({after.correct}/{after.total})")  # fmt: skip
+    print(
+        f"data and model set-up {setup_s:.0f}s, training {train_s:.0f}s "
+        f"({cfg.training.steps} steps, {last.get('tokens_per_s', 0):,.0f} tokens/s at the "
+        f"end), evaluation {eval_s:.0f}s"
+    )
+    print(
+        f"held-out exact match: untrained {100 * before.accuracy:.1f}% (of {before.total}), "
+        f"trained {100 * after.accuracy:.1f}% ({after.correct}/{after.total})"
+    )
     print("by digits: " + ", ".join(f"{k}: {c}/{n}" for k, (c, n) in by.items()))
     for prob, text in list(zip(problems, after.completions, strict=True))[:3]:
         print(f"--- {prob.prompt} (answer {prob.answer})\n{text}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"setup_s": setup_s, "train_s": train_s, "eval_s": eval_s,
-                 "accuracy": after.accuracy, "untrained_accuracy": before.accuracy,
-                 "by_digits": by, "last": last},
-                f, indent=2,
-            )  # fmt: skip
+                {
+                    "setup_s": setup_s,
+                    "train_s": train_s,
+                    "eval_s": eval_s,
+                    "accuracy": after.accuracy,
+                    "untrained_accuracy": before.accuracy,
+                    "by_digits": by,
+                    "last": last,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,15 @@ def make_sd() -> dict[str, torch.Tensor]:
     dim, ffn, vocab, layers = 2048, 8192, 128256, 16
     sd = {"tok_embeddings.weight": (vocab, dim), "output.weight": (vocab, dim)}
     for i in range(layers):
-        for n, s in [("attention.wq", (dim, dim)), ("attention.wk", (512, dim)),
-                     ("attention.wv", (512, dim)), ("attention.wo", (dim, dim)),
-                     ("feed_forward.w1", (ffn, dim)), ("feed_forward.w2", (dim, ffn)),
-                     ("feed_forward.w3", (ffn, dim))]:  # fmt: skip
+        for n, s in [
+            ("attention.wq", (dim, dim)),
+            ("attention.wk", (512, dim)),
+            ("attention.wv", (512, dim)),
+            ("attention.wo", (dim, dim)),
+            ("feed_forward.w1", (ffn, dim)),
+            ("feed_forward.w2", (dim, ffn)),
+            ("feed_forward.w3", (ffn, dim)),
+        ]:
             sd[f"layers.{i}.{n}.weight"] = s
     return {k: torch.randn(s, device="cuda", dtype=torch.bfloat16) for k, s in sd.items()}
 
@@ -65,8 +70,10 @@ def main() -> None:
     torch.cuda.synchronize()
     per = (time.perf_counter() - t) / 50
     n_mm = max(1, round(args.step_ms / 1000 / per))
-    print(f"state dict {gb:.2f} GB bf16 on cuda, memory={args.memory}; step = {n_mm} matmuls "
-          f"8192^3 (calibrated at {n_mm * per * 1000:.0f} ms)")  # fmt: skip
+    print(
+        f"state dict {gb:.2f} GB bf16 on cuda, memory={args.memory}; step = {n_mm} matmuls "
+        f"8192^3 (calibrated at {n_mm * per * 1000:.0f} ms)"
+    )
 
     store = tidal.store.connect(keep=1)
     plain_thread = ThreadPoolExecutor(1)  # a background thread copying on the caller's stream
@@ -80,8 +87,9 @@ def main() -> None:
         if mode == "async put (side stream)":
             fut = store.put_state_dict_async(sd, "w", version=version, memory=args.memory)
         elif mode == "async put (caller's stream)":
-            fut = plain_thread.submit(store.put_state_dict, sd, "w", version=version,
-                                      memory=args.memory)  # fmt: skip
+            fut = plain_thread.submit(
+                store.put_state_dict, sd, "w", version=version, memory=args.memory
+            )
         matmuls(n_mm)
         if mode == "blocking put":
             store.put_state_dict(sd, "w", version=version, memory=args.memory)
@@ -91,8 +99,12 @@ def main() -> None:
         version += 1
         return time.perf_counter() - t
 
-    modes = ["compute only", "blocking put", "async put (side stream)",
-             "async put (caller's stream)"]  # fmt: skip
+    modes = [
+        "compute only",
+        "blocking put",
+        "async put (side stream)",
+        "async put (caller's stream)",
+    ]
     for mode in modes[1:]:  # warm: slots allocated, segments touched and registered
         step(mode)
         step(mode)

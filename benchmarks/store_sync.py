@@ -191,21 +191,30 @@ def main() -> None:
     ap.add_argument("--skip-easy", action="store_true", help="skip DCP and safetensors")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where models live")
-    ap.add_argument("--reserve", action="store_true",
-                    help="start the store with a reserve sized for the state dict (one file per "
-                    "part, allocated before anything is timed): the cold put then writes into "
-                    "pages that exist (tidal/store/reserve.py)")  # fmt: skip
-    ap.add_argument("--memory", default="host", choices=("host", "cuda"),
-                    help="where the store keeps the bytes: host shared memory, or the writer's "
-                    "GPU memory read through CUDA IPC (--device cuda)")  # fmt: skip
+    ap.add_argument(
+        "--reserve",
+        action="store_true",
+        help="start the store with a reserve sized for the state dict (one file per "
+        "part, allocated before anything is timed): the cold put then writes into "
+        "pages that exist (tidal/store/reserve.py)",
+    )
+    ap.add_argument(
+        "--memory",
+        default="host",
+        choices=("host", "cuda"),
+        help="where the store keeps the bytes: host shared memory, or the writer's "
+        "GPU memory read through CUDA IPC (--device cuda)",
+    )
     args = ap.parse_args()
     if args.memory == "cuda" and args.device != "cuda":
         ap.error("--memory cuda needs --device cuda")
 
     sd = make_sd(args.gb1, fill=1.0, device=args.device)
     gb = nbytes(sd) / 1e9
-    print(f"state dict: {len(sd)} tensors, {gb:.2f} GB bf16 on {args.device}, store memory "
-          f"{args.memory}; torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"state dict: {len(sd)} tensors, {gb:.2f} GB bf16 on {args.device}, store memory "
+        f"{args.memory}; torch threads {torch.get_num_threads()}"
+    )
     # memcpy: host copy_ of the same bytes into warm memory, whatever the models' device.
     host = sd if args.device == "cpu" else make_sd(args.gb1, fill=1.0)
     dst = make_sd(args.gb1)
@@ -218,8 +227,10 @@ def main() -> None:
     t = time.perf_counter()
     store = tidal.store.connect(keep=1, reserve=sd if args.reserve else 0)
     if args.reserve:
-        print(f"store reserve: {nbytes(sd) / 1e9:.2f} GB allocated at start in "
-              f"{time.perf_counter() - t:.2f} s (not in any row)")  # fmt: skip
+        print(
+            f"store reserve: {nbytes(sd) / 1e9:.2f} GB allocated at start in "
+            f"{time.perf_counter() - t:.2f} s (not in any row)"
+        )
     if args.device == "cuda":  # the writer's copy kernel too, as a trainer's first step would
         tidal.store.warm_up_cuda()
     ctx = mp.get_context("spawn")
@@ -305,10 +316,12 @@ def main() -> None:
         # -- one-shot: fresh processes, tidal against DCP through /dev/shm (host memory).
         if args.memory == "host":
             path = os.path.join(root, "oneshot-dcp")
-            results["one-shot tidal put"] = run_one_shot(ctx, "put tidal", store.address,
-                                                         args.gb1, path)  # fmt: skip
-            results["one-shot tidal get"] = run_one_shot(ctx, "get tidal", store.address,
-                                                         args.gb1, path)  # fmt: skip
+            results["one-shot tidal put"] = run_one_shot(
+                ctx, "put tidal", store.address, args.gb1, path
+            )
+            results["one-shot tidal get"] = run_one_shot(
+                ctx, "get tidal", store.address, args.gb1, path
+            )
             results["one-shot DCP save"] = run_one_shot(ctx, "put dcp", "", args.gb1, path)
             results["one-shot DCP load"] = run_one_shot(ctx, "get dcp", "", args.gb1, path)
             shutil.rmtree(path, ignore_errors=True)
@@ -355,40 +368,54 @@ def report(r: dict[str, float], gb: float, args: argparse.Namespace) -> None:
         print(f"{name:44s} {s:10.4f} {bw(s):>12s}")
     print()
     cold_base = r["memcpy (cold-put baseline)"]
-    print(f"cold put: {bw(r['cold put'])} = {cold_base / r['cold put']:.0%} of the memcpy "
-          f"measured just before it ({bw(cold_base)}) (target >= 50%)")  # fmt: skip
+    print(
+        f"cold put: {bw(r['cold put'])} = {cold_base / r['cold put']:.0%} of the memcpy "
+        f"measured just before it ({bw(cold_base)}) (target >= 50%)"
+    )
     e2e = r["tidal put"] + r["tidal get"]
-    print(f"steady put + get into the reader's tensors: {e2e * 1e3:.1f} ms = {bw(e2e)} = "
-          f"{mc / e2e:.0%} of memcpy ({bw(mc)})")  # fmt: skip
+    print(
+        f"steady put + get into the reader's tensors: {e2e * 1e3:.1f} ms = {bw(e2e)} = "
+        f"{mc / e2e:.0%} of memcpy ({bw(mc)})"
+    )
     if "view put" in r:
         zc = r["view put"] + r["view get"]
         print(f"steady put + zero-copy get: {zc * 1e3:.1f} ms = {mc / zc:.0%} of memcpy")
-    print(f"streamed (reader waiting with get(..., wait=)): {r['streamed'] * 1e3:.1f} ms = "
-          f"{mc / r['streamed']:.0%} of memcpy")  # fmt: skip
+    print(
+        f"streamed (reader waiting with get(..., wait=)): {r['streamed'] * 1e3:.1f} ms = "
+        f"{mc / r['streamed']:.0%} of memcpy"
+    )
     if "device copy_" in r:
         dev = r["device copy_"]
-        print(f"device copy_ of the same bytes: {dev * 1e3:.2f} ms; end to end {e2e * 1e3:.2f} ms "
-              f"(target <= 4 ms with --memory cuda); put {r['tidal put'] * 1e3:.2f} ms = "
-              f"{r['tidal put'] / dev:.2f}x the device copy (target <= 2x)")  # fmt: skip
+        print(
+            f"device copy_ of the same bytes: {dev * 1e3:.2f} ms; end to end {e2e * 1e3:.2f} ms "
+            f"(target <= 4 ms with --memory cuda); put {r['tidal put'] * 1e3:.2f} ms = "
+            f"{r['tidal put'] / dev:.2f}x the device copy (target <= 2x)"
+        )
         zc = r["view put"] + r["view get"]
-        print(f"end to end with a zero-copy get (copy=False): {zc * 1e3:.2f} ms = "
-              f"{zc / dev:.2f}x the device copy (put {r['view put'] * 1e3:.2f} ms, get "
-              f"{r['view get'] * 1e3:.2f} ms)")  # fmt: skip
+        print(
+            f"end to end with a zero-copy get (copy=False): {zc * 1e3:.2f} ms = "
+            f"{zc / dev:.2f}x the device copy (put {r['view put'] * 1e3:.2f} ms, get "
+            f"{r['view get'] * 1e3:.2f} ms)"
+        )
     a, b = r["cast put (dtype=)"], r["cast put (cast, then put)"]
-    print(f"fp32 -> bf16 put: dtype= {a * 1e3:.1f} ms, cast then put {b * 1e3:.1f} ms "
-          f"({b / a:.2f}x)")  # fmt: skip
+    print(
+        f"fp32 -> bf16 put: dtype= {a * 1e3:.1f} ms, cast then put {b * 1e3:.1f} ms ({b / a:.2f}x)"
+    )
     if "one-shot tidal put" in r:
         t1 = r["one-shot tidal put"] + r["one-shot tidal get"]
         d1 = r["one-shot DCP save"] + r["one-shot DCP load"]
-        print(f"one-shot put + get by fresh processes: tidal {t1:.3f} s, DCP via {args.root} "
-              f"{d1:.3f} s: tidal {d1 / t1:.1f}x faster (target >= 10x)")  # fmt: skip
+        print(
+            f"one-shot put + get by fresh processes: tidal {t1:.3f} s, DCP via {args.root} "
+            f"{d1:.3f} s: tidal {d1 / t1:.1f}x faster (target >= 10x)"
+        )
     if "DCP save" in r:
         d = r["DCP save"] + r["DCP load"]
         print(f"steady tidal vs DCP save + load: {d / e2e:.1f}x faster")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"GB": gb, "results": r, "device": args.device, "memory": args.memory},
-                      f, indent=1)  # fmt: skip
+            json.dump(
+                {"GB": gb, "results": r, "device": args.device, "memory": args.memory}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

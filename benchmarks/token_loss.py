@@ -57,9 +57,12 @@ def main() -> None:
         logp, _ = token_logprobs(x, labels, entropy=entropy, chunk_rows=chunk)
         (logp * weights).sum().backward()
 
-    cases = {"plain log_softmax (baseline)": plain, "cross_entropy_sum": ce,
-             "token_logprobs": per_token,
-             "token_logprobs + entropy": lambda x: per_token(x, True)}  # fmt: skip
+    cases = {
+        "plain log_softmax (baseline)": plain,
+        "cross_entropy_sum": ce,
+        "token_logprobs": per_token,
+        "token_logprobs + entropy": lambda x: per_token(x, True),
+    }
 
     class Largest(TorchDispatchMode):
         def __init__(self):
@@ -96,13 +99,17 @@ def main() -> None:
         results[name] = {"seconds": statistics.median(times), "largest_fp32_bytes": largest.fp32}
     base = results["plain log_softmax (baseline)"]["seconds"]
     ce_s = results["cross_entropy_sum"]["seconds"]
-    print(f"{a.rows} rows x {a.vocab} vocabulary, {a.dtype} logits, {dev}, chunks of {chunk} rows "
-          f"(torch {torch.__version__}, {torch.get_num_threads()} threads)")  # fmt: skip
+    print(
+        f"{a.rows} rows x {a.vocab} vocabulary, {a.dtype} logits, {dev}, chunks of {chunk} rows "
+        f"(torch {torch.__version__}, {torch.get_num_threads()} threads)"
+    )
     print(f"{'':30s} {'ms':>9s} {'/ baseline':>11s} {'/ CE':>7s} {'largest fp32':>13s}")
     for name, r in results.items():
         r["vs_baseline"], r["vs_ce"] = r["seconds"] / base, r["seconds"] / ce_s
-        print(f"{name:30s} {1e3 * r['seconds']:9.1f} {r['vs_baseline']:10.2f}x "
-              f"{r['vs_ce']:6.2f}x {r['largest_fp32_bytes'] / 2**20:10.1f} MiB")  # fmt: skip
+        print(
+            f"{name:30s} {1e3 * r['seconds']:9.1f} {r['vs_baseline']:10.2f}x "
+            f"{r['vs_ce']:6.2f}x {r['largest_fp32_bytes'] / 2**20:10.1f} MiB"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "results": results}, f, indent=1)

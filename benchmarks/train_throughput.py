@@ -240,8 +240,10 @@ def print_ratios(args, results: list[dict]) -> None:
             )
 
     if args.torchtitan:
-        print("\nratios tidal / torchtitan per device (throughput higher is better, memory "
-              "lower is better):")  # fmt: skip
+        print(
+            "\nratios tidal / torchtitan per device (throughput higher is better, memory "
+            "lower is better):"
+        )
         for mode in all_modes(args):
             ratio(mode, by.get(("tidal", mode)), by.get(("torchtitan", mode)))
     if args.float8:
@@ -300,8 +302,11 @@ def main() -> None:
     args = p.parse_args()
     args.modes = args.modes.split(",")
     # NVLink multicast stays off on shared multi-GPU hosts (inherited by every run below).
-    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):  # fmt: skip
+    for var, value in (
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
         os.environ.setdefault(var, value)
     if args.worker:
         result = run_tidal(args, args.worker)
@@ -313,8 +318,12 @@ def main() -> None:
     for mode in all_modes(args):
         launcher = [sys.executable]
         if args.ranks > 1:
-            launcher += ["-m", "torch.distributed.run", "--standalone",
-                         f"--nproc_per_node={args.ranks}"]  # fmt: skip
+            launcher += [
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={args.ranks}",
+            ]
         cmd = launcher + [__file__, "--worker", mode] + worker_args(sys.argv[1:])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

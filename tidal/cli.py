@@ -316,8 +316,13 @@ def _convert(argv: list[str]) -> int:
         help="a tokenizer.json (or its folder) to copy beside the weights, with the "
         "tokenizer_config.json and chat template next to it",
     )
-    to_hf.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
-                       help="bytes per safetensors file (default 5e9)")  # fmt: skip
+    to_hf.add_argument(
+        "--max-shard-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes per safetensors file (default 5e9)",
+    )
     args, overrides = parser.parse_known_args(argv)
     if overrides and not getattr(args, "config", None):
         parser.error(f"unrecognized arguments: {' '.join(overrides)}")
@@ -342,8 +347,14 @@ def _convert(argv: list[str]) -> int:
             from tidal.train.trainer import model_args_for
 
             margs = model_args_for(apply_overrides(get_config(args.config), overrides))
-        dcp_to_hf(args.src, args.dst, args=margs, dtype=dtype, tokenizer=args.tokenizer,
-                  max_shard_size=args.max_shard_size)  # fmt: skip
+        dcp_to_hf(
+            args.src,
+            args.dst,
+            args=margs,
+            dtype=dtype,
+            tokenizer=args.tokenizer,
+            max_shard_size=args.max_shard_size,
+        )
         return 0
     except KeyboardInterrupt:
         print("tidal convert: interrupted (nothing written)", file=sys.stderr)

@@ -58,10 +58,22 @@ def test_too_early_a_first_save_leaves_no_ordinary_steps(bench):
 
 def _pinned(stall_s, noise_s, overran=False) -> dict:
     saves = [{"overran": overran}, {}]
-    return {"stall_s": stall_s, "noise_s": noise_s, "copy_s": 0.25, "bytes": 18e9,
-            "pinned_writer": "process", "sync": "stream", "saves": saves, "wait_s": 2.0,
-            "blocked_s": stall_s + 2.0, "first_call_s": 6.0, "first_stall_s": 6.5,
-            "first_total_s": 30.0, "total_s": 19.0, "interval_s": 9.6}  # fmt: skip
+    return {
+        "stall_s": stall_s,
+        "noise_s": noise_s,
+        "copy_s": 0.25,
+        "bytes": 18e9,
+        "pinned_writer": "process",
+        "sync": "stream",
+        "saves": saves,
+        "wait_s": 2.0,
+        "blocked_s": stall_s + 2.0,
+        "first_call_s": 6.0,
+        "first_stall_s": 6.5,
+        "first_total_s": 30.0,
+        "total_s": 19.0,
+        "interval_s": 9.6,
+    }
 
 
 @pytest.mark.parametrize(
@@ -73,8 +85,9 @@ def _pinned(stall_s, noise_s, overran=False) -> dict:
         (0.25, 0.02, True, "not a steady state"),
     ],
 )
-def test_the_target_line_weighs_the_noise_and_a_wait(bench, capsys, stall_s, noise_s, overran,
-                                                     verdict):  # fmt: skip
+def test_the_target_line_weighs_the_noise_and_a_wait(
+    bench, capsys, stall_s, noise_s, overran, verdict
+):
     bench.report_pinned(_pinned(stall_s, noise_s, overran))
     out = capsys.readouterr().out
     assert f"(target <= 1.2x): {verdict}" in out

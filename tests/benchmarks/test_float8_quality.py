@@ -24,10 +24,22 @@ def test_smoke_prints_both_losses_the_gap_and_writes_the_plot(tmp_path):
     png, out = tmp_path / "q.png", tmp_path / "q.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path / "runs"),
-         "--png", str(png), "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--out",
+            str(tmp_path / "runs"),
+            "--png",
+            str(png),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert any(ln.startswith("bf16 ") for ln in lines) and any(

@@ -158,7 +158,8 @@ def test_command_line(sim, tmp_path, capsys):
 
 
 def test_command_line_errors():
-    p = subprocess.run([sys.executable, str(SCRIPT), "--tp", "3"], capture_output=True,
-                       text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tp", "3"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 2
     assert "sync_sim: error: tp=3" in p.stderr and "Traceback" not in p.stderr

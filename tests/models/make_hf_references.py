@@ -132,14 +132,27 @@ def check_transformers_loads_tidal(
 # Llama 2's config.json as meta-llama/Llama-2-7b-hf has it (transformers 4.31: no rope_theta,
 # rope_scaling null, as many KV heads as heads), at the tiny size.
 LLAMA2_CONFIG_JSON = {
-    "architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
-    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
-    "intermediate_size": 64, "max_position_embeddings": 64, "model_type": "llama",
-    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None,
-    "tie_word_embeddings": False, "torch_dtype": "float32",
-    "transformers_version": "4.31.0.dev0", "use_cache": True, "vocab_size": 99,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 4,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "transformers_version": "4.31.0.dev0",
+    "use_cache": True,
+    "vocab_size": 99,
+}
 
 
 def make_tiny_models() -> None:
@@ -149,35 +162,63 @@ def make_tiny_models() -> None:
         make_tiny(
             name,
             Qwen3Config(
-                vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10_000.0,
-                tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+                vocab_size=99,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=64,
+                rms_norm_eps=1e-6,
+                rope_theta=10_000.0,
+                tie_word_embeddings=tied,
+                bos_token_id=1,
+                eos_token_id=2,
             ),
-        )  # fmt: skip
+        )
     make_tiny(
         "tiny_llama2",
         LlamaConfig(
-            vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-            rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+            vocab_size=99,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         ),
         config_json=LLAMA2_CONFIG_JSON,
-    )  # fmt: skip
+    )
     make_tiny(
         "tiny_llama",
         LlamaConfig(
-            vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+            vocab_size=99,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
             rope_parameters={
-                "rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "rope_type": "llama3",
+                "rope_theta": 10_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16,
             },
         ),
-    )  # fmt: skip
+    )
 
 
 def make_smollm2(wheel: Path, tidal_folder: Path | None) -> None:
@@ -282,19 +323,35 @@ def make_smollm2_generate(wheel: Path, tidal_folder: Path | None) -> None:
     def continuations(model, tok) -> list[dict]:
         rows = []
         prompts = [("plain", t, tok(t).input_ids) for t in GENERATE_PLAIN] + [
-            ("chat", m, tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False))
+            (
+                "chat",
+                m,
+                tok.apply_chat_template(
+                    m, add_generation_prompt=True, tokenize=True, return_dict=False
+                ),
+            )
             for m in GENERATE_CHAT
-        ]  # fmt: skip
+        ]
         for kind, prompt, ids in prompts:
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
             with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=GENERATE_NEW_TOKENS,
-                                     do_sample=False, eos_token_id=model.config.eos_token_id,
-                                     pad_token_id=model.config.eos_token_id)  # fmt: skip
+                out = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=GENERATE_NEW_TOKENS,
+                    do_sample=False,
+                    eos_token_id=model.config.eos_token_id,
+                    pad_token_id=model.config.eos_token_id,
+                )
             new = out[0, len(ids) :].tolist()
-            rows.append({"kind": kind, "prompt": prompt, "prompt_ids": ids, "new_ids": new,
-                         "text": tok.decode(new, skip_special_tokens=True)})  # fmt: skip
+            rows.append(
+                {
+                    "kind": kind,
+                    "prompt": prompt,
+                    "prompt_ids": ids,
+                    "new_ids": new,
+                    "text": tok.decode(new, skip_special_tokens=True),
+                }
+            )
         return rows
 
     with tempfile.TemporaryDirectory() as tmp:

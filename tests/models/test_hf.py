@@ -79,8 +79,13 @@ def edit_config(folder: Path, **changes) -> None:
 def test_tiny_configs_map_to_model_args():
     q = hf_model_args(DATA / "tiny_qwen3")
     assert (q.family, q.dim, q.n_heads, q.n_kv_heads, q.k, q.vocab_size) == (
-        "qwen3", 32, 4, 2, 16, 99
-    )  # fmt: skip
+        "qwen3",
+        32,
+        4,
+        2,
+        16,
+        99,
+    )
     assert q.qk_norm and not q.tie_embeddings and q.rope_scaling is None
     assert (q.norm_eps, q.rope_theta, q.max_seq_len) == (1e-6, 10_000.0, 64)
     llama = hf_model_args(DATA / "tiny_llama")  # transformers 5's rope_parameters style
@@ -111,13 +116,24 @@ def test_transformers_4_style_and_llama2_defaults(tmp_path):
     """rope_theta + rope_scaling at the top level (transformers 4); a Llama 2 config without
     num_key_value_heads or rope_theta."""
     v4 = {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 100, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    }  # fmt: skip
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     args = ADAPTERS["llama"].model_args(ConfigFields(v4, "config.json"))
     assert args.rope_theta == 500000.0 and args.rope_scaling == FLAVORS["llama3_8b"].rope_scaling
     llama2 = {k: v for k, v in v4.items() if k not in ("num_key_value_heads", "rope_theta")}
@@ -129,29 +145,47 @@ def test_transformers_4_style_and_llama2_defaults(tmp_path):
 @pytest.mark.parametrize(
     "name, changes, message",
     [
-        ("tiny_llama", {"model_type": "mistral"},
-         r"'model_type' = 'mistral'.*\['llama', 'qwen3'\]"),
+        (
+            "tiny_llama",
+            {"model_type": "mistral"},
+            r"'model_type' = 'mistral'.*\['llama', 'qwen3'\]",
+        ),
         ("tiny_qwen3", {"model_type": None}, r"'model_type' = None"),
         ("tiny_llama", {"attention_bias": True}, r"'attention_bias' = True"),
         ("tiny_llama", {"mlp_bias": True}, r"'mlp_bias' = True"),
         ("tiny_qwen3", {"hidden_act": "gelu"}, r"'hidden_act' = 'gelu'"),
-        ("tiny_qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-         r"'rope_parameters.rope_type' = 'yarn'"),
-        ("tiny_llama", {"rope_scaling": {"type": "linear", "factor": 2.0}},
-         r"'rope_scaling.rope_type' = 'linear'"),
+        (
+            "tiny_qwen3",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+            r"'rope_parameters.rope_type' = 'yarn'",
+        ),
+        (
+            "tiny_llama",
+            {"rope_scaling": {"type": "linear", "factor": 2.0}},
+            r"'rope_scaling.rope_type' = 'linear'",
+        ),
         ("tiny_qwen3", {"use_sliding_window": True}, r"'use_sliding_window' = True"),
-        ("tiny_qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
-         r"'layer_types' = \['full_attention', 'sliding_attention'\]"),
-        ("tiny_llama", {"quantization_config": {"quant_method": "gptq"}},
-         r"'quantization_config'.*unquantized"),
-        ("tiny_llama", {"architectures": ["LlamaForSequenceClassification"]},
-         r"'architectures' = \['LlamaForSequenceClassification'\]"),
+        (
+            "tiny_qwen3",
+            {"layer_types": ["full_attention", "sliding_attention"]},
+            r"'layer_types' = \['full_attention', 'sliding_attention'\]",
+        ),
+        (
+            "tiny_llama",
+            {"quantization_config": {"quant_method": "gptq"}},
+            r"'quantization_config'.*unquantized",
+        ),
+        (
+            "tiny_llama",
+            {"architectures": ["LlamaForSequenceClassification"]},
+            r"'architectures' = \['LlamaForSequenceClassification'\]",
+        ),
         ("tiny_qwen3", {"partial_rotary_factor": 0.5}, r"'partial_rotary_factor' = 0.5"),
         ("tiny_qwen3", {"hidden_size": ...}, r"required field 'hidden_size' is missing"),
         ("tiny_qwen3", {"num_hidden_layers": "2"}, r"'num_hidden_layers' = '2'.*positive integer"),
         ("tiny_llama", {"num_key_value_heads": 3}, r"n_heads=4 must be divisible by n_kv_heads=3"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_config_fields_are_named(name, changes, message, tmp_path, no_data_reads):
     folder = copy_model(name, tmp_path / name)
     edit_config(folder, **changes)
@@ -311,15 +345,21 @@ K_NORM = "model.layers.1.self_attn.k_norm.weight"
     "edit, message",
     [
         (lambda sd: sd.pop(K_NORM), rf"checkpoint has no tensor '{K_NORM}'"),
-        (lambda sd: sd.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(64, 32)}),
-         r"1 tensor\(s\) the qwen3 model .* does not: \['model.layers.2.mlp.up_proj.weight'\]"),
-        (lambda sd: sd.update({"model.embed_tokens.weight": torch.zeros(98, 32)}),
-         r"'model.embed_tokens.weight' has shape \[98, 32\], but tidal's "
-         r"'tok_embeddings.weight' has shape \[99, 32\]"),
-        (lambda sd: sd.update({K_NORM: torch.ones(16, dtype=torch.int32)}),
-         rf"'{K_NORM}' has dtype I32; expected one of"),
+        (
+            lambda sd: sd.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(64, 32)}),
+            r"1 tensor\(s\) the qwen3 model .* does not: \['model.layers.2.mlp.up_proj.weight'\]",
+        ),
+        (
+            lambda sd: sd.update({"model.embed_tokens.weight": torch.zeros(98, 32)}),
+            r"'model.embed_tokens.weight' has shape \[98, 32\], but tidal's "
+            r"'tok_embeddings.weight' has shape \[99, 32\]",
+        ),
+        (
+            lambda sd: sd.update({K_NORM: torch.ones(16, dtype=torch.int32)}),
+            rf"'{K_NORM}' has dtype I32; expected one of",
+        ),
     ],
-)  # fmt: skip
+)
 def test_tensor_mismatches_are_named(edit, message, tmp_path, no_data_reads):
     folder = copy_model("tiny_qwen3", tmp_path / "m")
     rewrite(folder, edit)

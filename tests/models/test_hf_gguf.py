@@ -96,10 +96,16 @@ def write_gguf(path: Path, model: Transformer, tok: Tokenizer, arch: str = "llam
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
     names = {
-        "attention_norm": "attn_norm", "attention.wq": "attn_q", "attention.wk": "attn_k",
-        "attention.wv": "attn_v", "attention.wo": "attn_output", "ffn_norm": "ffn_norm",
-        "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
-    }  # fmt: skip
+        "attention_norm": "attn_norm",
+        "attention.wq": "attn_q",
+        "attention.wk": "attn_k",
+        "attention.wv": "attn_v",
+        "attention.wo": "attn_output",
+        "ffn_norm": "ffn_norm",
+        "feed_forward.w1": "ffn_gate",
+        "feed_forward.w3": "ffn_up",
+        "feed_forward.w2": "ffn_down",
+    }
     for key, t in model.state_dict().items():
         x = t.numpy()
         if key == "tok_embeddings.weight":  # quantized, as SmolLM2's file has it
@@ -139,9 +145,12 @@ def test_gguf_converts_to_the_original_weights(tiny_gguf, tmp_path):
     path, model, tok = tiny_gguf
     out = gguf_to_hf(path, tmp_path / "hf")
     assert sorted(p.name for p in out.iterdir()) == [
-        "chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json",
+        "chat_template.jinja",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
         "tokenizer_config.json",
-    ]  # fmt: skip
+    ]
     back = load_hf(out)
     assert back.args == model.args
     assert back.args.extra["hf"] == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
@@ -170,8 +179,10 @@ def test_gguf_tokenizer_and_chat_template(tiny_gguf, tmp_path):
     assert rebuilt.encode(" 42").tokens == ["Ġ", "4", "2"]  # digits one by one (smollm)
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["unk_token"]) == (
-        "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-    )  # fmt: skip
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
     assert config["chat_template"] == TEMPLATE == (out / "chat_template.jinja").read_text()
     assert config["add_bos_token"] is False
 

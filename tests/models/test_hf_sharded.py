@@ -130,5 +130,7 @@ def test_dtensor_shards_read_only_their_slices(tmp_path):
     # The layouts differ as intended: FSDP shards every tensor over 4 ranks, TP over 2.
     fsdp, tp = results[0]["fsdp"], results[0]["tp"]
     assert fsdp["read"] < tp["read"]
-    assert any("_StridedShard" in p or "Shard(dim=0), Shard(dim=0)" in p
-               for p in results[0]["fsdp+tp"]["placements"])  # fmt: skip
+    assert any(
+        "_StridedShard" in p or "Shard(dim=0), Shard(dim=0)" in p
+        for p in results[0]["fsdp+tp"]["placements"]
+    )

@@ -64,8 +64,14 @@ def gguf(smollm2, tmp_path_factory) -> Path:
 def test_config(model):
     a = model.args
     assert (a.family, a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.ffn_dim, a.vocab_size) == (
-        "llama3", 576, 30, 9, 3, 1536, 49152
-    )  # fmt: skip
+        "llama3",
+        576,
+        30,
+        9,
+        3,
+        1536,
+        49152,
+    )
     assert a.tie_embeddings and a.rope_scaling is None and not a.qk_norm
     assert (a.rope_theta, a.norm_eps, a.max_seq_len) == (100_000.0, 1e-5, 8192)
     assert a.extra["hf"] == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
@@ -89,7 +95,9 @@ def test_logits_match_transformers(model):
                 torch.testing.assert_close(
                     got.double().sum().item(), row["sum"], rtol=1e-4, atol=0.05
                 )
-                torch.testing.assert_close(got.double().square().sum().item(), row["sum_sq"], rtol=1e-4, atol=0.05)  # fmt: skip  # noqa: E501
+                torch.testing.assert_close(
+                    got.double().square().sum().item(), row["sum_sq"], rtol=1e-4, atol=0.05
+                )  # noqa: E501
     assert worst < 1e-4, f"max |tidal - transformers| = {worst}"
 
 
@@ -159,14 +167,18 @@ def test_generator_greedy_matches_transformers_generate(model):
 
     samples = GENERATE["samples"]
     gen = Generator(model, config=GeneratorConfig(max_batch=len(samples), max_seq_len=128))
-    params = SamplingParams(temperature=0.0, max_new_tokens=GENERATE["max_new_tokens"],
-                            stop_token_ids=(GENERATE["eos_token_id"],))  # fmt: skip
+    params = SamplingParams(
+        temperature=0.0,
+        max_new_tokens=GENERATE["max_new_tokens"],
+        stop_token_ids=(GENERATE["eos_token_id"],),
+    )
     with torch.no_grad():
         groups = gen.generate([s["prompt_ids"] for s in samples], params)
     for s, (got,) in zip(samples, groups, strict=True):
         assert got.completion_ids == s["new_ids"], s["prompt"]
-        assert got.finish_reason == ("stop" if s["new_ids"][-1] == GENERATE["eos_token_id"]
-                                     else "length")  # fmt: skip
+        assert got.finish_reason == (
+            "stop" if s["new_ids"][-1] == GENERATE["eos_token_id"] else "length"
+        )
 
 
 def test_tidal_generate_hf_greedy_matches_transformers(smollm2, capsys):
@@ -181,8 +193,18 @@ def test_tidal_generate_hf_greedy_matches_transformers(smollm2, capsys):
     new = str(n)
     for kind in ("plain", "chat"):
         samples = [s for s in GENERATE["samples"] if s["kind"] == kind]
-        argv = ["generate", "--hf", str(smollm2), "--device", "cpu", "--temperature", "0",
-                "--max-new-tokens", new, "--json"]  # fmt: skip
+        argv = [
+            "generate",
+            "--hf",
+            str(smollm2),
+            "--device",
+            "cpu",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            new,
+            "--json",
+        ]
         for s in samples:
             argv += ["--prompt", s["prompt"] if kind == "plain" else s["prompt"][0]["content"]]
         if kind == "chat":

@@ -6,8 +6,7 @@ import torch
 from tidal.models import FLAVORS, KVCache, Transformer, get_flavor
 
 # A small shape shared by every test here (overrides on a named flavor).
-TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
-            max_seq_len=64)  # fmt: skip
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97, max_seq_len=64)
 
 
 def tiny(**kw):
@@ -157,8 +156,10 @@ def test_compiled_blocks_marked_dynamic_compile_once_for_every_batch():
             torch._dynamo.maybe_mark_dynamic(t, 0)
         return compiled(block, x_BTD, rope, mask, layer_cache)
 
-    blocks = [functools.partial(first if i == 0 else compiled, b)
-              for i, b in enumerate(model.layers.values())]  # fmt: skip
+    blocks = [
+        functools.partial(first if i == 0 else compiled, b)
+        for i, b in enumerate(model.layers.values())
+    ]
     tokens = torch.randint(0, 97, (8, 6))
     cache = KVCache.for_model(model, batch_size=8, capacity=32)
     frames = []

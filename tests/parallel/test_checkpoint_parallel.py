@@ -35,9 +35,18 @@ LAYOUTS = {
     "fsdp2": (FSDP, 2),
     "tp2": (["--parallelism.tp", "2", "--parallelism.dp_shard", "1"], 4),
     "pp2_1f1b": (["--parallelism.pp", "2", "--parallelism.dp_shard", "1"], 4),
-    "pp2_interleaved": (["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                         "--parallelism.pp_schedule", "Interleaved1F1B"], 4),
-}  # fmt: skip
+    "pp2_interleaved": (
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "Interleaved1F1B",
+        ],
+        4,
+    ),
+}
 ATOL = 2e-5
 
 
@@ -87,8 +96,9 @@ def resumed(tmp_path_factory) -> dict[str, Path]:
     assert saved == ["step-10"], saved
     for name in [*LAYOUTS, "one_process"]:
         if name != "fsdp2":
-            shutil.copytree(outs["fsdp2"] / "checkpoint" / "step-10",
-                            outs[name] / "checkpoint" / "step-10")  # fmt: skip
+            shutil.copytree(
+                outs["fsdp2"] / "checkpoint" / "step-10", outs[name] / "checkpoint" / "step-10"
+            )
     runs = [(str(outs[name]), extra, batch, None) for name, (extra, batch) in LAYOUTS.items()]
     run_ranks(2, _train_runs, runs, tmp_path=root)
     torch.set_num_threads(1)

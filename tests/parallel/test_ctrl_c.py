@@ -28,21 +28,58 @@ from tests._signals import default_sigint
 from tests.parallel.test_launch import _python_env
 
 
-def _train_cmd(out: Path, nproc: int, corpus: Path, cache_dir: Path, *overrides: str,
-               tokenizer: Path | None = None) -> list[str]:  # fmt: skip
+def _train_cmd(
+    out: Path,
+    nproc: int,
+    corpus: Path,
+    cache_dir: Path,
+    *overrides: str,
+    tokenizer: Path | None = None,
+) -> list[str]:
     """`tidal train` of the tiny model on a jsonl corpus on `nproc` CPU ranks (FSDP over all of
     them) with a BPE of 512 tokens (trained, or `tokenizer`), stepping on and on and sampling
     nothing unless `overrides` (which win) say otherwise."""
     vocab = ["--data.tokenizer", str(tokenizer)] if tokenizer else ["--data.vocab_size", "512"]
     return [
-        sys.executable, "-m", "tidal", "train", "--nproc", str(nproc), "--config", "debug",
-        "--job.output_dir", str(out), "--job.device", "cpu", "--model.flavor", "tiny",
-        "--model.vocab_size", "512", "--data.dataset", "jsonl", "--data.path", str(corpus),
-        "--data.cache_dir", str(cache_dir), *vocab,
-        "--training.steps", "100000", "--training.batch_size", "2", "--training.seq_len", "32",
-        "--metrics.log_every", "1", "--metrics.val_every", "0", "--sample.max_new_tokens", "0",
-        "--parallelism.dp_shard", str(nproc), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "tidal",
+        "train",
+        "--nproc",
+        str(nproc),
+        "--config",
+        "debug",
+        "--job.output_dir",
+        str(out),
+        "--job.device",
+        "cpu",
+        "--model.flavor",
+        "tiny",
+        "--model.vocab_size",
+        "512",
+        "--data.dataset",
+        "jsonl",
+        "--data.path",
+        str(corpus),
+        "--data.cache_dir",
+        str(cache_dir),
+        *vocab,
+        "--training.steps",
+        "100000",
+        "--training.batch_size",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--metrics.log_every",
+        "1",
+        "--metrics.val_every",
+        "0",
+        "--sample.max_new_tokens",
+        "0",
+        "--parallelism.dp_shard",
+        str(nproc),
+        *overrides,
+    ]
 
 
 def _ctrl_c(cmd: list[str], at: str, timeout: float = 240) -> tuple[int, str, str]:
@@ -55,8 +92,15 @@ def _ctrl_c(cmd: list[str], at: str, timeout: float = 240) -> tuple[int, str, st
     the output, so nothing waits for them)."""
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_python_env()}
     env["PYTHONUNBUFFERED"] = "1"  # each line as it is printed, as on a terminal
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True, preexec_fn=default_sigint)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
     stdout = proc.stdout
     assert stdout is not None
     lines: queue.Queue[str | None] = queue.Queue()
@@ -88,11 +132,20 @@ def _ctrl_c(cmd: list[str], at: str, timeout: float = 240) -> tuple[int, str, st
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_ctrl_c_stops_after_the_step_saves_and_exits_quietly(nproc, tmp_path, text_corpus,
-                                                            cache_dir):  # fmt: skip
+def test_ctrl_c_stops_after_the_step_saves_and_exits_quietly(
+    nproc, tmp_path, text_corpus, cache_dir
+):
     out = tmp_path / "out"
-    cmd = _train_cmd(out, nproc, text_corpus, cache_dir, "--checkpoint.enable", "true",
-                     "--checkpoint.interval", "100000")  # fmt: skip
+    cmd = _train_cmd(
+        out,
+        nproc,
+        text_corpus,
+        cache_dir,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100000",
+    )
     code, before, rest = _ctrl_c(cmd, at=r"step +2/")
     assert code == 130, before + rest
     assert "Traceback" not in rest and "Error" not in rest, rest
@@ -111,8 +164,12 @@ def long_corpus(tmp_path_factory) -> Path:
     tokenizers 6 s to encode on two cores (12 s on one); the encoding sees a Ctrl-C after each
     `encode_batch` call of 1,024 documents (0.3 s)."""
     path = tmp_path_factory.mktemp("long_corpus") / "numbers.jsonl"
-    path.write_text("".join(json.dumps({"text": " ".join(map(str, range(i, i + 100)))}) + "\n"
-                            for i in range(0, 2_000_000, 100)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"text": " ".join(map(str, range(i, i + 100)))}) + "\n"
+            for i in range(0, 2_000_000, 100)
+        )
+    )
     return path
 
 
@@ -145,9 +202,20 @@ def test_ctrl_c_in_the_final_sample_exits_at_once(nproc, tmp_path, text_corpus, 
     # The debug model (context 2,048) takes ms a token on a CPU, and greedy decoding of the
     # seeded model (the same tokens every run) soon repeats a cycle without EOS: the sample
     # runs all 2,000 tokens, 10 s in one process on two cores, 80 s on two ranks.
-    cmd = _train_cmd(out, nproc, text_corpus, cache_dir, "--model.flavor", "debug",
-                     "--training.steps", "1", "--sample.max_new_tokens", "2000",
-                     "--sample.temperature", "0")  # fmt: skip
+    cmd = _train_cmd(
+        out,
+        nproc,
+        text_corpus,
+        cache_dir,
+        "--model.flavor",
+        "debug",
+        "--training.steps",
+        "1",
+        "--sample.max_new_tokens",
+        "2000",
+        "--sample.temperature",
+        "0",
+    )
     code, before, after = _ctrl_c(cmd, at=r"sampling: ")
     assert code == 130, before + after
     assert after.splitlines() == ["tidal train: interrupted"], after

@@ -34,8 +34,14 @@ def _hf_runs(rank: int, world: int, hf: str, runs: list[tuple[str, list[str], in
     from tidal.train.trainer import Trainer
 
     for out, extra, batch in runs:
-        cfg = run_config(Path(out), "--checkpoint.initial_load_hf", hf,
-                         "--checkpoint.last_save_in_hf", *extra, steps=STEPS)  # fmt: skip
+        cfg = run_config(
+            Path(out),
+            "--checkpoint.initial_load_hf",
+            hf,
+            "--checkpoint.last_save_in_hf",
+            *extra,
+            steps=STEPS,
+        )
         trainer = Trainer(
             cfg,
             data=lambda r, w, b=batch: random_data(r, w, b),
@@ -56,12 +62,21 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     hf = root / "hf"
     save_hf(tiny_model(), hf)
     outs = {name: root / name for name in [*LAYOUTS, "one_process"]}
-    run_ranks(2, _hf_runs, str(hf),
-              [(str(outs[n]), extra, batch) for n, (extra, batch) in LAYOUTS.items()],
-              tmp_path=root)  # fmt: skip
+    run_ranks(
+        2,
+        _hf_runs,
+        str(hf),
+        [(str(outs[n]), extra, batch) for n, (extra, batch) in LAYOUTS.items()],
+        tmp_path=root,
+    )
     torch.set_num_threads(1)
-    cfg = run_config(outs["one_process"], "--checkpoint.initial_load_hf", str(hf),
-                     "--checkpoint.last_save_in_hf", steps=STEPS)  # fmt: skip
+    cfg = run_config(
+        outs["one_process"],
+        "--checkpoint.initial_load_hf",
+        str(hf),
+        "--checkpoint.last_save_in_hf",
+        steps=STEPS,
+    )
     trainer = Trainer(cfg, data=random_data(), log=lambda *a: None)
     trainer.train()
     trainer.close()

@@ -23,17 +23,44 @@ ATOL = 2e-5
 
 
 def make_config(tmp_path, corpus, cache_dir, *extra):
-    return apply_overrides(get_config("debug"), [
-        "--job.output_dir", str(tmp_path / "out"), "--job.device", "cpu",
-        "--model.flavor", "tiny", "--model.vocab_size", "512",
-        "--data.dataset", "jsonl", "--data.path", str(corpus),
-        "--data.cache_dir", str(cache_dir), "--data.vocab_size", "512",
-        "--training.steps", str(STEPS), "--training.seq_len", "32",
-        "--training.mixed_precision", "fp32",
-        "--lr_scheduler.warmup_steps", "0", "--optimizer.lr", "1e-2",
-        "--metrics.val_every", "0", "--metrics.log_every", "1", "--sample.max_new_tokens", "0",
-        *extra,
-    ])  # fmt: skip
+    return apply_overrides(
+        get_config("debug"),
+        [
+            "--job.output_dir",
+            str(tmp_path / "out"),
+            "--job.device",
+            "cpu",
+            "--model.flavor",
+            "tiny",
+            "--model.vocab_size",
+            "512",
+            "--data.dataset",
+            "jsonl",
+            "--data.path",
+            str(corpus),
+            "--data.cache_dir",
+            str(cache_dir),
+            "--data.vocab_size",
+            "512",
+            "--training.steps",
+            str(STEPS),
+            "--training.seq_len",
+            "32",
+            "--training.mixed_precision",
+            "fp32",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--optimizer.lr",
+            "1e-2",
+            "--metrics.val_every",
+            "0",
+            "--metrics.log_every",
+            "1",
+            "--sample.max_new_tokens",
+            "0",
+            *extra,
+        ],
+    )
 
 
 def train_losses(rank, world, cfg):
@@ -64,45 +91,155 @@ def reference(tmp_path_factory, text_corpus, cache_dir):
 CASES = {
     # name: (world, overrides); batch_size is per data-parallel rank (global 8).
     "fsdp2": (2, ["--parallelism.dp_shard", "2", "--training.batch_size", "4"]),
-    "tp2_sp": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1",
-                   "--training.batch_size", "8"]),
-    "tp2_no_loss_parallel": (2, ["--parallelism.tp", "2", "--parallelism.dp_shard", "1",
-                                 "--parallelism.loss_parallel", "false",
-                                 "--training.batch_size", "8"]),
-    "pp2_1f1b": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                     "--parallelism.pp_schedule", "1F1B", "--parallelism.pp_microbatches", "4",
-                     "--training.batch_size", "8"]),
-    "pp2_gpipe": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                      "--parallelism.pp_schedule", "GPipe", "--training.batch_size", "8"]),
-    "pp2_interleaved": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                            "--parallelism.pp_schedule", "Interleaved1F1B",
-                            "--parallelism.pp_microbatches", "4", "--training.batch_size", "8"]),
-    "pp2_module_lists": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                             "--parallelism.pp_split",
-                             "tok_embeddings,layers.0;layers.1,layers.2,layers.3,norm,output",
-                             "--training.batch_size", "8"]),
-    "pp2_zbv": (2, ["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                    "--parallelism.pp_schedule", "ZBVZeroBubble",
-                    "--parallelism.pp_microbatches", "4", "--training.batch_size", "8"]),
-    "hsdp_2x2": (4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2",
-                     "--training.batch_size", "2"]),
-    "fsdp2_tp2": (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2",
-                      "--training.batch_size", "4"]),
-    "fsdp2_accum2": (2, ["--parallelism.dp_shard", "2", "--training.batch_size", "2",
-                         "--training.grad_accum_steps", "2"]),
-    "fsdp2_ac_full": (2, ["--parallelism.dp_shard", "2", "--training.batch_size", "4",
-                          "--activation_checkpoint.mode", "full"]),
-
+    "tp2_sp": (
+        2,
+        ["--parallelism.tp", "2", "--parallelism.dp_shard", "1", "--training.batch_size", "8"],
+    ),
+    "tp2_no_loss_parallel": (
+        2,
+        [
+            "--parallelism.tp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.loss_parallel",
+            "false",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "pp2_1f1b": (
+        2,
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "1F1B",
+            "--parallelism.pp_microbatches",
+            "4",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "pp2_gpipe": (
+        2,
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "GPipe",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "pp2_interleaved": (
+        2,
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pp_microbatches",
+            "4",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "pp2_module_lists": (
+        2,
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_split",
+            "tok_embeddings,layers.0;layers.1,layers.2,layers.3,norm,output",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "pp2_zbv": (
+        2,
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "ZBVZeroBubble",
+            "--parallelism.pp_microbatches",
+            "4",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "hsdp_2x2": (
+        4,
+        [
+            "--parallelism.dp_replicate",
+            "2",
+            "--parallelism.dp_shard",
+            "2",
+            "--training.batch_size",
+            "2",
+        ],
+    ),
+    "fsdp2_tp2": (
+        4,
+        ["--parallelism.dp_shard", "2", "--parallelism.tp", "2", "--training.batch_size", "4"],
+    ),
+    "fsdp2_accum2": (
+        2,
+        [
+            "--parallelism.dp_shard",
+            "2",
+            "--training.batch_size",
+            "2",
+            "--training.grad_accum_steps",
+            "2",
+        ],
+    ),
+    "fsdp2_ac_full": (
+        2,
+        [
+            "--parallelism.dp_shard",
+            "2",
+            "--training.batch_size",
+            "4",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    ),
     # Context parallel trains on CPU here: the all-gather form uses SDPA with an explicit
     # mask (no CP sharding rule needed), whose backward runs on CPU.
-    "cp2_sdpa": (2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1",
-                     "--training.batch_size", "8"]),
-    "cp2_no_load_balance": (2, ["--parallelism.cp", "2", "--parallelism.dp_shard", "1",
-                                "--parallelism.cp_load_balance", "false",
-                                "--training.batch_size", "8"]),
-    "fsdp2_cp2": (4, ["--parallelism.cp", "2", "--parallelism.dp_shard", "2",
-                      "--training.batch_size", "4"]),
-}  # fmt: skip
+    "cp2_sdpa": (
+        2,
+        ["--parallelism.cp", "2", "--parallelism.dp_shard", "1", "--training.batch_size", "8"],
+    ),
+    "cp2_no_load_balance": (
+        2,
+        [
+            "--parallelism.cp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.cp_load_balance",
+            "false",
+            "--training.batch_size",
+            "8",
+        ],
+    ),
+    "fsdp2_cp2": (
+        4,
+        ["--parallelism.cp", "2", "--parallelism.dp_shard", "2", "--training.batch_size", "4"],
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -146,8 +283,9 @@ def _bitwise_losses(rank, world, cfg, reference: bool):
     tok = type("Tok", (), {"vocab_size": 512, "bos_id": 0, "eos_id": 1})()
 
     def loader(r):
-        return PackedLoader(tokens, np.array([0]), seq_len=32, batch_size=2, seed=0,
-                            dp_rank=r, dp_world=2)  # fmt: skip
+        return PackedLoader(
+            tokens, np.array([0]), seq_len=32, batch_size=2, seed=0, dp_rank=r, dp_world=2
+        )
 
     if reference:
         shards = [loader(r) for r in range(2)]
@@ -155,9 +293,12 @@ def _bitwise_losses(rank, world, cfg, reference: bool):
         data = DataBundle(tokenizer=tok, train=train, val=None)
         trainer = Trainer(cfg, data=data, log=lambda *a: None)
     else:
-        trainer = Trainer(cfg, data=lambda r, w: DataBundle(tokenizer=tok, train=loader(r),
-                                                            val=None),
-                          dist_info=DistInfo.from_env(), log=lambda *a: None)  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            data=lambda r, w: DataBundle(tokenizer=tok, train=loader(r), val=None),
+            dist_info=DistInfo.from_env(),
+            log=lambda *a: None,
+        )
     try:
         out = []
         for _ in range(STEPS):
@@ -198,7 +339,8 @@ def val_loss(rank, world, cfg):
 def test_validation_loss_matches_one_process(layout, tmp_path, text_corpus, cache_dir):
     common = ["--training.batch_size", "8", "--metrics.val_batches", "2"]
     ref = val_loss(0, 1, make_config(tmp_path, text_corpus, cache_dir, *common))
-    cfg = make_config(tmp_path, text_corpus, cache_dir, *common, "--parallelism.dp_shard", "1",
-                      *layout)  # fmt: skip
+    cfg = make_config(
+        tmp_path, text_corpus, cache_dir, *common, "--parallelism.dp_shard", "1", *layout
+    )
     for got in run_ranks(2, val_loss, cfg, tmp_path=tmp_path):
         assert got == pytest.approx(ref, abs=1e-5)

@@ -30,8 +30,11 @@ def _close_and_count(rank, world, cfg):
     batches, n_tokens, _ = trainer.next_batches()
     trainer.train_step(batches, n_tokens)
     trainer.close()
-    holding = sum(bool(getattr(o, "_pg_registry", None)) for o in gc.get_objects()
-                  if isinstance(o, DeviceMesh))  # fmt: skip
+    holding = sum(
+        bool(getattr(o, "_pg_registry", None))
+        for o in gc.get_objects()
+        if isinstance(o, DeviceMesh)
+    )
     fsdp_states = sum(type(o).__name__ == "FSDPState" for o in gc.get_objects())
     return holding, fsdp_states, dist.is_initialized()
 

@@ -24,14 +24,36 @@ TOKENIZER = SimpleNamespace(vocab_size=VOCAB, bos_id=0, eos_id=1)
 
 def rl_config(out_dir, *extra: str):
     """fp32 CPU `tiny` model, no clipping, no sampling, nothing written but the run lock."""
-    return apply_overrides(get_config("debug"), [
-        "--job.output_dir", str(out_dir), "--job.device", "cpu",
-        "--model.flavor", "tiny", "--model.vocab_size", str(VOCAB),
-        "--training.mixed_precision", "fp32", "--training.max_norm", "0",
-        "--training.seq_len", "32", "--training.batch_size", "4",
-        "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "0",
-        "--metrics.val_every", "0", "--sample.max_new_tokens", "0", *extra,
-    ])  # fmt: skip
+    return apply_overrides(
+        get_config("debug"),
+        [
+            "--job.output_dir",
+            str(out_dir),
+            "--job.device",
+            "cpu",
+            "--model.flavor",
+            "tiny",
+            "--model.vocab_size",
+            str(VOCAB),
+            "--training.mixed_precision",
+            "fp32",
+            "--training.max_norm",
+            "0",
+            "--training.seq_len",
+            "32",
+            "--training.batch_size",
+            "4",
+            "--optimizer.lr",
+            "1e-2",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--metrics.val_every",
+            "0",
+            "--sample.max_new_tokens",
+            "0",
+            *extra,
+        ],
+    )
 
 
 def no_data() -> DataBundle:
@@ -55,12 +77,20 @@ def random_rollout(seed: int = 0, n: int = 6, max_prompt: int = 9, max_new: int 
         mask[i, : clen[i]] = True
     logprobs = torch.where(mask, -3 * torch.rand(n, C, generator=g), 0.0)
     return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_lens=plen, completion_ids=completion_ids,
-        completion_mask=mask, logprobs=logprobs, sampling_logprobs=torch.zeros(n, C),
-        versions=torch.where(mask, 0, -1), rewards=torch.rand(n, generator=g).round(),
-        group_ids=torch.arange(n) // 3, format_ok=torch.ones(n, dtype=torch.bool),
-        truncated=torch.zeros(n, dtype=torch.bool), answers=[None] * n, task="test",
-    )  # fmt: skip
+        prompt_ids=prompt_ids,
+        prompt_lens=plen,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        logprobs=logprobs,
+        sampling_logprobs=torch.zeros(n, C),
+        versions=torch.where(mask, 0, -1),
+        rewards=torch.rand(n, generator=g).round(),
+        group_ids=torch.arange(n) // 3,
+        format_ok=torch.ones(n, dtype=torch.bool),
+        truncated=torch.zeros(n, dtype=torch.bool),
+        answers=[None] * n,
+        task="test",
+    )
 
 
 def seed_model(seq_len: int = 512) -> Transformer:
@@ -92,10 +122,15 @@ def reference_step(model: Transformer, batch: Batch, cfg: LossConfig):
     entropy = -(logp_BTV.exp() * logp_BTV).sum(-1).detach()
     x = batch.extras
     loss, metrics = policy_loss(
-        logp, x["old_logprobs"], x["advantages"], x["mask"], cfg,
+        logp,
+        x["old_logprobs"],
+        x["advantages"],
+        x["mask"],
+        cfg,
         ref_logprobs=x.get("ref_logprobs") if cfg.kl_coef else None,
-        gen_logprobs=x["gen_logprobs"] if cfg.tis_cap else None, entropy=entropy,
-    )  # fmt: skip
+        gen_logprobs=x["gen_logprobs"] if cfg.tis_cap else None,
+        entropy=entropy,
+    )
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss.detach(), metrics, grads

@@ -26,8 +26,17 @@ def tiny_model(flavor: str = "tiny", seed: int = 0, **kw) -> Transformer:
 
 def qwen_tiny(seed: int = 0) -> Transformer:
     """A small Qwen 3 block (QK-norm, tied embeddings, head dim != dim / heads)."""
-    return tiny_model("debug_qwen3", seed, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                      head_dim=24, ffn_dim=128, vocab_size=384)  # fmt: skip
+    return tiny_model(
+        "debug_qwen3",
+        seed,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=24,
+        ffn_dim=128,
+        vocab_size=384,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +44,11 @@ def tokenizer(tmp_path_factory, text_corpus):
     """A 384-token byte-level BPE trained on the test corpus (fits the tiny models)."""
     from tidal.train.data import DataConfig, build_tokenizer
 
-    cfg = DataConfig(dataset="jsonl", path=str(text_corpus), tokenizer="bpe", vocab_size=384,
-                     cache_dir=str(tmp_path_factory.mktemp("tok")))  # fmt: skip
+    cfg = DataConfig(
+        dataset="jsonl",
+        path=str(text_corpus),
+        tokenizer="bpe",
+        vocab_size=384,
+        cache_dir=str(tmp_path_factory.mktemp("tok")),
+    )
     return build_tokenizer(cfg, log=lambda line: None)

@@ -59,15 +59,13 @@ def tiny(out: str = "outputs/rl_test") -> RLConfig:
         task=TaskConfig(name="digits", eval_problems=8),
         rollout=RolloutConfig(
             prompts_per_step=4, group_size=8, max_new_tokens=MAX_NEW, max_prompt_tokens=32
-        ),  # fmt: skip
+        ),
         loss=LossConfig(drop_equal_groups=False),
         optimizer=OptimizerConfig(lr=3e-2, weight_decay=0.0),
         lr_scheduler=SchedulerConfig(warmup_steps=0, decay_fraction=0.0),
         trainer=TrainerConfig(micro_batch_size=16, mixed_precision="fp32", max_norm=0.0),
         generator=GeneratorRoleConfig(count=1, max_batch=16, device="cpu", dtype="fp32"),
-        rl=LoopConfig(
-            steps=8, eval_every=4, wait_timeout_s=60, heartbeat_s=0.25, dead_after_s=3.0
-        ),  # fmt: skip
+        rl=LoopConfig(steps=8, eval_every=4, wait_timeout_s=60, heartbeat_s=0.25, dead_after_s=3.0),
         checkpoint=RLCheckpointConfig(enable=False),
     )
 
@@ -132,14 +130,20 @@ def cuda_async(out: str = "outputs/rl_test") -> RLConfig:
     generator = GeneratorRoleConfig(count=1, max_batch=8, device="cuda", dtype="bf16")
     # Compiling the decode steps at the generator's start takes a while: no role is taken
     # for dead or lost meanwhile.
-    loop = dataclasses.replace(cfg.rl, mode="async", wait_timeout_s=600, dead_after_s=60,
-                               lost_after_s=60)  # fmt: skip
+    loop = dataclasses.replace(
+        cfg.rl, mode="async", wait_timeout_s=600, dead_after_s=60, lost_after_s=60
+    )
     if os.environ.get("TIDAL_TEST_WEIGHTS"):
         _write_weights(os.environ["TIDAL_TEST_WEIGHTS"], stall_cycles=20_000_000)
     return dataclasses.replace(
-        cfg, job=dataclasses.replace(cfg.job, device="cuda"), rollout=rollout, trainer=trainer,
-        generator=generator, loss=dataclasses.replace(cfg.loss, tis_cap=2.0), rl=loop,
-    )  # fmt: skip
+        cfg,
+        job=dataclasses.replace(cfg.job, device="cuda"),
+        rollout=rollout,
+        trainer=trainer,
+        generator=generator,
+        loss=dataclasses.replace(cfg.loss, tis_cap=2.0),
+        rl=loop,
+    )
 
 
 def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
@@ -196,8 +200,10 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
             params = full(state_dict, torch.bfloat16)
             if rank()[0] == 0:
                 v = kwargs["version"]
-                torch.save({"version": v, "params": params, "memory": kwargs.get("memory")},
-                           Path(folder) / f"trainer-v{v}.pt")  # fmt: skip
+                torch.save(
+                    {"version": v, "params": params, "memory": kwargs.get("memory")},
+                    Path(folder) / f"trainer-v{v}.pt",
+                )
             if stall_cycles and any(t.is_cuda for t in state_dict.values()):
                 torch.cuda._sleep(stall_cycles)  # the put's copies wait behind it
         return put(self, state_dict, key, **kwargs)
@@ -211,9 +217,17 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
         local = sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in sd.values())
         r, world = rank()
         index = sys.argv[sys.argv.index("--index") + 1]
-        torch.save({"version": v, "params": full(sd), "local_numel": local, "world": world,
-                    "by": by, "staging": staging},
-                   Path(folder) / f"generator{index}-rank{r}-v{v}.pt")  # fmt: skip
+        torch.save(
+            {
+                "version": v,
+                "params": full(sd),
+                "local_numel": local,
+                "world": world,
+                "by": by,
+                "staging": staging,
+            },
+            Path(folder) / f"generator{index}-rank{r}-v{v}.pt",
+        )
 
     generate = tidal.rl.generate.Generator.generate
 

@@ -36,7 +36,12 @@ def test_the_schedule_bounds_staleness_per_token():
     assert s.histogram(versions[keep], mask[keep], 5) == [4, 2]  # lag 0: four tokens, lag 1: two
     assert SyncSchedule(10).oldest_version(5) == 4
     assert AsyncSchedule(10, 0).stale_samples(versions, mask, 5).tolist() == [
-        False, True, True, True, True]  # fmt: skip
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
 
 
 # -- the generator's in-flight switch ----------------------------------------------------
@@ -83,8 +88,9 @@ def test_a_sequence_spanning_two_versions_is_stamped_per_token():
     assert gen.version == 1 and gen.stats.weight_swaps == 1 and stager.swaps == 1
     for name, w in v1.state_dict().items():
         assert torch.equal(live.state_dict()[name], w), name
-    batch = RolloutBatch.from_samples(group, [Grade(reward=0.0, answer=None, format_ok=True)] * 2,
-                                      task="t")  # fmt: skip
+    batch = RolloutBatch.from_samples(
+        group, [Grade(reward=0.0, answer=None, format_ok=True)] * 2, task="t"
+    )
     assert batch.versions.tolist() == [[0] * 5 + [1] * 7] * 2
 
 
@@ -144,8 +150,9 @@ def _reference(new, old, gen, adv, mask, cfg):
     return total / n
 
 
-@pytest.mark.parametrize("cfg", [LossConfig(tis_cap=1.5), LossConfig(mask_low=0.8, mask_high=1.25)],
-                         ids=["tis", "mask"])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg", [LossConfig(tis_cap=1.5), LossConfig(mask_low=0.8, mask_high=1.25)], ids=["tis", "mask"]
+)
 def test_the_correction_is_applied_per_token(cfg):
     g = torch.Generator().manual_seed(0)
     B, T = 4, 6
@@ -192,9 +199,19 @@ def test_bad_mask_band(kw, message):
 def test_max_staleness_below_zero_errors_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"rl.max_staleness must be >= 0 .* got -1"):
         LoopConfig(mode="async", max_staleness=-1)
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"),
-                 "--rl.mode", "async", "--loss.tis_cap", "2", "--rl.max_staleness", "-1",
-                 timeout=60)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(tmp_path / "run"),
+        "--rl.mode",
+        "async",
+        "--loss.tis_cap",
+        "2",
+        "--rl.max_staleness",
+        "-1",
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout
     assert "tidal rl: error:" in r.stdout and "rl.max_staleness must be >= 0" in r.stdout
     assert "trainer:" not in r.stdout  # nothing started
@@ -206,8 +223,19 @@ def test_async_without_a_correction_and_a_queue_too_small_for_the_generators():
 
     with pytest.raises(ValueError, match="needs a per-token correction: set --loss.tis_cap"):
         apply_overrides(tiny(), ["--rl.mode", "async"])
-    cfg = apply_overrides(tiny(), ["--rl.mode", "async", "--loss.tis_cap", "2",
-                                   "--generator.count", "3", "--rl.queue_depth", "2"])  # fmt: skip
+    cfg = apply_overrides(
+        tiny(),
+        [
+            "--rl.mode",
+            "async",
+            "--loss.tis_cap",
+            "2",
+            "--generator.count",
+            "3",
+            "--rl.queue_depth",
+            "2",
+        ],
+    )
     warning = cfg.queue_warning()
     assert warning is not None
     assert "rl.queue_depth=2" in warning and "generator.count=3" in warning
@@ -221,9 +249,22 @@ def test_async_without_a_correction_and_a_queue_too_small_for_the_generators():
 
 def test_async_run_reward_rises_and_every_token_is_within_max_staleness(tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.mode", "async",
-                 "--loss.tis_cap", "2", "--rl.max_staleness", "2", "--rl.steps", "8",
-                 "--metrics.plot", "false")  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.mode",
+        "async",
+        "--loss.tis_cap",
+        "2",
+        "--rl.max_staleness",
+        "2",
+        "--rl.steps",
+        "8",
+        "--metrics.plot",
+        "false",
+    )
     assert r.returncode == 0, r.stdout
     assert "async mode (max_staleness 2" in r.stdout
     steps, evals = records(out)
@@ -254,10 +295,28 @@ def test_two_batches_in_flight_keep_every_token_within_max_staleness(tmp_path):
     current one frees): every trained token is still within max_staleness, nothing is lost,
     and generator 0 still evaluates the first and the last version."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.mode", "async",
-                 "--loss.tis_cap", "2", "--rl.max_staleness", "3", "--rl.batches_in_flight", "2",
-                 "--rl.steps", "6", "--rl.eval_every", "3", "--generator.max_batch", "64",
-                 "--metrics.plot", "false")  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.mode",
+        "async",
+        "--loss.tis_cap",
+        "2",
+        "--rl.max_staleness",
+        "3",
+        "--rl.batches_in_flight",
+        "2",
+        "--rl.steps",
+        "6",
+        "--rl.eval_every",
+        "3",
+        "--generator.max_batch",
+        "64",
+        "--metrics.plot",
+        "false",
+    )
     assert r.returncode == 0, r.stdout
     assert "queue 1 batch(es) per generator, 2 in flight" in r.stdout
     steps, evals = records(out)
@@ -284,9 +343,26 @@ def test_forced_staleness_drops_and_counts_samples(tmp_path):
     (which trains at version 1) must drop samples; they are counted, and none of a too-old
     version is trained on. The correction here is the mask band."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.mode", "async",
-                 "--loss.mask_low", "0.5", "--loss.mask_high", "2", "--rl.max_staleness", "0",
-                 "--rl.queue_depth", "2", "--rl.steps", "4", "--metrics.plot", "false")  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.mode",
+        "async",
+        "--loss.mask_low",
+        "0.5",
+        "--loss.mask_high",
+        "2",
+        "--rl.max_staleness",
+        "0",
+        "--rl.queue_depth",
+        "2",
+        "--rl.steps",
+        "4",
+        "--metrics.plot",
+        "false",
+    )
     assert r.returncode == 0, r.stdout
     steps, _ = records(out)
     assert len(steps) == 4
@@ -307,10 +383,27 @@ def test_async_with_two_trainer_ranks_and_two_generators(tmp_path):
     """Two trainer ranks (FSDP over gloo) take the same rollouts each step (rank 0 chooses
     and announces them), from two generators whose batches arrive in any order."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.mode", "async",
-                 "--loss.tis_cap", "2", "--rl.max_staleness", "3", "--rl.steps", "3",
-                 "--generator.count", "2", "--nproc", "2", "--metrics.plot", "false",
-                 timeout=180)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.mode",
+        "async",
+        "--loss.tis_cap",
+        "2",
+        "--rl.max_staleness",
+        "3",
+        "--rl.steps",
+        "3",
+        "--generator.count",
+        "2",
+        "--nproc",
+        "2",
+        "--metrics.plot",
+        "false",
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout
     assert "world 2 (dp_shard=2)" in r.stdout
     steps, _ = records(out)

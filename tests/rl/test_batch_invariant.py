@@ -109,8 +109,10 @@ def test_bitwise_with_bf16_weights(rms_norm, request):
     if rms_norm.startswith("fused"):
         request.getfixturevalue("fused_rms_norm")
     model = tiny_model().to(torch.bfloat16)
-    gen = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=112, check_every=3,
-                                                  batch_invariant=True))  # fmt: skip
+    gen = Generator(
+        model,
+        config=GeneratorConfig(max_batch=3, max_seq_len=112, check_every=3, batch_invariant=True),
+    )
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=i) for i in range(3)]
     samples = [s for g in gen.generate(PROMPTS[:3], params) for s in g]
     assert gen.cache.k[0].dtype == torch.bfloat16
@@ -140,10 +142,15 @@ class _Bmms(TorchDispatchMode):
     "device",
     [
         "cpu",
-        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="needs a CUDA device")]),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
     ],
-)  # fmt: skip
+)
 def test_attention_matmuls_have_one_shape_for_any_query_count(device):
     """Every attention matmul has one shape (queries padded to fixed blocks, problems to
     whole calls), so a library picking its kernel by shape (cuBLAS by M, N and the batch)
@@ -203,8 +210,10 @@ def test_generator_logprobs_are_bitwise_the_trainers(flavor):
         SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=4),
     ]
     # Few slots: groups wait, get refilled into freed rows and moved to smaller buckets.
-    gen = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=112, check_every=3,
-                                                  batch_invariant=True))  # fmt: skip
+    gen = Generator(
+        model,
+        config=GeneratorConfig(max_batch=4, max_seq_len=112, check_every=3, batch_invariant=True),
+    )
     samples = [s for g in gen.generate(PROMPTS, params) for s in g]
     assert len(samples) == 9
     with torch.no_grad():
@@ -214,8 +223,9 @@ def test_generator_logprobs_are_bitwise_the_trainers(flavor):
             (alone,) = completion_logprobs(model, [s], batch_invariant=True)
             assert torch.equal(alone, lp)
     # Another batch composition: three slots, the requests in reverse order.
-    solo = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=112,
-                                                   batch_invariant=True))  # fmt: skip
+    solo = Generator(
+        model, config=GeneratorConfig(max_batch=3, max_seq_len=112, batch_invariant=True)
+    )
     again = [s for g in solo.generate(PROMPTS[::-1], params[::-1]) for s in g]
     key = {(s.prompt_ids.__repr__(), s.sample_index): s for s in samples}
     for s in again:
@@ -228,8 +238,9 @@ def test_generator_logprobs_are_bitwise_the_trainers(flavor):
 def test_bitwise_with_two_threads():
     torch.set_num_threads(2)  # the autouse fixture restores the count
     model = tiny_model()
-    gen = Generator(model, config=GeneratorConfig(max_batch=3, max_seq_len=112,
-                                                  batch_invariant=True))  # fmt: skip
+    gen = Generator(
+        model, config=GeneratorConfig(max_batch=3, max_seq_len=112, batch_invariant=True)
+    )
     groups = gen.generate(PROMPTS[:3], SamplingParams(n=1, max_new_tokens=24, seed=5))
     samples = [s for g in groups for s in g]
     with torch.no_grad():

@@ -10,8 +10,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_rl_benchmark_smoke():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "benchmarks/rl.py", "--smoke", "--steps", "2"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "benchmarks/rl.py", "--smoke", "--steps", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     for name in ("addition", "llama3_1b"):
         assert f"-- {name}: 2 steps" in p.stdout

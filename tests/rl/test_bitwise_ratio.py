@@ -22,25 +22,39 @@ class Recording:
         self.loss, self.wants_entropy, self.seen = loss, loss.wants_entropy, []
 
     def __call__(self, logprobs, batch, norms, entropy):
-        self.seen.append((logprobs.detach().clone(), batch.extras["old_logprobs"],
-                          batch.extras["mask"]))  # fmt: skip
+        self.seen.append(
+            (logprobs.detach().clone(), batch.extras["old_logprobs"], batch.extras["mask"])
+        )
         return self.loss(logprobs, batch, norms, entropy)
 
 
 def test_trainer_logprobs_are_the_generators_bits_and_ratios_are_one(tmp_path):
-    cfg = rl_config(tmp_path, "--model.flavor", "debug", "--training.batch_invariant", "true",
-                    "--training.seq_len", "64")  # fmt: skip
+    cfg = rl_config(
+        tmp_path,
+        "--model.flavor",
+        "debug",
+        "--training.batch_invariant",
+        "true",
+        "--training.seq_len",
+        "64",
+    )
     trainer = Trainer(cfg, data=no_data(), log=lambda *a: None)
     try:
         # The generator runs the trainer's own module: the weights of version v, in sync mode.
-        gen = Generator(trainer.model, config=GeneratorConfig(max_batch=5, max_seq_len=64,
-                                                              check_every=3,
-                                                              batch_invariant=True))  # fmt: skip
-        params = [SamplingParams(n=3, temperature=1.0, max_new_tokens=14, seed=i)
-                  for i in range(len(PROMPTS))]  # fmt: skip
+        gen = Generator(
+            trainer.model,
+            config=GeneratorConfig(
+                max_batch=5, max_seq_len=64, check_every=3, batch_invariant=True
+            ),
+        )
+        params = [
+            SamplingParams(n=3, temperature=1.0, max_new_tokens=14, seed=i)
+            for i in range(len(PROMPTS))
+        ]
         samples = [s for g in gen.generate(PROMPTS, params) for s in g]
-        grades = [Grade(reward=float(i % 2), answer=None, format_ok=True)
-                  for i in range(len(samples))]  # fmt: skip
+        grades = [
+            Grade(reward=float(i % 2), answer=None, format_ok=True) for i in range(len(samples))
+        ]
         rollout = RolloutBatch.from_samples(samples, grades, task="test")
         loss_cfg = LossConfig(drop_equal_groups=False)
         adv = group_advantages(rollout.rewards, rollout.group_ids, loss_cfg)

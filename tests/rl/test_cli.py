@@ -9,9 +9,22 @@ from tidal.cli import main
 
 @pytest.fixture
 def base(text_corpus, cache_dir):
-    return ["--config", "debug", "--model.flavor", "tiny", "--data.dataset", "jsonl",
-            "--data.path", str(text_corpus), "--data.vocab_size", "384",
-            "--data.cache_dir", str(cache_dir), "--device", "cpu"]  # fmt: skip
+    return [
+        "--config",
+        "debug",
+        "--model.flavor",
+        "tiny",
+        "--data.dataset",
+        "jsonl",
+        "--data.path",
+        str(text_corpus),
+        "--data.vocab_size",
+        "384",
+        "--data.cache_dir",
+        str(cache_dir),
+        "--device",
+        "cpu",
+    ]
 
 
 def run(capsys, argv):
@@ -21,9 +34,26 @@ def run(capsys, argv):
 
 
 def test_json_samples(capsys, base):
-    argv = [*base, "--prompt", "The list", "--prompt", "A", "--n", "2", "--temperature", "0.8",
-            "--top-k", "20", "--top-p", "0.95", "--max-new-tokens", "6", "--seed", "4",
-            "--json"]  # fmt: skip
+    argv = [
+        *base,
+        "--prompt",
+        "The list",
+        "--prompt",
+        "A",
+        "--n",
+        "2",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.95",
+        "--max-new-tokens",
+        "6",
+        "--seed",
+        "4",
+        "--json",
+    ]
     code, out, _ = run(capsys, argv)
     assert code == 0
     rows = [json.loads(line) for line in out.splitlines()]
@@ -44,8 +74,19 @@ def test_json_samples(capsys, base):
 def test_prompts_file_greedy_and_text_output(capsys, base, tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "The list"}\n\n{"prompt": "Return"}\n')
-    code, out, _ = run(capsys, [*base, "--prompts", str(path), "--temperature", "0",
-                                "--max-new-tokens", "5", "--batch-invariant"])  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        [
+            *base,
+            "--prompts",
+            str(path),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "5",
+            "--batch-invariant",
+        ],
+    )
     assert code == 0
     heads = [line for line in out.splitlines() if line.startswith("--- prompt")]
     assert len(heads) == 2 and "The list" in out and "Return" in out
@@ -55,16 +96,30 @@ def test_prompts_file_greedy_and_text_output(capsys, base, tmp_path):
 def test_chat_template(capsys, base, tmp_path, text_corpus, cache_dir):
     from tidal.train.data import DataConfig, build_tokenizer
 
-    cfg = DataConfig(dataset="jsonl", path=str(text_corpus), vocab_size=384,
-                     cache_dir=str(cache_dir))  # fmt: skip
+    cfg = DataConfig(
+        dataset="jsonl", path=str(text_corpus), vocab_size=384, cache_dir=str(cache_dir)
+    )
     folder = tmp_path / "tok"
     folder.mkdir()
     build_tokenizer(cfg, log=lambda line: None).save(folder / "tokenizer.json")
-    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n" \
-               "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"  # fmt: skip
+    template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    argv = [*base, "--data.tokenizer", str(folder / "tokenizer.json"), "--chat", "--prompt",
-            "hi", "--temperature", "0", "--max-new-tokens", "3", "--json"]  # fmt: skip
+    argv = [
+        *base,
+        "--data.tokenizer",
+        str(folder / "tokenizer.json"),
+        "--chat",
+        "--prompt",
+        "hi",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "3",
+        "--json",
+    ]
     code, out, err = run(capsys, argv)
     assert code == 0, err
     (row,) = [json.loads(line) for line in out.splitlines()]
@@ -118,8 +173,9 @@ def _greedy(model, prompts, tokenizer, n_new, stop_ids=None):
 def bpe(text_corpus, cache_dir):
     from tidal.train.data import DataConfig, build_tokenizer
 
-    cfg = DataConfig(dataset="jsonl", path=str(text_corpus), vocab_size=384,
-                     cache_dir=str(cache_dir))  # fmt: skip
+    cfg = DataConfig(
+        dataset="jsonl", path=str(text_corpus), vocab_size=384, cache_dir=str(cache_dir)
+    )
     return build_tokenizer(cfg, log=lambda line: None)
 
 
@@ -134,8 +190,19 @@ def test_checkpoint_of_a_run(capsys, base, bpe, tmp_path):
     save_model(model.state_dict(), tmp_path / "ckpt", 3, info=info)
     prompts = ["The list", "A"]
     want = _greedy(model, [[bpe.bos_id, *bpe.encode(p)] for p in prompts], bpe, 6)
-    argv = [*base[:2], *base[4:], "--prompt", prompts[0], "--prompt", prompts[1],
-            "--temperature", "0", "--max-new-tokens", "6", "--json"]  # fmt: skip
+    argv = [
+        *base[:2],
+        *base[4:],
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]
     for path in (tmp_path / "ckpt", tmp_path / "ckpt" / "step-3"):
         code, out, err = run(capsys, [*argv, "--checkpoint", str(path)])
         assert code == 0, err
@@ -159,8 +226,19 @@ def test_hf_folder(capsys, base, bpe, tmp_path):
 
     folder = tmp_path / "hf"
     save_hf(_seeded_tiny(11), folder)
-    argv = ["--device", "cpu", "--prompt", "The list", "--temperature", "0",
-            "--max-new-tokens", "6", "--json", "--hf", str(folder)]  # fmt: skip
+    argv = [
+        "--device",
+        "cpu",
+        "--prompt",
+        "The list",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "6",
+        "--json",
+        "--hf",
+        str(folder),
+    ]
     code, _, err = run(capsys, argv)
     assert code == 2 and "tokenizer.json" in err and "--data.tokenizer" in err
     bpe.save(folder / "tokenizer.json")

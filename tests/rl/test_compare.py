@@ -13,18 +13,24 @@ def _write(folder, records):
 
 
 def test_compare_reads_mode_speed_and_pass1(tmp_path, capsys):
-    _write(tmp_path / "sync", [
-        {"step": 0, "eval_pass1": 0.4},
-        {"step": 1, "reward_mean": 0.1, "elapsed_s": 30.0},
-        {"step": 2, "reward_mean": 0.2, "elapsed_s": 60.0},
-        {"step": 2, "eval_pass1": 0.7},
-    ])  # fmt: skip
-    _write(tmp_path / "async", [
-        {"step": 1, "reward_mean": 0.1, "elapsed_s": 20.0, "stale_samples_dropped": 0},
-        {"step": 2, "eval_pass1": 0.6},
-        {"step": 0, "eval_pass1": 0.4},
-        {"step": 2, "reward_mean": 0.3, "elapsed_s": 40.0, "stale_samples_dropped": 1},
-    ])  # fmt: skip
+    _write(
+        tmp_path / "sync",
+        [
+            {"step": 0, "eval_pass1": 0.4},
+            {"step": 1, "reward_mean": 0.1, "elapsed_s": 30.0},
+            {"step": 2, "reward_mean": 0.2, "elapsed_s": 60.0},
+            {"step": 2, "eval_pass1": 0.7},
+        ],
+    )
+    _write(
+        tmp_path / "async",
+        [
+            {"step": 1, "reward_mean": 0.1, "elapsed_s": 20.0, "stale_samples_dropped": 0},
+            {"step": 2, "eval_pass1": 0.6},
+            {"step": 0, "eval_pass1": 0.4},
+            {"step": 2, "reward_mean": 0.3, "elapsed_s": 40.0, "stale_samples_dropped": 1},
+        ],
+    )
     s, a = run_figures(tmp_path / "sync"), run_figures(tmp_path / "async")
     assert (s["mode"], s["steps"], s["steps_per_min"]) == ("sync", 2, pytest.approx(2.0))
     assert (a["mode"], a["steps_per_min"]) == ("async", pytest.approx(3.0))

@@ -39,9 +39,15 @@ class Role:
     """A role's process, its output read line by line in a thread (for bounded waits)."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True)  # fmt: skip
+        self.p = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: list[str] = []
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -60,8 +66,9 @@ class Role:
             try:
                 line = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no line with {text!r} within {timeout:g} s:\n"
-                                     + "".join(self.lines)) from None  # fmt: skip
+                raise AssertionError(
+                    f"no line with {text!r} within {timeout:g} s:\n" + "".join(self.lines)
+                ) from None
             if line is None:
                 self._q.put(None)
                 raise AssertionError(f"the output ended without {text!r}:\n" + "".join(self.lines))
@@ -90,16 +97,33 @@ class Job:
     def __init__(self, tmp_path: Path, address: str, *args: str, stall: str = "") -> None:
         self.out, self.address, self.args = tmp_path / "run", address, list(args)
         self.marker = tmp_path / "stalled"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                    "TIDAL_TEST_STALL": stall,
-                    "TIDAL_TEST_STALL_FILE": str(self.marker)}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "TIDAL_TEST_STALL": stall,
+            "TIDAL_TEST_STALL_FILE": str(self.marker),
+        }
         self.roles: dict[str, Role] = {}
 
     def start(self, role: str, *extra: str) -> Role:
         kind = role.split()[0]
-        argv = [sys.executable, "-m", "tidal", "rl", kind, "--store", self.address,
-                "--config", CONFIG, "--job.output_dir", str(self.out), *QUIET, *self.args,
-                *extra]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "tidal",
+            "rl",
+            kind,
+            "--store",
+            self.address,
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(self.out),
+            *QUIET,
+            *self.args,
+            *extra,
+        ]
         self.roles[role] = Role(argv, self.env)
         return self.roles[role]
 
@@ -143,8 +167,9 @@ def test_a_generator_killed_mid_rollout_is_dropped_and_the_other_fills_the_batch
     with the batch written but not committed. The trainer reports it lost within
     rl.lost_after_s (+ slack), trains step 3 on the survivor's batch alone (the torn one is
     never read), then gives the survivor every prompt, and finishes the run."""
-    job = Job(tmp_path, store.address, "--generator.count", "2", "--rl.steps", "6",
-              stall="rollouts/*:3")  # fmt: skip
+    job = Job(
+        tmp_path, store.address, "--generator.count", "2", "--rl.steps", "6", stall="rollouts/*:3"
+    )
     try:
         trainer = job.start("trainer")
         job.generator(0)
@@ -177,8 +202,21 @@ def test_under_tidal_rl_a_killed_generator_does_not_stop_the_run(tmp_path):
     """`tidal rl` (the launcher, two generator processes): one killed mid-put is reported by
     the launcher and dropped by the trainer; the run finishes with status 0."""
     job = Job(tmp_path, "", stall="rollouts/*:3")
-    argv = [sys.executable, "-m", "tidal", "rl", "--config", CONFIG, "--job.output_dir",
-            str(job.out), *QUIET, "--generator.count", "2", "--rl.steps", "5"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "tidal",
+        "rl",
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(job.out),
+        *QUIET,
+        "--generator.count",
+        "2",
+        "--rl.steps",
+        "5",
+    ]
     launcher = job.roles["tidal rl"] = Role(argv, job.env)
     try:
         os.kill(job.stalled_pid(), signal.SIGKILL)
@@ -194,9 +232,21 @@ def test_under_tidal_rl_a_killed_generator_does_not_stop_the_run(tmp_path):
 def test_async_a_killed_generator_and_the_survivor_fills_every_step(tmp_path, store):
     """Async, two generators (a step takes two batches, one queue slot each): one is killed
     mid-put of its third batch; the survivor's batches fill every later step."""
-    job = Job(tmp_path, store.address, "--generator.count", "2", "--rl.steps", "6",
-              "--rl.mode", "async", "--loss.tis_cap", "2", "--rl.max_staleness", "4",
-              stall="rollouts/*:3")  # fmt: skip
+    job = Job(
+        tmp_path,
+        store.address,
+        "--generator.count",
+        "2",
+        "--rl.steps",
+        "6",
+        "--rl.mode",
+        "async",
+        "--loss.tis_cap",
+        "2",
+        "--rl.max_staleness",
+        "4",
+        stall="rollouts/*:3",
+    )
     try:
         trainer = job.start("trainer")
         job.generator(0)
@@ -220,8 +270,9 @@ def test_the_trainer_killed_mid_publish(tmp_path, store):
     """The trainer is killed with SIGKILL while publishing policy version 3 (written, not
     committed): the generators never read it, say so, keep version 2, and exit with a line
     naming the trainer within rl.dead_after_s (+ slack)."""
-    job = Job(tmp_path, store.address, "--generator.count", "2", "--rl.steps", "6",
-              stall="policy:3")  # fmt: skip
+    job = Job(
+        tmp_path, store.address, "--generator.count", "2", "--rl.steps", "6", stall="policy:3"
+    )
     try:
         job.start("trainer")
         gens = [job.generator(0), job.generator(1)]
@@ -242,9 +293,15 @@ def test_the_trainer_killed_mid_publish(tmp_path, store):
 
 def _serve(port: int = 0) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-m", "tidal", "store", "serve", "--port", str(port)],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tidal", "store", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     assert p.stdout is not None
     line = p.stdout.readline()
     assert "tidal store serving at" in line, line + p.stdout.read()
@@ -313,8 +370,12 @@ def test_a_generator_joins_late_and_generators_leave(tmp_path, store, mode):
             assert "generator 0 is already running in this job" in out, out
         late = job.generator(1)
         trainer.expect("generator 1 joined", 120)
-        late.expect("sampling 2 prompts a step from policy version" if mode == "sync" else
-                    "4 prompts a batch", 60)  # fmt: skip
+        late.expect(
+            "sampling 2 prompts a step from policy version"
+            if mode == "sync"
+            else "4 prompts a batch",
+            60,
+        )
         deadline = time.monotonic() + 120
         while not store.exists("rollouts/1"):  # it contributed a batch (bounded wait)
             assert time.monotonic() < deadline and late.p.poll() is None, late.finish(30)
@@ -370,7 +431,8 @@ def test_a_generator_started_before_the_trainer_on_a_used_store_waits_for_it(tmp
         beats = int(3 * DEAD_AFTER_S / 0.25)
         deadline = time.monotonic() + 120
         while not store.exists("alive/generator0") or (
-                store.versions("alive/generator0")[-1] < beats):  # fmt: skip
+            store.versions("alive/generator0")[-1] < beats
+        ):
             assert gen.p.poll() is None, gen.finish(30)
             assert time.monotonic() < deadline, "the generator did not beat"
             time.sleep(0.1)  # waiting for its heartbeats, bounded
@@ -389,12 +451,27 @@ def test_a_role_command_against_an_unreachable_store(tmp_path):
     start = time.monotonic()
     for role in (["trainer"], ["generator", "--index", "0"]):
         r = subprocess.run(
-            [sys.executable, "-m", "tidal", "rl", *role, "--store", "tcp://127.0.0.1:9",
-             "--config", CONFIG, "--job.output_dir", str(tmp_path / "run"),
-             "--store.connect_timeout_s", "2"],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-            text=True, timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tidal",
+                "rl",
+                *role,
+                "--store",
+                "tcp://127.0.0.1:9",
+                "--config",
+                CONFIG,
+                "--job.output_dir",
+                str(tmp_path / "run"),
+                "--store.connect_timeout_s",
+                "2",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2, r.stdout + r.stderr
         assert "store.address 'tcp://127.0.0.1:9' does not answer" in r.stderr, r.stderr
     assert time.monotonic() - start < 60

@@ -87,9 +87,14 @@ def test_sampler_draws_from_the_truncated_tempered_softmax():
     torch.manual_seed(0)
     V, R = 6, 40_000
     logits = torch.randn(V) * 2
-    rows = dict(temperature_B=torch.full((R,), 0.7), top_k_B=torch.full((R,), 4),
-                top_p_B=torch.full((R,), 0.9), min_p_B=torch.full((R,), 0.05),
-                keys_B=torch.arange(R), steps_B=torch.zeros(R, dtype=torch.long))  # fmt: skip
+    rows = dict(
+        temperature_B=torch.full((R,), 0.7),
+        top_k_B=torch.full((R,), 4),
+        top_p_B=torch.full((R,), 0.9),
+        min_p_B=torch.full((R,), 0.05),
+        keys_B=torch.arange(R),
+        steps_B=torch.zeros(R, dtype=torch.long),
+    )
     tok, lp, slp = sample(logits.expand(R, V), **rows)
     # The expected distribution, computed the plain way.
     p = torch.softmax(logits / 0.7, -1)
@@ -128,8 +133,11 @@ def test_stop_token_and_length(model):
 
 def test_stop_strings_cut_text_and_tokens(model, tokenizer):
     prompt = [tokenizer.bos_id, *tokenizer.encode("The ")]
-    gen = Generator(model, tokenizer=tokenizer,
-                    config=GeneratorConfig(max_batch=2, max_seq_len=64, check_every=4))  # fmt: skip
+    gen = Generator(
+        model,
+        tokenizer=tokenizer,
+        config=GeneratorConfig(max_batch=2, max_seq_len=64, check_every=4),
+    )
     free = gen.generate([prompt], SamplingParams(temperature=0, max_new_tokens=30))[0][0]
     assert free.text == tokenizer.decode(free.completion_ids)
     # A stop string taken from the middle of the free-running text.
@@ -167,9 +175,11 @@ def test_stream_overlaps_batches_and_yields_them_in_order(model):
     after the other."""
     long = SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=5)
     short = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=6)
-    batches = [([PROMPTS[0], PROMPTS[1]], [long, short]),
-               ([PROMPTS[2], PROMPTS[3]], [short, short]),
-               ([PROMPTS[1]], [long])]  # fmt: skip
+    batches = [
+        ([PROMPTS[0], PROMPTS[1]], [long, short]),
+        ([PROMPTS[2], PROMPTS[3]], [short, short]),
+        ([PROMPTS[1]], [long]),
+    ]
     config = GeneratorConfig(max_batch=4, max_seq_len=64, check_every=2)
     alone = Generator(model, config=config)
     expected, steps_alone = [], 0
@@ -364,16 +374,19 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
         return compile_(fn, backend=counter, dynamic=kw.get("dynamic"))
 
     with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):
-        gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64,
-                                                      compile_scope="blocks"))  # fmt: skip
+        gen = Generator(
+            model, config=GeneratorConfig(max_batch=8, max_seq_len=64, compile_scope="blocks")
+        )
     assert gen.warm_up() == 0.0 and gen.stats.warmup_seconds == 0  # eager: nothing to pay
     monkeypatch.setattr(torch, "compile", counting_compile)
     gen._compile_on = True  # what compile=None gives on CUDA
     gen._setup_compile()
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64))
     # Lengths that end at different steps: the rows left run in buckets 8, 4, 2 and 1.
-    params = [SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=n, seed=n)
-              for n in (3, 9, 17, 30)]  # fmt: skip
+    params = [
+        SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=n, seed=n)
+        for n in (3, 9, 17, 30)
+    ]
     with pytest.raises(ValueError, match=r"warm_up buckets \[3\] are not batch buckets"):
         gen.warm_up(buckets=[3])
     assert gen.warm_up([params[0], GREEDY]) > 0  # the truncated and greedy variants
@@ -383,8 +396,13 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
     assert gen.stats.prefill_calls == gen.stats.decode_steps == 0  # warm-up not counted
     assert gen.stats.warmup_seconds > 0
     ragged = [[3] * 40, [5, 6], *PROMPTS[:3]]  # other widths and prompt counts
-    for prompts, p in [(PROMPTS, params), (PROMPTS, GREEDY), (ragged[:3], params[1]),
-                       (ragged[:1], GREEDY), (ragged, params[2])]:  # fmt: skip
+    for prompts, p in [
+        (PROMPTS, params),
+        (PROMPTS, GREEDY),
+        (ragged[:3], params[1]),
+        (ragged[:1], GREEDY),
+        (ragged, params[2]),
+    ]:
         assert ids(gen.generate(prompts, p)) == ids(ref.generate(prompts, p))
     assert {name: c.frame_count for name, c in counters.items()} == frames
     torch._dynamo.reset()
@@ -402,8 +420,13 @@ def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
 
     flags = ["--generator.compile_scope", "blocks", "--generator.device", "cpu"]
     cfg = apply_overrides(get_rl_config("rl_addition"), flags)
-    src = PolicySource(args=get_flavor("tiny", max_seq_len=128), flavor="tiny", vocab_size=None,
-                       tokenizer=None, encoder=None)  # type: ignore[arg-type]  # fmt: skip
+    src = PolicySource(
+        args=get_flavor("tiny", max_seq_len=128),
+        flavor="tiny",
+        vocab_size=None,
+        tokenizer=None,
+        encoder=None,
+    )  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):  # CPU
         gen = build_generator(cfg, src)
     assert gen.config.compile_scope == "blocks"

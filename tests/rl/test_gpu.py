@@ -17,8 +17,9 @@ pytestmark = [
 
 PROMPTS = [[1, 5, 7], list(range(2, 60)), [4], [9] * 5, list(range(100, 230))]
 EAGER = dict(compile=False, cuda_graphs=False)
-SCOPES = pytest.mark.parametrize("scope", ["step", "blocks"], ids=["compiled_step",
-                                                                  "compiled_blocks"])  # fmt: skip
+SCOPES = pytest.mark.parametrize(
+    "scope", ["step", "blocks"], ids=["compiled_step", "compiled_blocks"]
+)
 
 
 @pytest.fixture(autouse=True)
@@ -73,9 +74,10 @@ def test_compiled_graph_decode_matches_eager(kw):
 
 @SCOPES
 def test_graphs_stay_valid_across_load_weights(scope):
-    gen = Generator(_model(seed=0, dtype=torch.bfloat16),
-                    config=GeneratorConfig(max_batch=4, max_seq_len=256,
-                                           compile_scope=scope))  # fmt: skip
+    gen = Generator(
+        _model(seed=0, dtype=torch.bfloat16),
+        config=GeneratorConfig(max_batch=4, max_seq_len=256, compile_scope=scope),
+    )
     params = SamplingParams(temperature=0, max_new_tokens=32)
     first = gen.generate(PROMPTS[:3], params)
     captured = gen.stats.graphs_captured
@@ -106,8 +108,13 @@ def test_graphs_stay_valid_across_load_weights(scope):
 def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
     autocast = precision.startswith("fp32")
     model = _model(dtype=torch.float32 if autocast else torch.bfloat16)
-    config = GeneratorConfig(max_batch=4, max_seq_len=256, check_every=4, batch_invariant=True,
-                             amp_dtype="bf16" if autocast else None)  # fmt: skip
+    config = GeneratorConfig(
+        max_batch=4,
+        max_seq_len=256,
+        check_every=4,
+        batch_invariant=True,
+        amp_dtype="bf16" if autocast else None,
+    )
     gen = Generator(model, config=config)
     assert gen._graphs_on and not gen._compile_on  # graphs of the eager kernels
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=i) for i in range(5)]
@@ -120,8 +127,12 @@ def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
             (alone,) = completion_logprobs(model, [s], batch_invariant=True)
             assert torch.equal(alone, lp)
     # Another batch composition gives the same tokens and log-probs.
-    other = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=256,
-                      batch_invariant=True, amp_dtype=config.amp_dtype))  # fmt: skip
+    other = Generator(
+        model,
+        config=GeneratorConfig(
+            max_batch=2, max_seq_len=256, batch_invariant=True, amp_dtype=config.amp_dtype
+        ),
+    )
     again = [s for g in other.generate(PROMPTS, params) for s in g]
     assert [s.completion_ids for s in again] == [s.completion_ids for s in samples]
     assert [s.logprobs for s in again] == [s.logprobs for s in samples]
@@ -138,8 +149,9 @@ def test_normal_mode_bf16_logprob_gap_is_bounded(record_property, scope):
     """Documented bound outside batch-invariant mode, bf16 on CUDA: max |diff| < 0.09 and
     mean |diff| < 0.018 between generator and trainer log-probs (compiled decode)."""
     model = _model(dtype=torch.bfloat16)
-    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256,
-                                                  compile_scope=scope))  # fmt: skip
+    gen = Generator(
+        model, config=GeneratorConfig(max_batch=8, max_seq_len=256, compile_scope=scope)
+    )
     samples = [s for g in gen.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=64)) for s in g]
     with torch.no_grad():
         trainer = completion_logprobs(model, samples)
@@ -149,16 +161,19 @@ def test_normal_mode_bf16_logprob_gap_is_bounded(record_property, scope):
     diff = diff.abs()
     record_property("max_abs_diff", float(diff.max()))
     record_property("mean_abs_diff", float(diff.mean()))
-    print(f"bf16 generator ({scope}) vs trainer log-probs: max {diff.max():.4g}, "
-          f"mean {diff.mean():.4g}")  # fmt: skip
+    print(
+        f"bf16 generator ({scope}) vs trainer log-probs: max {diff.max():.4g}, "
+        f"mean {diff.mean():.4g}"
+    )
     assert diff.max() < MAX_GAP_BF16 and diff.mean() < MEAN_GAP_BF16
 
 
 @SCOPES
 def test_continuous_batching_on_cuda_finishes_everything(scope):
     model = _model(dtype=torch.bfloat16)
-    gen = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=256,
-                                                  compile_scope=scope))  # fmt: skip
+    gen = Generator(
+        model, config=GeneratorConfig(max_batch=4, max_seq_len=256, compile_scope=scope)
+    )
     params = [
         SamplingParams(n=2, temperature=1.0, max_new_tokens=n, seed=n) for n in (5, 60, 17, 3, 33)
     ]
@@ -193,10 +208,12 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
     widths, greedy and sampled, make no dynamo graph and capture no CUDA graph, and give
     eager's tokens (the warm-up leaves the rows as they were)."""
     model = _model()
-    gen = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256,
-                                                  compile_scope=scope))  # fmt: skip
-    sampled = [SamplingParams(n=2, temperature=1.0, max_new_tokens=n, seed=n)
-               for n in (5, 40, 17, 3, 24)]  # fmt: skip
+    gen = Generator(
+        model, config=GeneratorConfig(max_batch=8, max_seq_len=256, compile_scope=scope)
+    )
+    sampled = [
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=n, seed=n) for n in (5, 40, 17, 3, 24)
+    ]
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     seconds = gen.warm_up([sampled[0], greedy])
     captured, graphs = gen.stats.graphs_captured, _graphs()
@@ -207,7 +224,12 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
     # and 8 when run alone, as CPU dynamo traces in tests/rl/test_generate.py). What matters
     # is that nothing compiles after the warm-up, checked below.
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **EAGER))
-    for prompts, params in [(PROMPTS, sampled), (PROMPTS, greedy), (PROMPTS[1:4], sampled[:3]),
-                            (PROMPTS[4:], greedy), (PROMPTS[:2], sampled[1])]:  # fmt: skip
+    for prompts, params in [
+        (PROMPTS, sampled),
+        (PROMPTS, greedy),
+        (PROMPTS[1:4], sampled[:3]),
+        (PROMPTS[4:], greedy),
+        (PROMPTS[:2], sampled[1]),
+    ]:
         assert _ids(gen.generate(prompts, params)) == _ids(ref.generate(prompts, params))
     assert (gen.stats.graphs_captured, _graphs()) == (captured, graphs)

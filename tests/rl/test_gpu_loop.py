@@ -22,8 +22,7 @@ STEPS = 8
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_generator_holds_the_trainers_weights_bitwise_on_one_gpu(tmp_path, monkeypatch,
-                                                                      mode):  # fmt: skip
+def test_the_generator_holds_the_trainers_weights_bitwise_on_one_gpu(tmp_path, monkeypatch, mode):
     """The trainer (bf16 mixed precision, fp32 weights) and one bf16 generator share the GPU;
     the versions live in the trainer's GPU memory (store.policy_memory auto: cuda). The
     generator's parameters are saved where it starts, at every swap (at a batch start or in
@@ -34,8 +33,19 @@ def test_the_generator_holds_the_trainers_weights_bitwise_on_one_gpu(tmp_path, m
     weights.mkdir()
     monkeypatch.setenv("TIDAL_TEST_WEIGHTS", str(weights))
     out = tmp_path / "run"
-    r = tidal_rl("--config", CUDA_ASYNC, "--job.output_dir", str(out), "--rl.mode", mode,
-                 "--rl.steps", str(STEPS), "--metrics.plot", "false", timeout=900)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CUDA_ASYNC,
+        "--job.output_dir",
+        str(out),
+        "--rl.mode",
+        mode,
+        "--rl.steps",
+        str(STEPS),
+        "--metrics.plot",
+        "false",
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout
     assert "generator 0: on cuda:0 (torch.bfloat16)" in r.stdout
     steps, evals = records(out)
@@ -53,8 +63,10 @@ def test_the_generator_holds_the_trainers_weights_bitwise_on_one_gpu(tmp_path, m
     assert not torch.equal(trainer[0][wq], trainer[STEPS][wq])  # training moved them
     names = {p.stem.rpartition("-v")[0] for p in weights.glob("generator*.pt")}
     assert names == {"generator0-rank0"}  # one generator, on one rank
-    held = {int(p.stem.rpartition("-v")[2]): torch.load(p)
-            for p in weights.glob("generator0-rank0-v*.pt")}  # fmt: skip
+    held = {
+        int(p.stem.rpartition("-v")[2]): torch.load(p)
+        for p in weights.glob("generator0-rank0-v*.pt")
+    }
     by = {v: got["by"] for v, got in sorted(held.items())}
     if mode == "sync":  # each batch's version, and the last one (evaluated)
         assert by == {v: "generate" for v in range(STEPS + 1)}
@@ -72,6 +84,8 @@ def test_the_generator_holds_the_trainers_weights_bitwise_on_one_gpu(tmp_path, m
         wrong = [k for k, t in trainer[v].items() if not torch.equal(params[k], t)]
         if wrong:  # the versions each wrong tensor equals instead (an older one: stale bytes)
             was = {k: [u for u in trainer if torch.equal(params[k], trainer[u][k])] for k in wrong}
-            differ.append(f"version {v} ({got['by']}): {len(wrong)} of {len(params)} tensors "
-                          f"differ, e.g. {list(was.items())[:3]}")  # fmt: skip
+            differ.append(
+                f"version {v} ({got['by']}): {len(wrong)} of {len(params)} tensors "
+                f"differ, e.g. {list(was.items())[:3]}"
+            )
     assert not differ, "the generator held other weights than the trainer's:\n" + "\n".join(differ)

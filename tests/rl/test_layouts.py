@@ -26,8 +26,11 @@ def test_generator_tp_is_one_degree_for_all_or_one_per_generator():
     cfg = apply_overrides(tiny(), ["--generator.count", "2", "--generator.tp", "2,1"])
     assert cfg.generator.tp == (2, 1) and [cfg.generator.tp_of(i) for i in (0, 1)] == [2, 1]
     assert "--generator.tp INT|INT,INT,..." in help_text(cfg, "tiny")
-    with pytest.raises(ValueError, match=r"generator.tp lists 3 degree\(s\) 2,1,1 for "
-                                         r"generator.count=2"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"generator.tp lists 3 degree\(s\) 2,1,1 for "
+        r"generator.count=2",
+    ):
         apply_overrides(tiny(), ["--generator.count", "2", "--generator.tp", "2,1,1"])
     with pytest.raises(ValueError, match="generator.tp degrees must be integers >= 1, got 0"):
         apply_overrides(tiny(), ["--generator.tp", "0"])
@@ -59,21 +62,30 @@ def test_a_layout_that_cannot_hold_the_model_is_refused_naming_what_fits():
     check_generator_layouts(two, tied)  # on one rank each, tied embeddings are fine
 
     with pytest.raises(ValueError, match=r"needs 2 GPUs, one per rank, but 1 are visible"):
-        check_generator_layouts(apply_overrides(two, ["--generator.tp", "2,1"]), args,
-                                cuda_devices=1)  # fmt: skip
+        check_generator_layouts(
+            apply_overrides(two, ["--generator.tp", "2,1"]), args, cuda_devices=1
+        )
 
 
 def test_each_generator_starts_in_its_layout_and_refuses_another_world_size():
     cfg = apply_overrides(tiny(), ["--generator.count", "2", "--generator.tp", "2,1"])
     tp2, one = generator_command(cfg, 0, ["--x"]), generator_command(cfg, 1, ["--x"])
-    assert tp2[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       "--nproc_per_node=2"]  # fmt: skip
+    assert tp2[:5] == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+    ]
     assert tp2[5:] == ["-m", "tidal", "rl", "generator", "--index", "0", "--x"]
     assert one == [sys.executable, "-m", "tidal", "rl", "generator", "--index", "1", "--x"]
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match=r"generator 0 has generator.tp=2 but runs on 1 rank"
-                                         r"\(s\); start it under torchrun: `torchrun "
-                                         r"--nproc_per_node 2"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"generator 0 has generator.tp=2 but runs on 1 rank"
+        r"\(s\); start it under torchrun: `torchrun "
+        r"--nproc_per_node 2",
+    ):
         join_generator_group(cfg, 0, DistInfo(), cpu)
     with pytest.raises(ValueError, match="start it as one process"):
         join_generator_group(cfg, 1, DistInfo(rank=1, world_size=2), cpu)
@@ -81,8 +93,15 @@ def test_each_generator_starts_in_its_layout_and_refuses_another_world_size():
 
 
 def test_tidal_rl_refuses_a_generator_layout_before_any_role_starts(tmp_path):
-    r = tidal_rl("--config", LAYOUTS, "--job.output_dir", str(tmp_path / "run"),
-                 "--generator.tp", "3,1", timeout=60)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        LAYOUTS,
+        "--job.output_dir",
+        str(tmp_path / "run"),
+        "--generator.tp",
+        "3,1",
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout
     assert "tidal rl: error: generator.tp=3 (generator 0) cannot hold the policy's" in r.stdout
     assert "Degrees that fit: 1, 2" in r.stdout
@@ -106,9 +125,20 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
     out = tmp_path / "run"
     steps = 2 if mode == "sync" else 3
     extra = ["--rl.mode", "async", "--loss.tis_cap", "2"] if mode == "async" else []
-    r = tidal_rl("--config", LAYOUTS, "--job.output_dir", str(out), "--nproc", "2",
-                 "--rl.steps", str(steps), "--metrics.plot", "false", *extra,
-                 timeout=400)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        LAYOUTS,
+        "--job.output_dir",
+        str(out),
+        "--nproc",
+        "2",
+        "--rl.steps",
+        str(steps),
+        "--metrics.plot",
+        "false",
+        *extra,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout
     assert "world 2 (dp_shard=2)" in r.stdout
     assert "generator 0: on 2 ranks (tp) on cpu (torch.bfloat16)" in r.stdout
@@ -130,11 +160,17 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
     assert sorted(held) == ["generator0-rank0", "generator0-rank1", "generator1-rank0"]
     assert held["generator0-rank0"] == held["generator0-rank1"]  # the TP ranks in lockstep
     assert {0, steps} <= set(held["generator0-rank0"]) and 0 in held["generator1-rank0"]
-    by = {(name, v): torch.load(weights / f"{name}-v{v}.pt")["by"]
-          for name, versions in held.items() for v in versions}  # fmt: skip
+    by = {
+        (name, v): torch.load(weights / f"{name}-v{v}.pt")["by"]
+        for name, versions in held.items()
+        for v in versions
+    }
     if mode == "sync":
-        assert held == {"generator0-rank0": [0, 1, 2], "generator0-rank1": [0, 1, 2],
-                        "generator1-rank0": [0, 1]}  # fmt: skip
+        assert held == {
+            "generator0-rank0": [0, 1, 2],
+            "generator0-rank1": [0, 1, 2],
+            "generator1-rank0": [0, 1],
+        }
         assert set(by.values()) == {"generate"}
     else:  # each generator starts from version 0; versions between the evaluated ones are
         # seen only where they are swapped in
@@ -142,8 +178,9 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
         swapped = {v for (_, v), b in by.items() if b in ("batch start", "in flight")}
         assert swapped & set(range(1, steps)), by
         # The TP ranks take each version at the same kind of point (they swap in lockstep).
-        assert all(by["generator0-rank0", v] == by["generator0-rank1", v]
-                   for v in held["generator0-rank0"]), by  # fmt: skip
+        assert all(
+            by["generator0-rank0", v] == by["generator0-rank1", v] for v in held["generator0-rank0"]
+        ), by
     for name, versions in held.items():
         for v in versions:
             got = torch.load(weights / f"{name}-v{v}.pt")

@@ -28,9 +28,16 @@ def tidal_rl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProc
     """`python -m tidal rl ARGS` from the repository root; its processes in a session of
     their own, checked to be all gone when it returns."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "tidal", "rl", *args], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True, **kw)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tidal", "rl", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     finally:
@@ -63,8 +70,18 @@ def records(out_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def test_reward_rises_and_the_run_reports_everything(tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--checkpoint.enable",
-                 "true", "--rl.steps", "8", "--metrics.tensorboard", "true")  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--checkpoint.enable",
+        "true",
+        "--rl.steps",
+        "8",
+        "--metrics.tensorboard",
+        "true",
+    )
     assert r.returncode == 0, r.stdout
     steps, evals = records(out)
     assert [s["step"] for s in steps] == list(range(1, 9))
@@ -95,9 +112,20 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
     rewards = []
     for nproc in (1, 2):
         out = tmp_path / f"run{nproc}"
-        r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
-                     "--generator.batch_invariant", "true", "--metrics.plot", "false",
-                     "--nproc", str(nproc))  # fmt: skip
+        r = tidal_rl(
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(out),
+            "--rl.steps",
+            "3",
+            "--generator.batch_invariant",
+            "true",
+            "--metrics.plot",
+            "false",
+            "--nproc",
+            str(nproc),
+        )
         assert r.returncode == 0, r.stdout
         steps, _ = records(out)
         assert len(steps) == 3
@@ -129,12 +157,20 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
         "task-parameter",
         "prompt-length",
         "context-parallel",
-    ],  # fmt: skip
+    ],
 )
 def test_bad_input_fails_before_any_role_starts(tmp_path, args, message):
     start = time.monotonic()
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"), *args,
-                 "--store.connect_timeout_s", "2", timeout=60)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(tmp_path / "run"),
+        *args,
+        "--store.connect_timeout_s",
+        "2",
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout
     assert message in r.stdout
     assert "tidal rl: error:" in r.stdout
@@ -145,8 +181,18 @@ def test_bad_input_fails_before_any_role_starts(tmp_path, args, message):
 
 def test_a_grader_that_raises_is_counted_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "2",
-                 "--task.params", '{"raises": true}', "--metrics.plot", "false")  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.steps",
+        "2",
+        "--task.params",
+        '{"raises": true}',
+        "--metrics.plot",
+        "false",
+    )
     assert r.returncode == 0, r.stdout
     steps, _ = records(out)
     assert len(steps) == 2 and all(s["grader_errors"] > 0 for s in steps)
@@ -157,12 +203,31 @@ def test_a_grader_that_raises_is_counted_and_the_run_goes_on(tmp_path):
 def _role(role: str, store: str, out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "tidal", "rl", role, "--store", store, "--config", CONFIG,
-         "--job.output_dir", str(out), "--rl.steps", "10000", "--metrics.plot", "false",
-         *extra],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tidal",
+            "rl",
+            role,
+            "--store",
+            store,
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(out),
+            "--rl.steps",
+            "10000",
+            "--metrics.plot",
+            "false",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("victim", ["generator", "trainer"])
@@ -203,11 +268,28 @@ def test_ctrl_c_stops_every_role(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     p = subprocess.Popen(
-        [sys.executable, "-m", "tidal", "rl", "--config", CONFIG, "--job.output_dir", str(out),
-         "--rl.steps", "10000", "--metrics.plot", "false"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, preexec_fn=default_sigint,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tidal",
+            "rl",
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(out),
+            "--rl.steps",
+            "10000",
+            "--metrics.plot",
+            "false",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_sigint,
+    )
     try:
         assert p.stdout is not None
         for line in p.stdout:  # the loop runs once a step is logged
@@ -229,8 +311,14 @@ def test_help_and_print_config(capsys):
 
     assert main(["--config", "rl_addition", "--help"]) == 0
     text = capsys.readouterr().out
-    for flag in ("--rollout.group_size", "--loss.clip_high", "--rl.eval_every", "--store.address",
-                 "--generator.batch_invariant", "--nproc"):  # fmt: skip
+    for flag in (
+        "--rollout.group_size",
+        "--loss.clip_high",
+        "--rl.eval_every",
+        "--store.address",
+        "--generator.batch_invariant",
+        "--nproc",
+    ):
         assert flag in text
     assert main(["--config", "rl_addition", "--print-config", "--rl.steps", "7"]) == 0
     cfg = json.loads(capsys.readouterr().out)
@@ -258,22 +346,53 @@ def test_the_warm_start_weights_reach_the_trainer(tmp_path):
     seed_run = tmp_path / "seed"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(
-        [sys.executable, "-m", "tidal", "train", "--config", "sft_addition", "--model.flavor",
-         "tiny", "--training.seed", "7", "--job.device", "cpu", "--job.output_dir",
-         str(seed_run), "--checkpoint.enable", "true", "--checkpoint.create_seed_checkpoint",
-         "true", "--data.num_problems", "2000", "--metrics.val_every", "0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tidal",
+            "train",
+            "--config",
+            "sft_addition",
+            "--model.flavor",
+            "tiny",
+            "--training.seed",
+            "7",
+            "--job.device",
+            "cpu",
+            "--job.output_dir",
+            str(seed_run),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.create_seed_checkpoint",
+            "true",
+            "--data.num_problems",
+            "2000",
+            "--metrics.val_every",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     with torch.device("meta"):
         expected = Transformer(get_flavor("tiny", vocab_size=512))
     expected.to_empty(device="cpu")
     expected.init_weights(seed=7)
     for enable in ("false", "true"):
-        cfg = apply_overrides(tiny(str(tmp_path / f"rl-{enable}")), [
-            "--policy.init", f"checkpoint:{seed_run / 'checkpoint'}",
-            "--checkpoint.enable", enable, "--trainer.seed", "0",
-        ])  # fmt: skip
+        cfg = apply_overrides(
+            tiny(str(tmp_path / f"rl-{enable}")),
+            [
+                "--policy.init",
+                f"checkpoint:{seed_run / 'checkpoint'}",
+                "--checkpoint.enable",
+                enable,
+                "--trainer.seed",
+                "0",
+            ],
+        )
         src = resolve_policy(cfg, log=lambda line: None)
         data = DataBundle(tokenizer=src.tokenizer, train=None, val=None)
         trainer = Trainer(trainer_config(cfg, src), data=data, log=lambda line: None)

@@ -87,9 +87,18 @@ def test_the_policy_starts_from_a_hugging_face_folder_and_from_a_checkpoint(tmp_
     assert not torch.allclose(from_hf["output.weight"], seed["output.weight"], atol=1e-3)
 
     second = tmp_path / "from_checkpoint"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(second), "--policy.init",
-                 f"checkpoint:{first / 'checkpoint'}", "--policy.tokenizer",
-                 str(hf_folder / "tokenizer.json"), *one_step, *QUIET)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(second),
+        "--policy.init",
+        f"checkpoint:{first / 'checkpoint'}",
+        "--policy.tokenizer",
+        str(hf_folder / "tokenizer.json"),
+        *one_step,
+        *QUIET,
+    )
     assert r.returncode == 0, r.stdout
     assert f"trainer: checkpoint {first / 'checkpoint' / 'step-1'}" in r.stdout
     _assert_near(_weights(second), from_hf)
@@ -102,8 +111,17 @@ def test_a_hugging_face_folder_without_a_tokenizer_fails_before_any_role_starts(
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).symlink_to(hf_folder / name)
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"), "--policy.init",
-                 f"hf:{bare}", "--policy.tokenizer", "", timeout=60)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(tmp_path / "run"),
+        "--policy.init",
+        f"hf:{bare}",
+        "--policy.tokenizer",
+        "",
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout
     assert f"tidal rl: error: policy.init: no tokenizer.json in {bare}" in r.stdout
     assert "trainer:" not in r.stdout and "generator 0: on" not in r.stdout
@@ -114,19 +132,42 @@ SMOLLM2 = SMOLLM2 / "smollm2-135m"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
-                    reason=f"SmolLM2-135M-Instruct is not fetched ({SMOLLM2}): run `tidal fetch "
-                    "smollm2-135m` once")  # fmt: skip
+@pytest.mark.skipif(
+    not (SMOLLM2 / "config.json").is_file(),
+    reason=f"SmolLM2-135M-Instruct is not fetched ({SMOLLM2}): run `tidal fetch smollm2-135m` once",
+)
 def test_rl_addition_from_smollm2(tmp_path):
     """The issue's example: `tidal rl --config rl_addition --policy.init hf:<SmolLM2 folder>`
     on CPU, at small sizes (two steps of 2 prompts x 4 samples, 24 new tokens)."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", "rl_addition", "--policy.init", f"hf:{SMOLLM2}", "--job.output_dir",
-                 str(out), "--rl.steps", "2", "--rl.eval_every", "0", "--rollout.prompts_per_step",
-                 "2", "--rollout.group_size", "4", "--rollout.max_new_tokens", "24",
-                 "--task.eval_problems", "4", "--trainer.micro_batch_size", "8",
-                 "--generator.max_batch", "8", "--checkpoint.enable", "false", *QUIET,
-                 timeout=600)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        "rl_addition",
+        "--policy.init",
+        f"hf:{SMOLLM2}",
+        "--job.output_dir",
+        str(out),
+        "--rl.steps",
+        "2",
+        "--rl.eval_every",
+        "0",
+        "--rollout.prompts_per_step",
+        "2",
+        "--rollout.group_size",
+        "4",
+        "--rollout.max_new_tokens",
+        "24",
+        "--task.eval_problems",
+        "4",
+        "--trainer.micro_batch_size",
+        "8",
+        "--generator.max_batch",
+        "8",
+        "--checkpoint.enable",
+        "false",
+        *QUIET,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout
     assert "134.5M parameters, vocab 49152" in r.stdout
     assert f"checkpoint: loaded {SMOLLM2}" in r.stdout  # the folder's weights, not a seed init
@@ -146,9 +187,21 @@ def test_kl_to_the_frozen_reference(tmp_path):
     runs = []
     for nproc in (1, 2):
         out = tmp_path / f"run{nproc}"
-        r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
-                     "--loss.kl_coef", "0.1", "--generator.batch_invariant", "true",
-                     "--nproc", str(nproc), *QUIET)  # fmt: skip
+        r = tidal_rl(
+            "--config",
+            CONFIG,
+            "--job.output_dir",
+            str(out),
+            "--rl.steps",
+            "3",
+            "--loss.kl_coef",
+            "0.1",
+            "--generator.batch_invariant",
+            "true",
+            "--nproc",
+            str(nproc),
+            *QUIET,
+        )
         assert r.returncode == 0, r.stdout
         steps, _ = records(out)
         kl = [s["kl"] for s in steps]
@@ -167,9 +220,19 @@ def test_truncated_importance_sampling(tmp_path):
     min(pi_old / pi_gen, cap). In batch-invariant mode its recomputation equals the
     generator's log-probs bitwise, so every weight is exactly 1 and none is capped."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "2",
-                 "--loss.tis_cap", "2.0", "--generator.batch_invariant", "true",
-                 *QUIET)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.steps",
+        "2",
+        "--loss.tis_cap",
+        "2.0",
+        "--generator.batch_invariant",
+        "true",
+        *QUIET,
+    )
     assert r.returncode == 0, r.stdout
     steps, _ = records(out)
     assert len(steps) == 2
@@ -182,8 +245,17 @@ def test_two_generators_each_contribute_every_step(tmp_path):
     """generator.count 2: each generator samples its share of the prompts (2 of 4) and the
     trainer trains on both shares: 4 groups of 8 samples a step."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "2",
-                 "--generator.count", "2", *QUIET)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.steps",
+        "2",
+        "--generator.count",
+        "2",
+        *QUIET,
+    )
     assert r.returncode == 0, r.stdout
     assert "generator 0: on cpu" in r.stdout and "generator 1: on cpu" in r.stdout
     assert "2 prompts a step" in r.stdout
@@ -210,9 +282,24 @@ def test_the_trainer_on_two_ranks_in_another_layout(tmp_path, hf_folder, layout,
     counts real token positions only: under pipeline parallel every sequence is padded to
     the fixed 32 + 8 positions, 32 x 40 a step, of which train_pad_frac is padding."""
     out = tmp_path / "run"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "3",
-                 "--nproc", "2", "--parallelism.dp_shard", "1", *args, "--policy.init",
-                 f"hf:{hf_folder}", "--policy.tokenizer", "", *QUIET)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(out),
+        "--rl.steps",
+        "3",
+        "--nproc",
+        "2",
+        "--parallelism.dp_shard",
+        "1",
+        *args,
+        "--policy.init",
+        f"hf:{hf_folder}",
+        "--policy.tokenizer",
+        "",
+        *QUIET,
+    )
     assert r.returncode == 0, r.stdout
     assert f"world 2 ({layout})" in r.stdout
     assert f"checkpoint: loaded {hf_folder}" in r.stdout
@@ -233,8 +320,15 @@ def test_a_failed_publish_stops_every_role_at_once(tmp_path):
     can make without that version: a publish that fails stops every role at once, naming
     the error, instead of each waiting out rl.wait_timeout_s (60 s here) for the other."""
     start = time.monotonic()
-    r = tidal_rl("--config", "tests/rl/loop_configs.py:publish_fails", "--job.output_dir",
-                 str(tmp_path / "run"), "--rl.steps", "4", *QUIET)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        "tests/rl/loop_configs.py:publish_fails",
+        "--job.output_dir",
+        str(tmp_path / "run"),
+        "--rl.steps",
+        "4",
+        *QUIET,
+    )
     took = time.monotonic() - start
     assert r.returncode != 0, r.stdout
     why = "failed to publish policy version 2: RuntimeError: publish failure on purpose"

@@ -84,7 +84,7 @@ VARIANTS = [
         normalizer=40.0 if agg == "constant" else None,
         clip_low=0.2 if ratio == "token" else 0.1,
         clip_high=0.28 if ratio == "token" else 0.15,
-    )  # fmt: skip
+    )
     for agg, ratio, kl, tis in itertools.product(
         ["token-mean", "seq-mean-token-mean", "constant"],
         ["token", "sequence"],
@@ -102,8 +102,10 @@ def _id(cfg):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_reference_in_value_and_gradient(cfg, seed):
     new, old, ref, gen, adv, mask = random_batch(seed)
-    kw = {"ref_logprobs": ref if cfg.kl_coef else None,
-          "gen_logprobs": gen if cfg.tis_cap else None}  # fmt: skip
+    kw = {
+        "ref_logprobs": ref if cfg.kl_coef else None,
+        "gen_logprobs": gen if cfg.tis_cap else None,
+    }
     x = new.clone().requires_grad_()
     loss, metrics = policy_loss(x, old, adv, mask, cfg, **kw)
     (grad,) = torch.autograd.grad(loss, x)
@@ -129,16 +131,25 @@ def test_matches_reference_in_value_and_gradient(cfg, seed):
 def test_micro_batches_with_step_normalizers_sum_to_the_full_batch(cfg):
     # Gradient accumulation: per-micro-batch losses with the step's counts add up exactly.
     new, old, ref, gen, adv, mask = random_batch(3)
-    kw = {"ref_logprobs": ref if cfg.kl_coef else None,
-          "gen_logprobs": gen if cfg.tis_cap else None}  # fmt: skip
+    kw = {
+        "ref_logprobs": ref if cfg.kl_coef else None,
+        "gen_logprobs": gen if cfg.tis_cap else None,
+    }
     full, _ = policy_loss(new, old, adv, mask, cfg, **kw)
     num_tokens, num_seqs = mask.sum(), (mask.sum(1) > 0).sum()
     parts = []
     for rows in (slice(0, 3), slice(3, 8)):
         part_kw = {k: v[rows] if v is not None else None for k, v in kw.items()}
-        loss, _ = policy_loss(new[rows], old[rows], adv[rows], mask[rows], cfg,
-                              num_tokens=num_tokens, num_sequences=num_seqs,
-                              **part_kw)  # fmt: skip
+        loss, _ = policy_loss(
+            new[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            cfg,
+            num_tokens=num_tokens,
+            num_sequences=num_seqs,
+            **part_kw,
+        )
         parts.append(loss)
     torch.testing.assert_close(sum(parts), full, rtol=1e-12, atol=1e-12)
 
@@ -172,9 +183,18 @@ def test_one_token_completions_make_aggregations_agree():
     new, old, _, _, adv, _ = random_batch(6)
     mask = torch.zeros_like(new, dtype=torch.bool)
     mask[:, 0] = True
-    losses = [policy_loss(new, old, adv, mask, LossConfig(aggregation=agg,
-                          normalizer=float(new.shape[0]) if agg == "constant" else None))[0]
-              for agg in ("token-mean", "seq-mean-token-mean", "constant")]  # fmt: skip
+    losses = [
+        policy_loss(
+            new,
+            old,
+            adv,
+            mask,
+            LossConfig(
+                aggregation=agg, normalizer=float(new.shape[0]) if agg == "constant" else None
+            ),
+        )[0]
+        for agg in ("token-mean", "seq-mean-token-mean", "constant")
+    ]
     torch.testing.assert_close(losses[0], losses[1])
     torch.testing.assert_close(losses[0], losses[2])
 
@@ -182,8 +202,10 @@ def test_one_token_completions_make_aggregations_agree():
 @pytest.mark.parametrize("cfg", VARIANTS[::5], ids=_id)
 def test_all_masked_and_garbage_padding(cfg):
     new, old, ref, gen, adv, mask = random_batch(7)
-    kw = {"ref_logprobs": ref if cfg.kl_coef else None,
-          "gen_logprobs": gen if cfg.tis_cap else None}  # fmt: skip
+    kw = {
+        "ref_logprobs": ref if cfg.kl_coef else None,
+        "gen_logprobs": gen if cfg.tis_cap else None,
+    }
     # Padding holds NaN and inf (a forward over pad tokens, -inf log-probs): never read.
     poisoned = [t.masked_fill(~mask, v) for t, v in ((new, math.nan), (old, -math.inf))]
     x = poisoned[0].clone().requires_grad_()

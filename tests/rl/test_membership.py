@@ -38,8 +38,9 @@ class Clock:
 
 def beat(store, g: int, ident: str, t: float, ready: bool = True) -> None:
     """What generator g's Link puts every heartbeat."""
-    store.put_state_dict({"role": f"generator {g}", "t": t, "id": ident, "ready": ready},
-                         f"alive/generator{g}")  # fmt: skip
+    store.put_state_dict(
+        {"role": f"generator {g}", "t": t, "id": ident, "ready": ready}, f"alive/generator{g}"
+    )
 
 
 def test_the_trainer_sees_generators_join_get_lost_come_back_restart_and_leave(store):
@@ -92,15 +93,19 @@ def test_the_trainer_sees_generators_join_get_lost_come_back_restart_and_leave(s
     assert store.exists(left_key(1)) and not store.exists("alive/generator1")
     m.poll(force=True)
     assert [g.index for g in m.live()] == [0]
-    assert lines[-1] == ("trainer: generator 1 left (it was asked to leave (SIGTERM)); going on "
-                         "with 1 generator(s)")  # fmt: skip
+    assert lines[-1] == (
+        "trainer: generator 1 left (it was asked to leave (SIGTERM)); going on with 1 generator(s)"
+    )
 
     # Too few: generator 0 lost too; the trainer's error names both.
     clock.now += 10
     m.poll(force=True)
-    with pytest.raises(RoleStopped, match=r"0 generator\(s\) live while publishing policy "
-                       r"version 2, fewer than rl.min_generators=1: generator 0 lost: .*; "
-                       r"generator 1 left \(it was asked"):  # fmt: skip
+    with pytest.raises(
+        RoleStopped,
+        match=r"0 generator\(s\) live while publishing policy "
+        r"version 2, fewer than rl.min_generators=1: generator 0 lost: .*; "
+        r"generator 1 left \(it was asked",
+    ):
         m.announce(2)
 
 

@@ -65,8 +65,7 @@ def test_the_daemon_is_private_and_quit(tmp_path, monkeypatch):
         assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # only the roles get it
     assert log.read_text() == f"args=-d pipe={pipe}\nargs= pipe={pipe}\nquit\n"
     assert not Path(pipe).exists()  # the private folders are removed
-    assert said == [f"tidal rl: roles share the GPU under a CUDA MPS daemon of their own "
-                    f"({pipe})"]  # fmt: skip
+    assert said == [f"tidal rl: roles share the GPU under a CUDA MPS daemon of their own ({pipe})"]
 
 
 def test_a_missing_or_failing_control_program_is_named(tmp_path, monkeypatch):
@@ -75,8 +74,11 @@ def test_a_missing_or_failing_control_program_is_named(tmp_path, monkeypatch):
         with mps_daemon():
             pass
     _fake_control(tmp_path, fails=True)
-    with pytest.raises(ValueError, match=r"nvidia-cuda-mps-control -d failed \(status 3\): "
-                                         r"cannot start: no GPU"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"nvidia-cuda-mps-control -d failed \(status 3\): "
+        r"cannot start: no GPU",
+    ):
         with mps_daemon():
             pass
 
@@ -102,8 +104,9 @@ def test_each_role_gets_the_daemon_and_its_share(monkeypatch):
         return started[-1]
 
     monkeypatch.setattr(roles.subprocess, "Popen", popen)
-    cfg = apply_overrides(tiny(), ["--rl.mps", "true", "--trainer.sm_percent", "30",
-                                   "--generator.count", "2"])  # fmt: skip
+    cfg = apply_overrides(
+        tiny(), ["--rl.mps", "true", "--trainer.sm_percent", "30", "--generator.count", "2"]
+    )
     daemon = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/x/pipe", "CUDA_MPS_LOG_DIRECTORY": "/tmp/x/log"}
 
     class Store:
@@ -119,9 +122,18 @@ def test_each_role_gets_the_daemon_and_its_share(monkeypatch):
 
 
 def test_tidal_rl_refuses_mps_for_roles_on_cpu(tmp_path):
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"),
-                 "--rl.mps", "true", timeout=60)  # fmt: skip
+    r = tidal_rl(
+        "--config",
+        CONFIG,
+        "--job.output_dir",
+        str(tmp_path / "run"),
+        "--rl.mps",
+        "true",
+        timeout=60,
+    )
     assert r.returncode == 2, r.stdout
-    assert ("tidal rl: error: rl.mps shares a GPU between the roles, but the generators run "
-            "on cpu: set --rl.mps false") in r.stdout  # fmt: skip
+    assert (
+        "tidal rl: error: rl.mps shares a GPU between the roles, but the generators run "
+        "on cpu: set --rl.mps false"
+    ) in r.stdout
     assert "trainer:" not in r.stdout  # nothing started

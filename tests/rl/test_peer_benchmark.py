@@ -21,8 +21,12 @@ def _peer():
 
 def test_work_times_leave_the_evaluations_out():
     peer = _peer()
-    steps = [{"step": 1, "elapsed_s": 10.0}, {"step": 2, "elapsed_s": 11.0},
-             {"step": 3, "elapsed_s": 17.0}, {"step": 4, "elapsed_s": 18.0}]  # fmt: skip
+    steps = [
+        {"step": 1, "elapsed_s": 10.0},
+        {"step": 2, "elapsed_s": 11.0},
+        {"step": 3, "elapsed_s": 17.0},
+        {"step": 4, "elapsed_s": 18.0},
+    ]
     # version 0's evaluation ran inside step 1, version 2's inside step 3
     evals = [{"step": 0, "eval_s": 9.0}, {"step": 2, "eval_s": 5.0}]
     assert peer.work_times(steps, evals) == [1.0, 1.0, 1.0, 1.0]
@@ -31,8 +35,11 @@ def test_work_times_leave_the_evaluations_out():
 def test_summarize_counts_the_time_to_the_target():
     peer = _peer()
     steps = [{"step": i, "reward_mean": 0.1 * i} for i in range(1, 5)]
-    evals = [{"step": 0, "eval_pass1": 0.2}, {"step": 2, "eval_pass1": 0.5},
-             {"step": 4, "eval_pass1": 0.6}]  # fmt: skip
+    evals = [
+        {"step": 0, "eval_pass1": 0.2},
+        {"step": 2, "eval_pass1": 0.5},
+        {"step": 4, "eval_pass1": 0.6},
+    ]
     fig = peer.summarize("x", steps, evals, [5.0, 1.0, 2.0, 1.0], [0, 10, 20, 10], target=0.5)
     assert fig["step_s"] == pytest.approx(4 / 3)  # the first step left out
     assert fig["steps_per_hour"] == pytest.approx(2700)
@@ -46,8 +53,20 @@ def test_summarize_counts_the_time_to_the_target():
 def test_peer_benchmark_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "peer.json"
-    cmd = [sys.executable, "benchmarks/rl_peer.py", "--smoke", "--no-trl", "--only", "sync",
-           "--steps", "2", "--work", str(tmp_path / "work"), "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "benchmarks/rl_peer.py",
+        "--smoke",
+        "--no-trl",
+        "--only",
+        "sync",
+        "--steps",
+        "2",
+        "--work",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+    ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tidal sync" in p.stdout and "s/step" in p.stdout

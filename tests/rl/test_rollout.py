@@ -50,9 +50,19 @@ def small_batch(task="addition", meta=None):
 
 
 def assert_same(a: RolloutBatch, b: RolloutBatch):
-    for name in ("prompt_ids", "prompt_lens", "completion_ids", "completion_mask", "logprobs",
-                 "sampling_logprobs", "versions", "rewards", "group_ids", "format_ok",
-                 "truncated"):  # fmt: skip
+    for name in (
+        "prompt_ids",
+        "prompt_lens",
+        "completion_ids",
+        "completion_mask",
+        "logprobs",
+        "sampling_logprobs",
+        "versions",
+        "rewards",
+        "group_ids",
+        "format_ok",
+        "truncated",
+    ):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and torch.equal(x, y), name
     assert (a.answers, a.task, a.pad_id, a.meta) == (b.answers, b.task, b.pad_id, b.meta)

@@ -107,9 +107,25 @@ def test_sample_matches_the_plain_formulation(plain_sample, variant, compiled):
 
 
 def test_sampler_benchmark_smoke():
-    p = subprocess.run([sys.executable, "benchmarks/sampler.py", "--device", "cpu", "--batches",
-                        "1", "3", "--vocab", "3000", "--iters", "2"], cwd=ROOT,
-                       env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/sampler.py",
+            "--device",
+            "cpu",
+            "--batches",
+            "1",
+            "3",
+            "--vocab",
+            "3000",
+            "--iters",
+            "2",
+        ],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.count("tokens equal True") == 4, p.stdout

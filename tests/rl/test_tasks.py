@@ -86,8 +86,9 @@ def test_a_user_task_in_a_few_lines(scratch_registry):
     prompt, reference = next(task.problems("train", seed=1))
     a, b = map(int, re.findall(r"\d+", prompt))
     assert reference == str(a * b) and 100 <= a < 1000
-    assert task.grade(f"#### {a * b}", reference) == Grade(reward=1.0, answer=str(a * b),
-                                                           format_ok=True)  # fmt: skip
+    assert task.grade(f"#### {a * b}", reference) == Grade(
+        reward=1.0, answer=str(a * b), format_ok=True
+    )
 
     @dataclass(kw_only=True)
     class Other(Multiply):
@@ -127,8 +128,10 @@ def test_streams_are_pinned():
     train = [p.prompt for p in itertools.islice(task.problems("train", seed=0), 3)]
     assert train == ["What is 492 + 343?", "What is 964 + 338?", "What is 692 + 941?"]
     assert [p.prompt for p in task.eval_set(2)] == ["What is 260 + 382?", "What is 938 + 998?"]
-    assert next(get_task("countdown").problems()).reference == {"numbers": [17, 31, 73],
-                                                                 "target": 25}  # fmt: skip
+    assert next(get_task("countdown").problems()).reference == {
+        "numbers": [17, 31, 73],
+        "target": 25,
+    }
 
 
 def test_split_fraction_and_nesting():
@@ -254,8 +257,30 @@ def test_grade_number():
 
 def test_graders_never_raise_on_junk():
     rng = random.Random(0)
-    alphabet = ["1", "23", "-", "+", "*", "/", "(", ")", "=", ",", ".", " ", "\n", "####",
-                "\\boxed{", "}", "{", "<answer>", "</answer>", "x", "\u2212", "0"]  # fmt: skip
+    alphabet = [
+        "1",
+        "23",
+        "-",
+        "+",
+        "*",
+        "/",
+        "(",
+        ")",
+        "=",
+        ",",
+        ".",
+        " ",
+        "\n",
+        "####",
+        "\\boxed{",
+        "}",
+        "{",
+        "<answer>",
+        "</answer>",
+        "x",
+        "\u2212",
+        "0",
+    ]
     graders = [get_task("addition"), get_task("countdown")]
     refs = ["24", {"numbers": [1, 23, 0], "target": 24}]
     for _ in range(1500):

@@ -41,8 +41,10 @@ def test_rollout_rows_become_next_token_batches():
     assert (b.labels[5] == IGNORE_INDEX).all() and not b.extras["mask"][5].any()  # padding
     assert sum(x.target_count() for x in batches) == int(rollout.completion_mask.sum())
     # A fixed width, and the data-parallel shares: disjoint rows, as many batches each.
-    shares = [rollout_batches(rollout, adv, micro_batch_size=2, seq_len=24, dp_rank=r,
-                              dp_world=2) for r in (0, 1)]  # fmt: skip
+    shares = [
+        rollout_batches(rollout, adv, micro_batch_size=2, seq_len=24, dp_rank=r, dp_world=2)
+        for r in (0, 1)
+    ]
     assert [len(s) for s in shares] == [2, 2] and shares[0][0].labels.shape == (2, 24)
     assert torch.equal(concat(shares[1]).extras["advantages"], torch.tensor([1.0, 3, 0, 0]))
 
@@ -65,9 +67,10 @@ def test_dropped_groups_are_left_out_and_bad_input_is_named():
 CONFIGS = {
     "token-mean, KL, TIS": LossConfig(kl_coef=0.1, tis_cap=2.0),
     "seq-mean-token-mean": LossConfig(aggregation="seq-mean-token-mean", clip_high=0.2),
-    "GSPO": LossConfig(ratio="sequence", aggregation="seq-mean-token-mean", clip_low=0.02,
-                       clip_high=0.02),
-}  # fmt: skip
+    "GSPO": LossConfig(
+        ratio="sequence", aggregation="seq-mean-token-mean", clip_low=0.02, clip_high=0.02
+    ),
+}
 
 
 def rl_batches(trainer, seed: int):

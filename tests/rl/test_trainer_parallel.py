@@ -34,11 +34,12 @@ def inputs():
     g = torch.Generator().manual_seed(7)
     adv = torch.randn(N, generator=g)
     samples = [
-        SimpleNamespace(prompt_ids=rollout.prompt_ids[i, : rollout.prompt_lens[i]].tolist(),
-                        completion_ids=rollout.completion_ids[i][rollout.completion_mask[i]]
-                        .tolist())
+        SimpleNamespace(
+            prompt_ids=rollout.prompt_ids[i, : rollout.prompt_lens[i]].tolist(),
+            completion_ids=rollout.completion_ids[i][rollout.completion_mask[i]].tolist(),
+        )
         for i in range(N)
-    ]  # fmt: skip
+    ]
     with torch.no_grad():
         own = completion_logprobs(seed_model(), samples)
     lp_NC = torch.zeros(rollout.completion_ids.shape)
@@ -53,8 +54,16 @@ def inputs():
 
 def batches_for(dp_rank: int, dp_world: int):
     rollout, adv, old, ref = inputs()
-    return rollout_batches(rollout, adv, micro_batch_size=MICRO, seq_len=SEQ, old_logprobs=old,
-                           ref_logprobs=ref, dp_rank=dp_rank, dp_world=dp_world)  # fmt: skip
+    return rollout_batches(
+        rollout,
+        adv,
+        micro_batch_size=MICRO,
+        seq_len=SEQ,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+    )
 
 
 def _step(rank, world, out_dir, overrides, dp_world):
@@ -92,14 +101,35 @@ def reference():
 LAYOUTS = {
     "fsdp2": (["--parallelism.dp_shard", "2"], 2),
     "tp2": (["--parallelism.tp", "2", "--parallelism.dp_shard", "1"], 1),
-    "pp2_1f1b": (["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                  "--parallelism.pp_schedule", "1F1B", "--parallelism.pp_microbatches", "2"], 1),
+    "pp2_1f1b": (
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "1F1B",
+            "--parallelism.pp_microbatches",
+            "2",
+        ],
+        1,
+    ),
     # ZBV: the last stage lives on pipeline rank 0, two stages per rank.
-    "pp2_zbv": (["--parallelism.pp", "2", "--parallelism.dp_shard", "1",
-                 "--parallelism.pp_schedule", "ZBVZeroBubble",
-                 "--parallelism.pp_microbatches", "2"], 1),
+    "pp2_zbv": (
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.dp_shard",
+            "1",
+            "--parallelism.pp_schedule",
+            "ZBVZeroBubble",
+            "--parallelism.pp_microbatches",
+            "2",
+        ],
+        1,
+    ),
     "cp2": (["--parallelism.cp", "2", "--parallelism.dp_shard", "1"], 1),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

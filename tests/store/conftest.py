@@ -45,8 +45,10 @@ def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 def until_waited_for(store, key: str, version: int) -> None:
     """Return once the embedded controller of ``store`` knows a reader waits for the
     version (writers report their progress only then)."""
-    until(lambda: testing.readers_waiting(store, key, version),
-          "the waiting reader never reached the controller")  # fmt: skip
+    until(
+        lambda: testing.readers_waiting(store, key, version),
+        "the waiting reader never reached the controller",
+    )
 
 
 @pytest.fixture

@@ -126,11 +126,25 @@ def _decl(n: int) -> dict[str, Any]:
 
 def _begin(conn, store, key: str, n: int = 250, writer: str = "evil", **declare):
     """Declare and begin a one-tensor put of ``key`` on ``conn``: (declared, begun)."""
-    fields = {"kind": "tensor", "writers": 1, "keep": None, "host": testing.host(store),
-              "volume": None, "tensors": [_decl(n)], **declare}  # fmt: skip
+    fields = {
+        "kind": "tensor",
+        "writers": 1,
+        "keep": None,
+        "host": testing.host(store),
+        "volume": None,
+        "tensors": [_decl(n)],
+        **declare,
+    }
     declared = conn.request(ops.PUT_DECLARE, key=key, **fields)
-    begun = conn.request(ops.PUT_BEGIN, key=key, plan=declared["plan"], version=None,
-                         writer=writer, reservation=None, objects=[])  # fmt: skip
+    begun = conn.request(
+        ops.PUT_BEGIN,
+        key=key,
+        plan=declared["plan"],
+        version=None,
+        writer=writer,
+        reservation=None,
+        objects=[],
+    )
     return declared, begun
 
 
@@ -181,16 +195,23 @@ def healthy(
     leases / slots / plans are back, committed data keeps its bytes and listing, and fresh
     clients of every transport are served."""
     until(lambda: _fds() <= base.fds, f"fds stay above the baseline {base.fds}: {_fds()}", 20)
-    until(lambda: _server_threads() <= base.threads,
-          f"server threads stay above {base.threads}: {_server_threads()}", 20)  # fmt: skip
-    until(lambda: base.counts_of() == base.counts,
-          f"controller holds {base.counts_of()}, had {base.counts}", 20)  # fmt: skip
+    until(
+        lambda: _server_threads() <= base.threads,
+        f"server threads stay above {base.threads}: {_server_threads()}",
+        20,
+    )
+    until(
+        lambda: base.counts_of() == base.counts,
+        f"controller holds {base.counts_of()}, had {base.counts}",
+        20,
+    )
     if embedded:
         assert testing.leases(store) == base.counts["leases"]
     assert {(e["key"], e["version"]) for e in store.ls()["entries"]} == base.listed
     for transport in ("shm", "tcp"):
-        with tidal.store.connect(store.address, token=token, transport=transport,
-                                 timeout=20) as fresh:  # fmt: skip
+        with tidal.store.connect(
+            store.address, token=token, transport=transport, timeout=20
+        ) as fresh:
             assert torch.equal(fresh.get("w"), saved["w"])
             sd = fresh.get_state_dict("sd")
             assert torch.equal(sd["a"], saved["sd"]["a"]) and sd["step"] == saved["sd"]["step"]
@@ -206,8 +227,9 @@ def serving(token: str | None = None, **kw: Any) -> Iterator[tuple[Server, list[
     """A server of this test (controller + volume v0) and the warnings it logged."""
     logs: list[str] = []
     sid = new_store_id()
-    server = Server(controller=Controller(sid), volume=Volume("v0", sid), token=token,
-                    log=logs.append, **kw)  # fmt: skip
+    server = Server(
+        controller=Controller(sid), volume=Volume("v0", sid), token=token, log=logs.append, **kw
+    )
     try:
         yield server, logs
     finally:
@@ -246,12 +268,18 @@ class FakeVolume:
     def __init__(self, store, volume_id: str, shm_dir: str, store_id: str | None = None) -> None:
         self.vol = HeldVolume(volume_id, store_id or new_store_id(), shm_dir=str(shm_dir))
         self.conn = testing.raw(store.address)
-        self.conn.request(ops.REGISTER_VOLUME, volume_id=volume_id, address="tcp://127.0.0.1:9",
-                          host=testing.host(store), shm_dir=self.vol.shm_dir,
-                          store_id=self.vol.store_id)  # fmt: skip
+        self.conn.request(
+            ops.REGISTER_VOLUME,
+            volume_id=volume_id,
+            address="tcp://127.0.0.1:9",
+            host=testing.host(store),
+            shm_dir=self.vol.shm_dir,
+            store_id=self.vol.store_id,
+        )
         assert self.conn.sock is not None
-        self.thread = threading.Thread(target=serve_registration, args=(self.conn.sock, self.vol),
-                                       daemon=True)  # fmt: skip
+        self.thread = threading.Thread(
+            target=serve_registration, args=(self.conn.sock, self.vol), daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:

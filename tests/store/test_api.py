@@ -143,7 +143,7 @@ def test_state_dict_round_trip_and_partial_into(transport_store):
         "layers": [
             {"w": _rand((4, 4), torch.float32, i), "b": _rand((4,), torch.float32)}
             for i in range(3)
-        ],  # fmt: skip
+        ],
         "step": torch.tensor(5),
     }
     v = s.put_state_dict(sd, "model")
@@ -165,8 +165,7 @@ def test_dtype_on_put_and_cast_on_get(transport_store):
     float64 destinations only with cast=True; without it a dtype mismatch is a clear error.
     Through each transport."""
     store = transport_store
-    sd = {"w": _rand((64, 33), torch.float32, 1), "b": _rand((33,), torch.float32, 2),
-          "step": 7}  # fmt: skip
+    sd = {"w": _rand((64, 33), torch.float32, 1), "b": _rand((33,), torch.float32, 2), "step": 7}
     store.put_state_dict(sd, "p", dtype=torch.bfloat16)
     as_bf16 = {k: sd[k].to(torch.bfloat16) for k in ("w", "b")}
     out = store.get_state_dict("p")
@@ -313,20 +312,41 @@ def test_layout_helpers():
 def _declare(conn, rows, writers=2, key="mw"):
     """A plan for rows lo:hi of a 6 x 4 float32 tensor, declared on a raw connection."""
     lo, hi = rows
-    decl = {"name": [], "shape": [6, 4], "dtype": "float32", "offsets": [lo, 0],
-            "sizes": [hi - lo, 4]}  # fmt: skip
-    return conn.request(ops.PUT_DECLARE, key=key, kind="tensor", writers=writers, keep=None,
-                        host="h", volume=None, tensors=[decl])  # fmt: skip
+    decl = {
+        "name": [],
+        "shape": [6, 4],
+        "dtype": "float32",
+        "offsets": [lo, 0],
+        "sizes": [hi - lo, 4],
+    }
+    return conn.request(
+        ops.PUT_DECLARE,
+        key=key,
+        kind="tensor",
+        writers=writers,
+        keep=None,
+        host="h",
+        volume=None,
+        tensors=[decl],
+    )
 
 
 def _begin(conn, plan, version, writer, key="mw"):
-    return conn.request(ops.PUT_BEGIN, key=key, plan=plan, version=version, writer=writer,
-                        reservation=None, objects=[])  # fmt: skip
+    return conn.request(
+        ops.PUT_BEGIN,
+        key=key,
+        plan=plan,
+        version=version,
+        writer=writer,
+        reservation=None,
+        objects=[],
+    )
 
 
 def _commit(conn, version, writer, key="mw"):
-    return conn.request(ops.PUT_COMMIT, key=key, version=version, writer=writer,
-                        reserve=False)["visible"]  # fmt: skip
+    return conn.request(ops.PUT_COMMIT, key=key, version=version, writer=writer, reserve=False)[
+        "visible"
+    ]
 
 
 def test_multi_writer_versions(store):

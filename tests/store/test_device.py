@@ -16,8 +16,14 @@ EVENT = bytes(range(64, 128))
 
 
 def _handle(slot: int, handle: bytes = HANDLE) -> dict:
-    return {"slot": slot, "uuid": GPU, "handle": handle, "offset": 512, "span": 4096,
-            "event": EVENT}  # fmt: skip
+    return {
+        "slot": slot,
+        "uuid": GPU,
+        "handle": handle,
+        "offset": 512,
+        "span": 4096,
+        "event": EVENT,
+    }
 
 
 class Writer:
@@ -36,19 +42,40 @@ class Writer:
     def begin(self, key, version, shape, volume):
         sizes = list(shape)
         if (key, tuple(shape), volume) not in self.plans:
-            decl = {"name": [], "shape": sizes, "dtype": "float32", "offsets": [0] * len(sizes),
-                    "sizes": sizes}  # fmt: skip
-            d = self.conn.request(ops.PUT_DECLARE, key=key, kind="tensor", writers=1, keep=None,
-                                  host=self.host, volume=volume, tensors=[decl])  # fmt: skip
+            decl = {
+                "name": [],
+                "shape": sizes,
+                "dtype": "float32",
+                "offsets": [0] * len(sizes),
+                "sizes": sizes,
+            }
+            d = self.conn.request(
+                ops.PUT_DECLARE,
+                key=key,
+                kind="tensor",
+                writers=1,
+                keep=None,
+                host=self.host,
+                volume=volume,
+                tensors=[decl],
+            )
             self.plans[key, tuple(shape), volume] = d
         d = self.plans[key, tuple(shape), volume]
-        r = self.conn.request(ops.PUT_BEGIN, key=key, plan=d["plan"], version=version,
-                              writer=self.name, reservation=None, objects=[])  # fmt: skip
+        r = self.conn.request(
+            ops.PUT_BEGIN,
+            key=key,
+            plan=d["plan"],
+            version=version,
+            writer=self.name,
+            reservation=None,
+            objects=[],
+        )
         return d["volume"], r
 
     def commit(self, key, version) -> dict:
-        return self.conn.request(ops.PUT_COMMIT, key=key, version=version, writer=self.name,
-                                 reserve=False)  # fmt: skip
+        return self.conn.request(
+            ops.PUT_COMMIT, key=key, version=version, writer=self.name, reserve=False
+        )
 
 
 def test_device_volume_bookkeeping(monkeypatch):
@@ -118,8 +145,7 @@ def test_device_memory_needs_cuda_and_well_formed_handles(monkeypatch):
         writer = Writer(store)
         writer.register("cuda.s")
         with pytest.raises(ProtocolError, match="64 bytes"):
-            writer.conn.request(ops.PUT_HANDLES, volume_id="cuda.s",
-                                handles=[_handle(1, b"short")])  # fmt: skip
+            writer.conn.request(ops.PUT_HANDLES, volume_id="cuda.s", handles=[_handle(1, b"short")])
         with pytest.raises(ValueError, match="already registered"):
             writer.register("cuda.s")
         store.put("w", torch.ones(3))  # the store still serves

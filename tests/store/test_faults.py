@@ -128,8 +128,9 @@ def test_malformed_and_oversized_messages(store):
     x = torch.randn(100)
     store.put("safe", x)
     conn = testing.raw(store.address)
-    slot = conn.request(ops.ACQUIRE, key="safe", version="latest", known_sig=None,
-                        wait_ms=None)["slots"][0]  # fmt: skip
+    slot = conn.request(ops.ACQUIRE, key="safe", version="latest", known_sig=None, wait_ms=None)[
+        "slots"
+    ][0]
     conn.close()
     # Bad magic: error, connection closed.
     s = _raw(store.address)
@@ -172,8 +173,17 @@ def test_malformed_and_oversized_messages(store):
         memoryview(b"\xff" * 200),
     )
     assert "not open for writing" in _reply(s)["error"]
-    wire.send(s, {"op": "vol_read", "slot": slot, "shape": [100], "itemsize": 4,
-                  "offsets": [0], "sizes": [200]})  # fmt: skip
+    wire.send(
+        s,
+        {
+            "op": "vol_read",
+            "slot": slot,
+            "shape": [100],
+            "itemsize": 4,
+            "offsets": [0],
+            "sizes": [200],
+        },
+    )
     assert "exceeds shape" in _reply(s)["error"]
     # Connection without hello.
     s2 = _raw(store.address, hello=False)

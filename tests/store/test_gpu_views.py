@@ -38,8 +38,9 @@ def test_gpu_views_alias_the_writers_slots_and_hold_their_version():
         del again
         assert testing.leases(writer) == 1  # got's lease
         for v in range(1, 4):  # version 0 is evicted (keep=1), but got pins its slots
-            writer.put_state_dict({"w": w + v, "b": [torch.arange(7, device="cuda")]}, "p",
-                                  memory="cuda")  # fmt: skip
+            writer.put_state_dict(
+                {"w": w + v, "b": [torch.arange(7, device="cuda")]}, "p", memory="cuda"
+            )
         assert torch.equal(got["w"], w), "a pinned version's bytes changed"
         assert testing.device_allocations(writer) > allocations  # the ring went around it
         row = got["w"][3]  # a view of a view keeps the version too

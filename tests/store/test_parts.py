@@ -61,8 +61,10 @@ def test_cold_and_ring_puts_round_trip(transport):
     """Fresh slots (pwrite per part, or TCP writes into a populated multi-part mapping), then
     reused ones (mapped writes), read back by the writer and by another handle."""
     before = shm_segments(os.getpid())
-    with tidal.store.connect(keep=1, transport=transport) as writer, \
-            tidal.store.connect(writer.address, transport=transport) as reader:  # fmt: skip
+    with (
+        tidal.store.connect(keep=1, transport=transport) as writer,
+        tidal.store.connect(writer.address, transport=transport) as reader,
+    ):
         for v in range(4):
             writer.put_state_dict(_sd(v), "sd")
             _same(reader.get_state_dict("sd"), _sd(v))
@@ -112,10 +114,23 @@ def test_zero_copy_views_span_parts():
 
 
 def _declare(conn, rows, shape):
-    decl = {"name": [], "shape": list(shape), "dtype": "float32", "offsets": [rows[0], 0],
-            "sizes": [rows[1] - rows[0], shape[1]]}  # fmt: skip
-    return conn.request(ops.PUT_DECLARE, key="sharded", kind="tensor", writers=2, keep=None,
-                        host="h", volume=None, tensors=[decl])  # fmt: skip
+    decl = {
+        "name": [],
+        "shape": list(shape),
+        "dtype": "float32",
+        "offsets": [rows[0], 0],
+        "sizes": [rows[1] - rows[0], shape[1]],
+    }
+    return conn.request(
+        ops.PUT_DECLARE,
+        key="sharded",
+        kind="tensor",
+        writers=2,
+        keep=None,
+        host="h",
+        volume=None,
+        tensors=[decl],
+    )
 
 
 def test_a_get_across_two_writers_shards():
@@ -127,8 +142,15 @@ def test_a_get_across_two_writers_shards():
         conns = [testing.raw(store.address) for _ in range(2)]
         for i, (conn, rows) in enumerate(zip(conns, [(0, 13), (13, 40)], strict=True)):
             declared = _declare(conn, rows, shape)
-            begun = conn.request(ops.PUT_BEGIN, key="sharded", plan=declared["plan"], version=0,
-                                 writer=f"w{i}", reservation=None, objects=[])  # fmt: skip
+            begun = conn.request(
+                ops.PUT_BEGIN,
+                key="sharded",
+                plan=declared["plan"],
+                version=0,
+                writer=f"w{i}",
+                reservation=None,
+                objects=[],
+            )
             slot = begun["slots"][0]
             testing.write_slot(declared["volume"], slot, full[rows[0] : rows[1]])
             conn.request(ops.PUT_COMMIT, key="sharded", version=0, writer=f"w{i}", reserve=False)
@@ -235,8 +257,14 @@ def test_first_reads_of_boxes_that_start_inside_a_part(tmp_path, streaming):
     shape = (40, 1000)  # float32: 160000 bytes, 14 parts
     full = torch.randn(shape)
     vol = Volume("v0", new_store_id(), shm_dir=str(tmp_path))
-    record = {"id": "v0", "kind": "shm", "host": "h", "address": "", "shm_dir": vol.shm_dir,
-              "store_id": vol.store_id}  # fmt: skip
+    record = {
+        "id": "v0",
+        "kind": "shm",
+        "host": "h",
+        "address": "",
+        "shm_dir": vol.shm_dir,
+        "store_id": vol.store_id,
+    }
     try:
         vol.create(1, full.numel() * 4)
         vol.segment(1).copy_(full.view(-1).view(torch.uint8))

@@ -87,27 +87,43 @@ def _holding(store) -> tuple[Any, dict[str, Any]]:
     lease = _acquire(conn, "w")["lease"]
     declared, begun = _begin(conn, store, "hostile")
     assert not store.exists("hostile")  # pending
-    return conn, {"lease": lease, "slot": begun["slots"][0], "grant": begun["grant"],
-                  "volume": declared["volume"]}  # fmt: skip
+    return conn, {
+        "lease": lease,
+        "slot": begun["slots"][0],
+        "grant": begun["grant"],
+        "volume": declared["volume"],
+    }
 
 
 # (name, bytes for a connection holding a lease and a pending write, error reply).
 AFTER_HELLO: list[tuple[str, Callable[[dict[str, Any]], bytes], str | None]] = [
     ("prefix cut", lambda h: b"TDS1\x00", "inside a message prefix"),
     ("header cut", lambda h: _frame(100) + b"\x81" * 10, "after 10 of 100 bytes"),
-    ("payload cut", lambda h: _msg(_vol_write(h["slot"], h["grant"], 1000), 1000) + b"x" * 10,
-     "after 10 of 1000 bytes"),
-    ("payload cut, wrong grant",
-     lambda h: _msg(_vol_write(h["slot"], bytes(16), 1000), 1000) + b"x" * 10, None),
-    ("payload on an op without", lambda h: _msg({"op": "keys", "prefix": ""}, 100),
-     "takes no payload"),
+    (
+        "payload cut",
+        lambda h: _msg(_vol_write(h["slot"], h["grant"], 1000), 1000) + b"x" * 10,
+        "after 10 of 1000 bytes",
+    ),
+    (
+        "payload cut, wrong grant",
+        lambda h: _msg(_vol_write(h["slot"], bytes(16), 1000), 1000) + b"x" * 10,
+        None,
+    ),
+    (
+        "payload on an op without",
+        lambda h: _msg({"op": "keys", "prefix": ""}, 100),
+        "takes no payload",
+    ),
     ("payload over the limit", lambda h: _frame(10, (1 << 40) + 1), "exceeds the limit"),
     ("header over 32 MiB", lambda h: _frame(wire.MAX_HEADER_BYTES + 1), "exceeds the limit"),
     ("bad magic", lambda h: b"\x00" * 16, "bad magic"),
     ("undecodable header", lambda h: _frame(3) + b"\xc1\xc1\xc1", "undecodable"),
-    ("nbytes not the payload",
-     lambda h: _msg(_vol_write(h["slot"], h["grant"], 10), 20) + b"x" * 15, None),
-]  # fmt: skip
+    (
+        "nbytes not the payload",
+        lambda h: _msg(_vol_write(h["slot"], h["grant"], 10), 20) + b"x" * 15,
+        None,
+    ),
+]
 
 
 @pytest.mark.parametrize("name,data,said", AFTER_HELLO, ids=[c[0] for c in AFTER_HELLO])
@@ -164,22 +180,70 @@ def test_fuzzed_fields_of_every_op_get_protocol_errors(victim):
     internal error, and the connection stays usable."""
     store, saved, base = victim
     plausible = {
-        "address": "tcp://127.0.0.1:9", "grant": bytes(16), "handles": [], "host": "h",
-        "itemsize": 4, "keep": None, "key": "w", "kind": "tensor", "known_sig": None,
-        "lease": 1, "nbytes": 0, "objects": [], "offset": 0, "offsets": [0], "plan": 1,
-        "prefix": "", "proto": wire.PROTOCOL_VERSION, "reservation": None, "reserve": False,
-        "segments": [], "shape": [1], "shm_dir": "/dev/shm", "sizes": [1], "slot": 1,
-        "slots": [], "store_id": "1.1xabcdef", "tensors": [], "token": None, "version": 0,
-        "volume": None, "volume_id": "vz", "wait_ms": 0, "writer": "w", "writers": 1,
-    }  # fmt: skip
+        "address": "tcp://127.0.0.1:9",
+        "grant": bytes(16),
+        "handles": [],
+        "host": "h",
+        "itemsize": 4,
+        "keep": None,
+        "key": "w",
+        "kind": "tensor",
+        "known_sig": None,
+        "lease": 1,
+        "nbytes": 0,
+        "objects": [],
+        "offset": 0,
+        "offsets": [0],
+        "plan": 1,
+        "prefix": "",
+        "proto": wire.PROTOCOL_VERSION,
+        "reservation": None,
+        "reserve": False,
+        "segments": [],
+        "shape": [1],
+        "shm_dir": "/dev/shm",
+        "sizes": [1],
+        "slot": 1,
+        "slots": [],
+        "store_id": "1.1xabcdef",
+        "tensors": [],
+        "token": None,
+        "version": 0,
+        "volume": None,
+        "volume_id": "vz",
+        "wait_ms": 0,
+        "writer": "w",
+        "writers": 1,
+    }
     deep: Any = 0
     for _ in range(100):
         deep = [deep]
-    hostile = [None, True, -1, -(1 << 63), (1 << 64) - 1, 1.5, float("nan"), "", "x" * 5000,
-               "a\x00b", b"", b"\x00" * 64, [], [None], [[1]] * 3, {}, {"a": [1]}, deep,
-               msgpack.ExtType(5, b"x"), {"slot": 1, "uuid": "u", "handle": b"h" * 64, "x": 1},
-               [{"name": ["a"], "shape": [1], "dtype": "evil", "offsets": [0], "sizes": [1]}],
-               [{"slot": 1, "nbytes": -5}], "../../etc/passwd", ["a", None]]  # fmt: skip
+    hostile = [
+        None,
+        True,
+        -1,
+        -(1 << 63),
+        (1 << 64) - 1,
+        1.5,
+        float("nan"),
+        "",
+        "x" * 5000,
+        "a\x00b",
+        b"",
+        b"\x00" * 64,
+        [],
+        [None],
+        [[1]] * 3,
+        {},
+        {"a": [1]},
+        deep,
+        msgpack.ExtType(5, b"x"),
+        {"slot": 1, "uuid": "u", "handle": b"h" * 64, "x": 1},
+        [{"name": ["a"], "shape": [1], "dtype": "evil", "offsets": [0], "sizes": [1]}],
+        [{"slot": 1, "nbytes": -5}],
+        "../../etc/passwd",
+        ["a", None],
+    ]
     rng = random.Random(9)
     conn = testing.raw(store.address)
     sent = 0
@@ -259,10 +323,22 @@ def test_a_peer_that_never_reads_its_replies_is_dropped():
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
             s.connect(wire.parse_address(server.address))
-            s.sendall(_msg(HELLO) + _msg({"op": "acquire", "key": "w", "version": "latest",
-                                          "known_sig": None, "wait_ms": None}))  # fmt: skip
-            until(lambda: server.controller.counts()["leases"] > base.counts["leases"],
-                  "the unread acquire never arrived")  # fmt: skip
+            s.sendall(
+                _msg(HELLO)
+                + _msg(
+                    {
+                        "op": "acquire",
+                        "key": "w",
+                        "version": "latest",
+                        "known_sig": None,
+                        "wait_ms": None,
+                    }
+                )
+            )
+            until(
+                lambda: server.controller.counts()["leases"] > base.counts["leases"],
+                "the unread acquire never arrived",
+            )
             flood = _msg({"op": "keys", "prefix": "", "evil": "x" * 200}) * 1000
             s.settimeout(0.2)
             deadline = time.monotonic() + 20
@@ -372,10 +448,21 @@ def test_running_out_of_fds_is_survived(tmp_path):
     token_file.write_text("s3cret\n")
     env = {**os.environ, "TIDAL_STORE_TOKEN": ""}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _EMFILE_CHILD.format(n=limit), "serve", "--port", "0",
-         "--token-file", str(token_file)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            _EMFILE_CHILD.format(n=limit),
+            "serve",
+            "--port",
+            "0",
+            "--token-file",
+            str(token_file),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     held: list[socket.socket] = []
     try:
         line = _first_line(proc)

@@ -87,8 +87,9 @@ def test_a_handle_reconnects_after_a_timeout(victim, tmp_path):
     slow = FakeVolume(store, "slow", str(tmp_path))
     with tidal.store.connect(store.address, volume="slow", timeout=0.5) as h:
         slow.vol.go.clear()
-        with pytest.raises(StoreError, match="did not answer 'put_begin' within 0.5 s; "
-                                             "the next call reconnects"):  # fmt: skip
+        with pytest.raises(
+            StoreError, match="did not answer 'put_begin' within 0.5 s; the next call reconnects"
+        ):
             h.put("k", W)
         assert slow.vol.waiting.wait(10)
         assert h.keys() == ["sd", "w"]  # other connections were not affected
@@ -122,8 +123,7 @@ def test_a_bound_request_is_never_resent_on_a_new_connection(victim):
     with pytest.raises(StoreError, match="was lost before 'release'"):
         conn.request(ops.RELEASE, lease=lease)
     with pytest.raises(StoreError, match="was lost before 'put_commit'"):
-        conn.request(ops.PUT_COMMIT, key="b", version=begun["version"], writer="w1",
-                     reserve=False)  # fmt: skip
+        conn.request(ops.PUT_COMMIT, key="b", version=begun["version"], writer="w1", reserve=False)
     assert conn.request(ops.KEYS, prefix="")["keys"] == ["sd", "w"]  # unbound: reconnects
     conn.close()
     healthy(store, saved, base)
@@ -151,15 +151,25 @@ def test_bad_counts_are_value_errors(victim):
     healthy(store, saved, base)
 
 
-@pytest.mark.parametrize("call", [
-    lambda s: s.put("w", W, version=1 << 63),
-    lambda s: s.put("w", W, version=1 << 70),
-    lambda s: s.get("w", version=1 << 63),
-    lambda s: s.exists("w", version=1 << 70),
-    lambda s: s.put("w", W, keep=1 << 21),
-    lambda s: s.put("w", W, writers=1 << 21, version=5),
-], ids=["put version 2**63", "put version 2**70", "get version 2**63", "exists version 2**70",
-        "keep 2**21", "writers 2**21"])  # fmt: skip
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.put("w", W, version=1 << 63),
+        lambda s: s.put("w", W, version=1 << 70),
+        lambda s: s.get("w", version=1 << 63),
+        lambda s: s.exists("w", version=1 << 70),
+        lambda s: s.put("w", W, keep=1 << 21),
+        lambda s: s.put("w", W, writers=1 << 21, version=5),
+    ],
+    ids=[
+        "put version 2**63",
+        "put version 2**70",
+        "get version 2**63",
+        "exists version 2**70",
+        "keep 2**21",
+        "writers 2**21",
+    ],
+)
 def test_counts_past_the_wire_limits_are_value_errors(victim, call):
     store, saved, base = victim
     with pytest.raises(ValueError) as e:
@@ -251,8 +261,11 @@ def test_ls_into_head_ends_quietly():
         env = {**os.environ, "TIDAL_STORE_TOKEN": "s3cret", "TIDAL_STORE": server.address}
         out = subprocess.run(
             ["bash", "-o", "pipefail", "-c", f"{sys.executable} -m tidal.store ls | head -1"],
-            capture_output=True, text=True, timeout=120, env=env,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("KEY") and out.stdout.count("\n") == 1
     assert "BrokenPipe" not in out.stderr and "Traceback" not in out.stderr, out.stderr

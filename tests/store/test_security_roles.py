@@ -54,8 +54,11 @@ def test_only_the_writer_connection_reports_commits_or_aborts_its_write(victim):
     testing.write_slot(declared["volume"], slot, W * 2)
     other = testing.raw(store.address)
     fields = {"key": "k", "version": version, "writer": "w1"}
-    for op, extra in [(ops.PUT_PROGRESS, {"slots": [slot]}), (ops.PUT_COMMIT, {"reserve": True}),
-                      (ops.PUT_ABORT, {})]:  # fmt: skip
+    for op, extra in [
+        (ops.PUT_PROGRESS, {"slots": [slot]}),
+        (ops.PUT_COMMIT, {"reserve": True}),
+        (ops.PUT_ABORT, {}),
+    ]:
         with pytest.raises(ValueError, match="on another connection"):
             other.request(op, **fields, **extra)
         with pytest.raises(ValueError, match="no pending write"):
@@ -72,11 +75,25 @@ def test_only_the_writer_connection_reports_commits_or_aborts_its_write(victim):
         tensors=[_decl(250)],
     )["plan"]
     with pytest.raises(ValueError, match="already has its 1 writers"):
-        other.request(ops.PUT_BEGIN, key="k", plan=plan, version=version, writer="w2",
-                      reservation=None, objects=[])  # fmt: skip
+        other.request(
+            ops.PUT_BEGIN,
+            key="k",
+            plan=plan,
+            version=version,
+            writer="w2",
+            reservation=None,
+            objects=[],
+        )
     with pytest.raises(ValueError, match="not one of this connection"):
-        other.request(ops.PUT_BEGIN, key="k", plan=declared["plan"], version=None, writer="w1",
-                      reservation=None, objects=[])  # fmt: skip
+        other.request(
+            ops.PUT_BEGIN,
+            key="k",
+            plan=declared["plan"],
+            version=None,
+            writer="w1",
+            reservation=None,
+            objects=[],
+        )
     assert not store.exists("k")
     assert writer.request(ops.PUT_COMMIT, **fields, reserve=False)["visible"]
     assert torch.equal(_read(store, "k"), W * 2)
@@ -96,8 +113,9 @@ def test_reservations_and_leases_of_another_connection(victim):
     declared = None
     for v in range(2):  # the second commit reserves slots for the third put
         declared, begun = _begin(owner, store, "r", writer="w1")
-        done = owner.request(ops.PUT_COMMIT, key="r", version=begun["version"], writer="w1",
-                             reserve=v == 1)  # fmt: skip
+        done = owner.request(
+            ops.PUT_COMMIT, key="r", version=begun["version"], writer="w1", reserve=v == 1
+        )
     reservation = done["next"]
     assert reservation is not None and declared is not None
     tplan = thief.request(
@@ -111,11 +129,25 @@ def test_reservations_and_leases_of_another_connection(victim):
         tensors=[_decl(250)],
     )["plan"]
     with pytest.raises(ValueError, match="not held by this connection"):
-        thief.request(ops.PUT_BEGIN, key="r", plan=tplan, version=None, writer="w2",
-                      reservation=reservation["id"], objects=[])  # fmt: skip
+        thief.request(
+            ops.PUT_BEGIN,
+            key="r",
+            plan=tplan,
+            version=None,
+            writer="w2",
+            reservation=reservation["id"],
+            objects=[],
+        )
     # The owner's reservation still works.
-    begun = owner.request(ops.PUT_BEGIN, key="r", plan=declared["plan"], version=None,
-                          writer="w1", reservation=reservation["id"], objects=[])  # fmt: skip
+    begun = owner.request(
+        ops.PUT_BEGIN,
+        key="r",
+        plan=declared["plan"],
+        version=None,
+        writer="w1",
+        reservation=reservation["id"],
+        objects=[],
+    )
     assert begun["slots"] == reservation["slots"]
     owner.request(ops.PUT_ABORT, key="r", version=begun["version"], writer="w1")
     lease = _acquire(owner, "w")["lease"]
@@ -139,9 +171,12 @@ def test_volume_ops_are_served_on_no_port(victim, tmp_path):
     store, saved, _ = victim
     ready = threading.Event()
     where: dict[str, str] = {}
-    t = threading.Thread(target=run_volume, args=(store.address, "vp"), daemon=True,
-                         kwargs={"shm_dir": str(tmp_path),
-                                 "ready": lambda a: (where.update(a=a), ready.set())})  # fmt: skip
+    t = threading.Thread(
+        target=run_volume,
+        args=(store.address, "vp"),
+        daemon=True,
+        kwargs={"shm_dir": str(tmp_path), "ready": lambda a: (where.update(a=a), ready.set())},
+    )
     t.start()
     assert ready.wait(30), "the volume process never registered"
     base = _baseline(store)  # with the volume process's server and registration
@@ -155,8 +190,10 @@ def test_volume_ops_are_served_on_no_port(victim, tmp_path):
         (ops.VOL_SEAL, {"slots": slots}),
     ]
     segments = sorted(os.listdir(tmp_path))
-    for address, where_ in [(store.address, "registration connection"),
-                            (where["a"], "registration connection")]:  # fmt: skip
+    for address, where_ in [
+        (store.address, "registration connection"),
+        (where["a"], "registration connection"),
+    ]:
         conn = testing.raw(address)
         for op, fields in hostile:
             with pytest.raises(ValueError, match=where_):
@@ -164,8 +201,14 @@ def test_volume_ops_are_served_on_no_port(victim, tmp_path):
         conn.close()
     vconn = testing.raw(where["a"])
     with pytest.raises(ValueError, match="served by a controller"):
-        vconn.request(ops.REGISTER_VOLUME, volume_id="evil", address="tcp://127.0.0.1:9",
-                      host="h", shm_dir=str(tmp_path), store_id=new_store_id())  # fmt: skip
+        vconn.request(
+            ops.REGISTER_VOLUME,
+            volume_id="evil",
+            address="tcp://127.0.0.1:9",
+            host="h",
+            shm_dir=str(tmp_path),
+            store_id=new_store_id(),
+        )
     with pytest.raises(ValueError, match="served by a controller"):
         vconn.request(ops.KEYS, prefix="")
     vconn.close()
@@ -208,7 +251,7 @@ def test_committed_slots_are_never_written_over_tcp(victim):
         for slot in committed
         for g in [bytes(16), b"\xff" * 16, grants[0][1], grants[1][1], reserved["grant"]]
     ]
-    for slot, grant in tries:  # fmt: skip
+    for slot, grant in tries:
         s.sendall(_msg(_vol_write(slot, grant, 1000), 1000) + b"\xee" * 1000)
         reply = _reply(s)
         assert not reply["ok"] and "not open for writing" in reply["error"], (slot, reply)
@@ -245,8 +288,16 @@ def test_device_volumes_of_another_writer(victim):
     with pytest.raises(ValueError, match="already registered"):
         thief.request(ops.DEVICE_VOLUME, volume_id="v0", host=testing.host(store))
     with pytest.raises(ValueError, match="GPU memory of another writer"):
-        thief.request(ops.PUT_DECLARE, key="g", kind="tensor", writers=1, keep=None,
-                      host=testing.host(store), volume="cuda.1.aa", tensors=[_decl(4)])  # fmt: skip
+        thief.request(
+            ops.PUT_DECLARE,
+            key="g",
+            kind="tensor",
+            writers=1,
+            keep=None,
+            host=testing.host(store),
+            volume="cuda.1.aa",
+            tensors=[_decl(4)],
+        )
     handle = {
         "slot": 1,
         "uuid": "GPU-evil",
@@ -296,8 +347,14 @@ def test_register_volume_with_hostile_paths_is_refused(victim, bad, said):
     """A registration whose directory or ids could steer a segment path elsewhere is refused
     (and its connection closed); nothing is listed, nothing on disk changes."""
     store, saved, base = victim
-    fields = {"volume_id": "evil", "address": "tcp://127.0.0.1:9", "host": testing.host(store),
-              "shm_dir": "/dev/shm", "store_id": new_store_id(), **bad}  # fmt: skip
+    fields = {
+        "volume_id": "evil",
+        "address": "tcp://127.0.0.1:9",
+        "host": testing.host(store),
+        "shm_dir": "/dev/shm",
+        "store_id": new_store_id(),
+        **bad,
+    }
     sid = _acquire_volume(store)["store_id"]
     ours = lambda: {f for f in os.listdir("/dev/shm") if sid in f}  # noqa: E731
     before = ours()
@@ -367,8 +424,9 @@ def _acquire_volume(store) -> dict[str, Any]:
         conn.close()
 
 
-@pytest.mark.parametrize("plant", ["symlink", "file of the wrong size", "file of the right size",
-                                   "directory", "fifo"])  # fmt: skip
+@pytest.mark.parametrize(
+    "plant", ["symlink", "file of the wrong size", "file of the right size", "directory", "fifo"]
+)
 def test_something_planted_where_a_segment_will_be_created(victim, tmp_path, plant):
     """Whatever sits where the volume is about to create a segment, it is neither followed,
     nor truncated, nor unlinked: the put fails clearly, its slots are freed at once, and the
@@ -399,8 +457,15 @@ def test_something_planted_where_a_segment_will_be_created(victim, tmp_path, pla
             f.write(b"x" * (1000 if plant.endswith("right size") else 7))
     try:
         with pytest.raises(StoreError, match="cannot create segment"):
-            conn.request(ops.PUT_BEGIN, key="p", plan=declared["plan"], version=None,
-                         writer="w1", reservation=None, objects=[])  # fmt: skip
+            conn.request(
+                ops.PUT_BEGIN,
+                key="p",
+                plan=declared["plan"],
+                version=None,
+                writer="w1",
+                reservation=None,
+                objects=[],
+            )
         assert testing.controller(store).counts()["slots"] == base.counts["slots"]
         assert victim_file.read_bytes() == b"precious" * 125
         conn.close()
@@ -461,8 +526,9 @@ def test_clients_refuse_a_hijacked_segment(victim, tmp_path, plant):
     q_slot = _acquire(conn, "q")["slots"][0]
     w_slot = _acquire(conn, "w")["slots"][0]
     conn.close()
-    ring = [s for s in range(1, q_slot) if os.path.exists(path_of(vol, s))
-            and s not in (w_slot, q_slot)]  # fmt: skip
+    ring = [
+        s for s in range(1, q_slot) if os.path.exists(path_of(vol, s)) and s not in (w_slot, q_slot)
+    ]
     with _hijacked(path_of(vol, w_slot), plant, str(victim_file)):
         with tidal.store.connect(store.address, transport="shm", timeout=20) as fresh:
             with pytest.raises(StoreError, match="segment"):
@@ -521,8 +587,16 @@ def test_a_write_in_flight_cannot_change_a_version_after_its_commit(victim):
     s = _sock(store.address)
     s.sendall(_msg(_vol_write(slot, grant, 1000), 1000) + b"\x11" * 500)
     seen = torch.empty(250)
-    until(lambda: testing.read_slot(declared["volume"], slot, seen).view(torch.uint8)[:500]
-          .eq(0x11).all().item(), "the first half never landed")  # fmt: skip
+    until(
+        lambda: (
+            testing.read_slot(declared["volume"], slot, seen)
+            .view(torch.uint8)[:500]
+            .eq(0x11)
+            .all()
+            .item()
+        ),
+        "the first half never landed",
+    )
     writer.send(ops.PUT_COMMIT, key="late", version=0, writer="w1", reserve=False)
     deadline = time.monotonic() + 1.0  # a commit that waits for the write stays invisible
     while not store.exists("late") and time.monotonic() < deadline:

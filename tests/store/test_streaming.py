@@ -66,10 +66,19 @@ def test_waiting_reader_of_an_aborted_version_gets_a_clear_error():
         thread.start()
         conn = testing.raw(writer.address)
         decl = {"name": [], "shape": [4], "dtype": "float32", "offsets": [0], "sizes": [4]}
-        plan = conn.request(ops.PUT_DECLARE, key="t", kind="tensor", writers=1, keep=None,
-                            host="h", volume=None, tensors=[decl])["plan"]  # fmt: skip
-        begin = conn.request(ops.PUT_BEGIN, key="t", plan=plan, version=1, writer="w1",
-                             reservation=None, objects=[])  # fmt: skip
+        plan = conn.request(
+            ops.PUT_DECLARE,
+            key="t",
+            kind="tensor",
+            writers=1,
+            keep=None,
+            host="h",
+            volume=None,
+            tensors=[decl],
+        )["plan"]
+        begin = conn.request(
+            ops.PUT_BEGIN, key="t", plan=plan, version=1, writer="w1", reservation=None, objects=[]
+        )
         assert begin["version"] == 1
         conn.request(ops.PUT_ABORT, key="t", version=1, writer="w1")
         thread.join(timeout=30)

@@ -149,12 +149,32 @@ def _put_two_row_shards(store, key: str, full: torch.Tensor) -> None:
     rows = full.shape[0] // 2
     writers = [testing.raw(store.address) for _ in range(2)]
     for i, w in enumerate(writers):
-        decl = {"name": [], "shape": list(full.shape), "dtype": "float32",
-                "offsets": [i * rows, 0], "sizes": [rows, full.shape[1]]}  # fmt: skip
-        d = w.request(ops.PUT_DECLARE, key=key, kind="tensor", writers=2, keep=None,
-                      host=testing.host(store), volume=None, tensors=[decl])  # fmt: skip
-        r = w.request(ops.PUT_BEGIN, key=key, plan=d["plan"], version=0, writer=f"w{i}",
-                      reservation=None, objects=[])  # fmt: skip
+        decl = {
+            "name": [],
+            "shape": list(full.shape),
+            "dtype": "float32",
+            "offsets": [i * rows, 0],
+            "sizes": [rows, full.shape[1]],
+        }
+        d = w.request(
+            ops.PUT_DECLARE,
+            key=key,
+            kind="tensor",
+            writers=2,
+            keep=None,
+            host=testing.host(store),
+            volume=None,
+            tensors=[decl],
+        )
+        r = w.request(
+            ops.PUT_BEGIN,
+            key=key,
+            plan=d["plan"],
+            version=0,
+            writer=f"w{i}",
+            reservation=None,
+            objects=[],
+        )
         testing.write_slot(d["volume"], r["slots"][0], full[i * rows : (i + 1) * rows])
         w.request(ops.PUT_COMMIT, key=key, version=0, writer=f"w{i}", reserve=False)
     for w in writers:

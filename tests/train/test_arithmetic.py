@@ -190,12 +190,33 @@ def test_exact_match_decodes_each_prompt_until_the_end_of_turn(encoder) -> None:
 def test_a_short_sft_run_learns_from_answers_only(tmp_path) -> None:
     cfg = apply_overrides(
         get_config("sft_addition"),
-        ["--job.output_dir", str(tmp_path / "out"), "--data.cache_dir", str(tmp_path / "cache"),
-         "--model.flavor", "tiny", "--data.path", "add:1-2", "--data.num_problems", "800",
-         "--training.steps", "30", "--training.batch_size", "4", "--training.seq_len", "128",
-         "--lr_scheduler.warmup_steps", "3", "--metrics.log_every", "10",
-         "--metrics.val_every", "30", "--metrics.val_batches", "2"],
-    )  # fmt: skip
+        [
+            "--job.output_dir",
+            str(tmp_path / "out"),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--model.flavor",
+            "tiny",
+            "--data.path",
+            "add:1-2",
+            "--data.num_problems",
+            "800",
+            "--training.steps",
+            "30",
+            "--training.batch_size",
+            "4",
+            "--training.seq_len",
+            "128",
+            "--lr_scheduler.warmup_steps",
+            "3",
+            "--metrics.log_every",
+            "10",
+            "--metrics.val_every",
+            "30",
+            "--metrics.val_batches",
+            "2",
+        ],
+    )
     trainer = Trainer(cfg, log=lambda *a: None)
     batch = next(iter(trainer.data.train))
     assert (batch.labels == IGNORE_INDEX).float().mean() > 0.2  # prompts are left out

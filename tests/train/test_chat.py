@@ -89,8 +89,9 @@ def test_assistant_tokens_alone_are_masked_in(tok: Tokenizer, encoder: ChatEncod
     for sample in chats(12, turns=2):
         ids, mask = encoder.encode(sample)
         assert len(ids) == len(mask) and ids[0] == tok.bos_id and mask[0] == 0
-        learned = tok.decode([t for t, m in zip(ids, mask, strict=True) if m],
-                             skip_special_tokens=False)  # fmt: skip
+        learned = tok.decode(
+            [t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False
+        )
         answers = [m["content"] for m in sample if m["role"] == "assistant"]
         assert learned == "".join(f"{a}<|im_end|>\n" for a in answers)
         whole = tok.decode(ids, skip_special_tokens=False)
@@ -114,8 +115,12 @@ def test_templates_found_next_to_the_tokenizer(tmp_path: Path, tok: Tokenizer) -
     jinja = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     (tmp_path / "chat_template.jinja").write_text(jinja)
     assert find_template("", path) == (str(tmp_path / "chat_template.jinja"), jinja)
-    config = {"chat_template": [{"name": "tool_use", "template": "x"},
-                                {"name": "default", "template": jinja + "!"}]}  # fmt: skip
+    config = {
+        "chat_template": [
+            {"name": "tool_use", "template": "x"},
+            {"name": "default", "template": jinja + "!"},
+        ]
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert find_template("", path)[1] == jinja + "!"
     assert find_template("builtin", path)[0] == "builtin"
@@ -192,8 +197,14 @@ def test_rows_hold_whole_samples_and_pad() -> None:
 
 def test_chat_pipeline_masks_packs_splits_and_resumes(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", chats(300))
-    cfg = DataConfig(dataset="jsonl", path=str(path), format="chat", vocab_size=400,
-                     val_fraction=0.1, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    cfg = DataConfig(
+        dataset="jsonl",
+        path=str(path),
+        format="chat",
+        vocab_size=400,
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
     logs: list[str] = []
     data = build_data(cfg, seq_len=128, batch_size=4, seed=0, log=logs.append)
     assert data.chat is not None and data.val is not None
@@ -203,8 +214,9 @@ def test_chat_pipeline_masks_packs_splits_and_resumes(tmp_path: Path) -> None:
     for b in [next(data.train) for _ in range(5)]:
         for row_ids, row_labels in zip(b.input_ids.tolist(), b.labels.tolist(), strict=True):
             assert row_ids[0] == tok.bos_id and row_ids[1] == im_start  # rows start a sample
-            text = tok.decode([t for t in row_labels if t != IGNORE_INDEX],
-                              skip_special_tokens=False)  # fmt: skip
+            text = tok.decode(
+                [t for t in row_labels if t != IGNORE_INDEX], skip_special_tokens=False
+            )
             assert "user" not in text and "<|im_start|>" not in text and text.endswith("\n")
             turns = tok.decode(row_ids, skip_special_tokens=False).count("<|im_start|>assistant")
             assert text.count("<|im_end|>") == turns  # every answer whole, none cut
@@ -233,8 +245,9 @@ def test_chat_records_without_an_assistant_turn_are_named(tmp_path: Path) -> Non
     good = chats(5)
     bad = [*good[:3], [{"role": "user", "content": "and the answer?"}], *good[3:]]
     path = write_jsonl(tmp_path / "bad.jsonl", bad)
-    cfg = DataConfig(dataset="jsonl", path=str(path), format="chat",
-                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    cfg = DataConfig(
+        dataset="jsonl", path=str(path), format="chat", cache_dir=str(tmp_path / "cache")
+    )
     with pytest.raises(ValueError, match=r"bad\.jsonl:4: the sample has no assistant turn"):
         build_data(cfg, seq_len=32, batch_size=1, seed=0, log=lambda _: None)
     wrong_field = DataConfig(
@@ -275,9 +288,14 @@ def test_chat_from_parquet_and_hf_and_a_tokenizer_file(tmp_path: Path, tok: Toke
     )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": jinja}))
     for dataset in ("parquet", "hf"):
-        cfg = DataConfig(dataset=dataset, path=str(tmp_path / "chat.parquet"), format="chat",
-                         tokenizer=str(tmp_path / "tokenizer.json"), val_fraction=0.1,
-                         cache_dir=str(tmp_path / "cache"))  # fmt: skip
+        cfg = DataConfig(
+            dataset=dataset,
+            path=str(tmp_path / "chat.parquet"),
+            format="chat",
+            tokenizer=str(tmp_path / "tokenizer.json"),
+            val_fraction=0.1,
+            cache_dir=str(tmp_path / "cache"),
+        )
         logs: list[str] = []
         data = build_data(cfg, seq_len=64, batch_size=2, seed=0, log=logs.append)
         assert any("tokenizer_config.json" in line for line in logs)
@@ -292,16 +310,19 @@ def test_tokenizers_without_chat_markers_render_them_as_text(tmp_path: Path) -> 
     t.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     t.train_from_iterator(["hello there"], trainer=trainer)
     t.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
     enc = build_encoder(tok, "", str(tmp_path / "tokenizer.json"))
     assert enc.template.name == "builtin" and enc.stop_ids == {tok.eos_id}
-    ids, mask = enc.encode([{"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": "hello"}])  # fmt: skip
+    ids, mask = enc.encode(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    )
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "hello<|im_end|>\n"
 
 

@@ -41,26 +41,61 @@ def one_thread():
 
 
 def run_config(out: Path, *extra: str, steps: int = 20):
-    return apply_overrides(get_config("debug"), [
-        "--job.output_dir", str(out), "--job.device", "cpu",
-        "--model.flavor", "tiny", "--model.vocab_size", str(VOCAB),
-        "--training.steps", str(steps), "--training.batch_size", "4",
-        "--training.seq_len", "32", "--training.deterministic", "true",
-        "--training.mixed_precision", "fp32",
-        "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_fraction", "0.3",
-        "--optimizer.lr", "3e-3",
-        "--metrics.log_every", "1", "--metrics.val_every", "0", "--sample.max_new_tokens", "0",
-        "--checkpoint.enable", "true", "--checkpoint.interval", "10",
-        *extra,
-    ])  # fmt: skip
+    return apply_overrides(
+        get_config("debug"),
+        [
+            "--job.output_dir",
+            str(out),
+            "--job.device",
+            "cpu",
+            "--model.flavor",
+            "tiny",
+            "--model.vocab_size",
+            str(VOCAB),
+            "--training.steps",
+            str(steps),
+            "--training.batch_size",
+            "4",
+            "--training.seq_len",
+            "32",
+            "--training.deterministic",
+            "true",
+            "--training.mixed_precision",
+            "fp32",
+            "--lr_scheduler.warmup_steps",
+            "3",
+            "--lr_scheduler.decay_fraction",
+            "0.3",
+            "--optimizer.lr",
+            "3e-3",
+            "--metrics.log_every",
+            "1",
+            "--metrics.val_every",
+            "0",
+            "--sample.max_new_tokens",
+            "0",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "10",
+            *extra,
+        ],
+    )
 
 
 def random_data(dp_rank: int = 0, dp_world: int = 1, batch: int = 4) -> DataBundle:
     """Random tokens, cut the same way for every layout: the union of the data-parallel
     ranks' batches is the one-process batch of `batch * dp_world` rows."""
     tokens = np.random.default_rng(0).integers(2, VOCAB, 16 * 33 * 12)
-    loader = PackedLoader(tokens, np.array([0]), seq_len=32, batch_size=batch, seed=0,
-                          dp_rank=dp_rank, dp_world=dp_world)  # fmt: skip
+    loader = PackedLoader(
+        tokens,
+        np.array([0]),
+        seq_len=32,
+        batch_size=batch,
+        seed=0,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+    )
     tok = SimpleNamespace(vocab_size=VOCAB, bos_id=0, eos_id=1)
     return DataBundle(tokenizer=tok, train=loader, val=None)
 
@@ -170,8 +205,15 @@ def test_async_saves_change_neither_losses_nor_contents(mode, straight, tmp_path
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp_path / mode
-    train(out, "--checkpoint.async_mode", mode, "--checkpoint.interval", "2",
-          "--checkpoint.keep_latest_k", "0")  # fmt: skip
+    train(
+        out,
+        "--checkpoint.async_mode",
+        mode,
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    )
     assert step_records(out) == step_records(straight)
     saved = sorted(int(p.name[5:]) for p in (out / "checkpoint").iterdir())
     assert saved == list(range(2, 21, 2))
@@ -198,8 +240,11 @@ def test_a_save_that_must_wait_for_the_previous_write_says_so(tmp_path, monkeypa
     from tidal.train.checkpoint import manager
 
     logs: list[str] = []
-    trainer = Trainer(run_config(tmp_path / "run", "--checkpoint.async_mode", "async"),
-                      data=random_data(), log=logs.append)  # fmt: skip
+    trainer = Trainer(
+        run_config(tmp_path / "run", "--checkpoint.async_mode", "async"),
+        data=random_data(),
+        log=logs.append,
+    )
     ckpt = trainer.checkpoint
     gate = threading.Event()  # holds the background write of step 10 until the next save
     real_save_flat, real_wait = manager.save_flat, ckpt.wait
@@ -237,8 +282,16 @@ def test_a_save_that_must_wait_for_the_previous_write_says_so(tmp_path, monkeypa
 @pytest.mark.parametrize("mode", ["disabled", "async_with_pinned_mem"])
 def test_checksums_can_be_turned_off(tmp_path, mode):
     out = tmp_path / "run"
-    train(out, "--checkpoint.checksums", "false", "--checkpoint.async_mode", mode,
-          "--checkpoint.interval", "1", steps=3)  # fmt: skip
+    train(
+        out,
+        "--checkpoint.checksums",
+        "false",
+        "--checkpoint.async_mode",
+        mode,
+        "--checkpoint.interval",
+        "1",
+        steps=3,
+    )
     step2 = out / "checkpoint" / "step-2"  # saved in `mode` (the last save is synchronous)
     marker = json.loads((step2 / "COMPLETE").read_text())
     assert "crc32" not in marker and set(marker["files"]) == {
@@ -260,11 +313,19 @@ def test_folder_layout_marker_and_info(straight):
     assert all(len(crcs) == 1 for crcs in chunks.values())
     info = json.loads((step10 / "tidal.json").read_text())
     assert info["step"] == 10 and info["dtype"] == "float32"
-    assert info["contents"] == ["model", "optimizer", "lr_scheduler", "dataloader",
-                                "train_state", "rng"]  # fmt: skip
+    assert info["contents"] == [
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "dataloader",
+        "train_state",
+        "rng",
+    ]
     assert info["model"]["flavor"] == "tiny" and info["model"]["args"]["vocab_size"] == VOCAB
-    assert info["parallelism"] == {"world_size": 1, "degrees": {"pp": 1, "dp_replicate": 1,
-                                   "dp_shard": 1, "cp": 1, "tp": 1}}  # fmt: skip
+    assert info["parallelism"] == {
+        "world_size": 1,
+        "degrees": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1},
+    }
     keys = read_metadata(step10).state_dict_metadata
     # Model keys at the top level (as torchtitan), the other states under their names.
     assert "layers.0.attention.wq.weight" in keys
@@ -275,9 +336,18 @@ def test_folder_layout_marker_and_info(straight):
 
 def test_keep_latest_k_and_the_last_save_model_only_in_bf16(tmp_path):
     out = tmp_path / "run"
-    train(out, "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "2",
-          "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "bfloat16",
-          steps=10)  # fmt: skip
+    train(
+        out,
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.keep_latest_k",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "true",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        steps=10,
+    )
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-10", "step-9"]
     last = out / "checkpoint" / "step-10"
     info = json.loads((last / "tidal.json").read_text())
@@ -286,12 +356,18 @@ def test_keep_latest_k_and_the_last_save_model_only_in_bf16(tmp_path):
     assert all(not k.startswith(("optimizer", "dataloader")) for k in md)
     assert md["output.weight"].properties.dtype == torch.bfloat16
     # It loads into any fp32 model state dict (here a fresh one), as bf16-rounded weights.
-    fresh = Trainer(run_config(tmp_path / "other", "--checkpoint.enable", "false"),
-                    data=random_data(), log=lambda *a: None)  # fmt: skip
+    fresh = Trainer(
+        run_config(tmp_path / "other", "--checkpoint.enable", "false"),
+        data=random_data(),
+        log=lambda *a: None,
+    )
     sd = fresh.model.state_dict()
     load_model(sd, last)
-    trained = Trainer(run_config(tmp_path / "x", "--checkpoint.initial_load_path", str(last)),
-                      data=random_data(), log=lambda *a: None)  # fmt: skip
+    trained = Trainer(
+        run_config(tmp_path / "x", "--checkpoint.initial_load_path", str(last)),
+        data=random_data(),
+        log=lambda *a: None,
+    )
     w = trained.model.output.weight
     assert trained.step == 0 and torch.equal(w, w.bfloat16().float())
     assert torch.equal(sd["output.weight"], w)
@@ -301,8 +377,13 @@ def test_exclude_from_loading_restarts_data_and_schedule(straight, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight / "checkpoint" / "step-10", out / "checkpoint" / "step-10")
     logs: list[str] = []
-    cfg = run_config(out, "--checkpoint.exclude_from_loading", "dataloader,lr_scheduler",
-                     "--optimizer.weight_decay", "0.05")  # fmt: skip
+    cfg = run_config(
+        out,
+        "--checkpoint.exclude_from_loading",
+        "dataloader,lr_scheduler",
+        "--optimizer.weight_decay",
+        "0.05",
+    )
     trainer = Trainer(cfg, data=random_data(), log=logs.append)
     assert trainer.step == 10
     assert trainer.data.train.state_dict()["batch"] == 0  # the data restarts
@@ -311,12 +392,14 @@ def test_exclude_from_loading_restarts_data_and_schedule(straight, tmp_path):
     trainer.train()
     trainer.close()
     logs.clear()
-    cfg = run_config(out, "--checkpoint.exclude_from_loading", "train_state",
-                     "--checkpoint.load_step", "10")  # fmt: skip
+    cfg = run_config(
+        out, "--checkpoint.exclude_from_loading", "train_state", "--checkpoint.load_step", "10"
+    )
     without_step = Trainer(cfg, data=random_data(), log=logs.append)
     assert without_step.step == 0 and without_step.data.train.state_dict()["batch"] == 10
-    assert any("warning: step-20 in" in line and "come from before this resume" in line
-               for line in logs)  # fmt: skip
+    assert any(
+        "warning: step-20 in" in line and "come from before this resume" in line for line in logs
+    )
     without_step.close()
     lrs = {s: r[2] for s, r in step_records(out).items()}
     # A fresh warmup over the remaining 10 steps (3 warmup steps, then decay over the last 3).
@@ -336,16 +419,20 @@ def test_seed_checkpoint_then_training_starts_from_it(tmp_path):
     )
     trainer = Trainer(run_config(out), data=random_data(), log=lambda *a: None)  # seed 0
     assert trainer.step == 0
-    for (k, a), b in zip(trainer.model.state_dict().items(), seed7.model.state_dict().values(),
-                         strict=True):  # fmt: skip
+    for (k, a), b in zip(
+        trainer.model.state_dict().items(), seed7.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), k
 
 
 def test_fine_tune_from_another_runs_checkpoint(straight, tmp_path):
     src = straight / "checkpoint"  # a folder of step-N checkpoints: its newest is taken
     logs: list[str] = []
-    trainer = Trainer(run_config(tmp_path / "ft", "--checkpoint.initial_load_path", str(src)),
-                      data=random_data(), log=logs.append)  # fmt: skip
+    trainer = Trainer(
+        run_config(tmp_path / "ft", "--checkpoint.initial_load_path", str(src)),
+        data=random_data(),
+        log=logs.append,
+    )
     assert trainer.step == 0 and trainer.data.train.state_dict()["batch"] == 0
     assert any(f"starting from {src / 'step-20'} (model only), step 20" in x for x in logs)
 
@@ -353,9 +440,17 @@ def test_fine_tune_from_another_runs_checkpoint(straight, tmp_path):
 def test_initial_load_of_everything_continues_the_other_run(straight, tmp_path):
     src = straight / "checkpoint" / "step-10"
     logs: list[str] = []
-    trainer = Trainer(run_config(tmp_path / "ft", "--checkpoint.initial_load_path", str(src),
-                                 "--checkpoint.initial_load_model_only", "false"),
-                      data=random_data(), log=logs.append)  # fmt: skip
+    trainer = Trainer(
+        run_config(
+            tmp_path / "ft",
+            "--checkpoint.initial_load_path",
+            str(src),
+            "--checkpoint.initial_load_model_only",
+            "false",
+        ),
+        data=random_data(),
+        log=logs.append,
+    )
     try:
         assert trainer.step == 10 and trainer.data.train.state_dict()["batch"] == 10
         assert trainer.optimizer.state  # AdamW's moments came along
@@ -367,8 +462,11 @@ def test_initial_load_of_everything_continues_the_other_run(straight, tmp_path):
 def test_load_only_resumes_and_never_saves(straight, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight / "checkpoint", out / "checkpoint")
-    trainer = Trainer(run_config(out, "--checkpoint.load_only", "true", steps=24),
-                      data=random_data(), log=lambda *a: None)  # fmt: skip
+    trainer = Trainer(
+        run_config(out, "--checkpoint.load_only", "true", steps=24),
+        data=random_data(),
+        log=lambda *a: None,
+    )
     try:
         assert trainer.step == 20
         assert trainer.train()["step"] == 24
@@ -381,17 +479,23 @@ def test_a_dtype_change_loads_cast_and_says_so(straight, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight / "checkpoint" / "step-10", out / "checkpoint" / "step-10")
     logs: list[str] = []
-    trainer = Trainer(run_config(out, "--optimizer.state_dtype", "bf16"), data=random_data(),
-                      log=logs.append)  # fmt: skip
+    trainer = Trainer(
+        run_config(out, "--optimizer.state_dtype", "bf16"), data=random_data(), log=logs.append
+    )
     try:
         assert trainer.step == 10
         state = next(iter(trainer.optimizer.state.values()))
         assert state["exp_avg"].dtype == torch.bfloat16
     finally:
         trainer.close()
-    assert any(re.search(r"checkpoint: \d+ tensor\(s\) saved in float32 load into bfloat16 "
-                         r"here, cast \(e\.g\. optimizer\.state\..*\.exp_avg", x)
-               for x in logs), logs  # fmt: skip
+    assert any(
+        re.search(
+            r"checkpoint: \d+ tensor\(s\) saved in float32 load into bfloat16 "
+            r"here, cast \(e\.g\. optimizer\.state\..*\.exp_avg",
+            x,
+        )
+        for x in logs
+    ), logs
 
 
 # -- errors before training ------------------------------------------------------------------
@@ -406,12 +510,20 @@ def test_a_wrong_load_step_names_the_steps_there_are(straight, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(straight / "checkpoint", out / "checkpoint")
     (out / "checkpoint" / "step-15.partial").mkdir()
-    expect_error(out, "--checkpoint.load_step", "15",
-                 match=r"no complete step-15; complete checkpoints: step-10, step-20; skipped "
-                       r"incomplete: step-15.partial")  # fmt: skip
+    expect_error(
+        out,
+        "--checkpoint.load_step",
+        "15",
+        match=r"no complete step-15; complete checkpoints: step-10, step-20; skipped "
+        r"incomplete: step-15.partial",
+    )
     expect_error(tmp_path / "empty", "--checkpoint.load_step", "5", match="does not exist")
-    expect_error(tmp_path / "x", "--checkpoint.initial_load_path", str(tmp_path / "nope"),
-                 match=f"initial_load_path {tmp_path / 'nope'} does not exist")  # fmt: skip
+    expect_error(
+        tmp_path / "x",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "nope"),
+        match=f"initial_load_path {tmp_path / 'nope'} does not exist",
+    )
 
 
 def test_the_newest_complete_checkpoint_is_chosen_and_incomplete_ones_named(straight, tmp_path):
@@ -422,8 +534,9 @@ def test_the_newest_complete_checkpoint_is_chosen_and_incomplete_ones_named(stra
     logs: list[str] = []
     trainer = Trainer(run_config(out), data=random_data(), log=logs.append)
     assert trainer.step == 10
-    assert any("resuming from" in x and "step-10, step 10; skipped incomplete: step-30" in x
-               for x in logs)  # fmt: skip
+    assert any(
+        "resuming from" in x and "step-10, step 10; skipped incomplete: step-30" in x for x in logs
+    )
 
 
 def corrupt_copy(straight: Path, tmp_path: Path) -> Path:
@@ -476,22 +589,31 @@ def test_another_flavor_fails_before_any_tensor_is_read(straight, tmp_path, monk
 
     monkeypatch.setattr(dcp, "load", no_reads)
     out = corrupt_copy(straight, tmp_path)
-    expect_error(out, "--model.vocab_size", "128",
-                 match=r"tok_embeddings.weight is \[64, 64\] in the checkpoint and \[128, 64\] "
-                       r"here; output.weight is \[64, 64\] in the checkpoint and \[128, 64\] "
-                       r"here.*vocab_size 64 in the checkpoint, 128 here \(--model.vocab_size\)",
-                 data=random_data())  # fmt: skip
-    expect_error(out, "--model.flavor", "debug", "--model.vocab_size", "64",
-                 match=r"layers.0.attention.wq.weight is \[64, 64\] in the checkpoint and "
-                       r"\[256, 256\] here.*missing from the checkpoint: layers.4.*saved from "
-                       r"model.flavor 'tiny', this run builds 'debug'; dim 64 in the "
-                       r"checkpoint, 256 here")  # fmt: skip
+    expect_error(
+        out,
+        "--model.vocab_size",
+        "128",
+        match=r"tok_embeddings.weight is \[64, 64\] in the checkpoint and \[128, 64\] "
+        r"here; output.weight is \[64, 64\] in the checkpoint and \[128, 64\] "
+        r"here.*vocab_size 64 in the checkpoint, 128 here \(--model.vocab_size\)",
+        data=random_data(),
+    )
+    expect_error(
+        out,
+        "--model.flavor",
+        "debug",
+        "--model.vocab_size",
+        "64",
+        match=r"layers.0.attention.wq.weight is \[64, 64\] in the checkpoint and "
+        r"\[256, 256\] here.*missing from the checkpoint: layers.4.*saved from "
+        r"model.flavor 'tiny', this run builds 'debug'; dim 64 in the "
+        r"checkpoint, 256 here",
+    )
 
 
 def test_a_model_only_checkpoint_cannot_be_resumed(tmp_path):
     out = tmp_path / "run"
-    train(out, "--checkpoint.last_save_model_only", "true", "--checkpoint.interval", "100",
-          steps=4)  # fmt: skip
+    train(out, "--checkpoint.last_save_model_only", "true", "--checkpoint.interval", "100", steps=4)
     with pytest.raises(CheckpointError, match=r"holds only the model .*initial_load_path"):
         Trainer(run_config(out, steps=8), data=random_data(), log=lambda *a: None)
     # At or past training.steps there is nothing to resume: the run says so and returns.
@@ -512,8 +634,11 @@ def test_a_fresh_run_refuses_a_used_folder_and_two_runs_never_share_one(straight
         Trainer(run_config(straight, "--checkpoint.enable", "false"), data=random_data())
     out = tmp_path / "run"
     first = Trainer(run_config(out), data=random_data(), log=lambda *a: None)
-    with pytest.raises(RunFolderError, match=rf"{out} is in use by another run \(pid "
-                                             rf"{os.getpid()} on "):  # fmt: skip
+    with pytest.raises(
+        RunFolderError,
+        match=rf"{out} is in use by another run \(pid "
+        rf"{os.getpid()} on ",
+    ):
         Trainer(run_config(out), data=random_data())
     first.close()
     Trainer(run_config(out), data=random_data(), log=lambda *a: None).close()  # free again
@@ -535,6 +660,7 @@ def test_names_do_not_depend_on_activation_checkpointing_or_compile_wrappers(tmp
         data=random_data(),
         log=lambda *a: None,
     )  # resumes its step-2
-    for (k, a), b in zip(plain.model.state_dict().items(), saved.model.state_dict().values(),
-                         strict=True):  # fmt: skip
+    for (k, a), b in zip(
+        plain.model.state_dict().items(), saved.model.state_dict().values(), strict=True
+    ):
         assert torch.equal(a, b), k

@@ -50,8 +50,11 @@ def test_a_changed_byte_names_the_file_key_and_piece(saved):
     raw[offset] ^= 1
     data.write_bytes(bytes(raw))
     out = {k: torch.zeros_like(v) for k, v in state().items()}
-    with pytest.raises(CheckpointError, match=rf"{data} \(key big\): bytes 8,192\.\.12,288 "
-                                              r"of the chunk fail their checksum"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{data} \(key big\): bytes 8,192\.\.12,288 "
+        r"of the chunk fail their checksum",
+    ):
         load_model(out, saved)
 
 
@@ -83,8 +86,12 @@ def test_the_writer_process_hashes_pieces_as_it_writes(tmp_path):
     from tidal.train.checkpoint.writer_child import HashingStream
 
     g = torch.Generator().manual_seed(0)
-    writes = [[b"x" * 10], [bytes(1000)], [torch.randn(700, generator=g).numpy().tobytes()],
-              [b"a" * 300, b"b" * 900, b"c" * 2500, b"d"]]  # fmt: skip
+    writes = [
+        [b"x" * 10],
+        [bytes(1000)],
+        [torch.randn(700, generator=g).numpy().tobytes()],
+        [b"a" * 300, b"b" * 900, b"c" * 2500, b"d"],
+    ]
     path = tmp_path / "data"
     spans = []
     with open(path, "wb") as raw:
@@ -96,6 +103,8 @@ def test_the_writer_process_hashes_pieces_as_it_writes(tmp_path):
                 stream.write(w)
             spans.append((start, stream.tell() - start, stream.crcs))
     for start, length, crcs in spans:
-        want = [zlib.crc32(path.read_bytes()[o : o + n])
-                for o, n in checksum._pieces(start, length, 1000)]  # fmt: skip
+        want = [
+            zlib.crc32(path.read_bytes()[o : o + n])
+            for o, n in checksum._pieces(start, length, 1000)
+        ]
         assert crcs == want, (start, length)

@@ -138,8 +138,10 @@ def _kill_and_reload(tmp_path: Path, mode: str) -> None:
         for name, p in model.named_parameters():
             assert torch.all(p == plan.step), f"kill {kill}: {name} of step-{plan.step}"
         newest = plan.step
-    print(f"{mode}: {kills} kills ({writer_first} of the writer first), newest step {newest}, "
-          f"{with_leftovers} left an incomplete save")  # fmt: skip
+    print(
+        f"{mode}: {kills} kills ({writer_first} of the writer first), newest step {newest}, "
+        f"{with_leftovers} left an incomplete save"
+    )
     assert newest >= kills // 2  # every other child made progress before its kill
     assert with_leftovers >= kills // 4, with_leftovers  # many kills landed inside a save
     if mode == "async_with_pinned_mem":

@@ -171,11 +171,16 @@ def test_a_pinned_checkpointer_saves_through_the_writer_and_survives_its_death(t
     folder = tmp_path / "checkpoint"
     ckpt = Checkpointer(
         CheckpointConfig(enable=True, async_mode="async_with_pinned_mem"),
-        folder=folder, modules=[model], optimizer=opt, loader=None,
-        device=torch.device("cpu"), args=ARGS,
+        folder=folder,
+        modules=[model],
+        optimizer=opt,
+        loader=None,
+        device=torch.device("cpu"),
+        args=ARGS,
         info={"model": model_info(ARGS, "tiny"), "parallelism": {"world_size": 1}},
-        lr_settings={}, log=lambda *a: None,
-    )  # fmt: skip
+        lr_settings={},
+        log=lambda *a: None,
+    )
     try:
         ckpt.save(1)
         ckpt.wait()

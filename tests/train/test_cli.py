@@ -59,8 +59,9 @@ def test_checks_that_come_before_any_data(tmp_path: Path, capsys, monkeypatch, n
 
 
 def test_a_tokenizer_file_larger_than_the_model_is_caught_first(tmp_path: Path, capsys) -> None:
-    t = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(600)},
-                                                         unk_token="w0"))  # fmt: skip
+    t = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({f"w{i}": i for i in range(600)}, unk_token="w0")
+    )
     t.add_special_tokens(["<|eos|>"])
     t.save(str(tmp_path / "tokenizer.json"))
     rc, _, err = run(
@@ -89,9 +90,22 @@ def chat_file(path: Path, samples: list) -> Path:
 def test_bad_chat_input_stops_before_training(tmp_path: Path, capsys) -> None:
     ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     data = chat_file(tmp_path / "c.jsonl", [ok, ok, [{"role": "user", "content": "hm?"}]])
-    base = ["--job.output_dir", str(tmp_path / "out"), "--data.cache_dir", str(tmp_path / "c"),
-            "--data.dataset", "jsonl", "--data.format", "chat", "--data.path", str(data),
-            "--data.vocab_size", "300", "--model.vocab_size", "300"]  # fmt: skip
+    base = [
+        "--job.output_dir",
+        str(tmp_path / "out"),
+        "--data.cache_dir",
+        str(tmp_path / "c"),
+        "--data.dataset",
+        "jsonl",
+        "--data.format",
+        "chat",
+        "--data.path",
+        str(data),
+        "--data.vocab_size",
+        "300",
+        "--model.vocab_size",
+        "300",
+    ]
     rc, out, err = run(base, capsys)
     assert rc == 2 and "step" not in out
     one_error(err, "c.jsonl:3: the sample has no assistant turn (roles ['user'])")
@@ -144,17 +158,41 @@ def test_every_named_config_has_a_description(capsys) -> None:
         assert doc.strip(), f"config {name} has no docstring"
 
 
-def test_a_run_says_what_it_does_and_where_it_wrote(tmp_path: Path, capsys, text_corpus,
-                                                    cache_dir) -> None:  # fmt: skip
+def test_a_run_says_what_it_does_and_where_it_wrote(
+    tmp_path: Path, capsys, text_corpus, cache_dir
+) -> None:
     out = tmp_path / "out"
     rc, stdout, _ = run(
-        ["--job.output_dir", str(out), "--model.flavor", "tiny", "--model.vocab_size", "512",
-         "--data.dataset", "jsonl", "--data.path", str(text_corpus), "--data.vocab_size", "512",
-         "--data.cache_dir", str(cache_dir), "--training.steps", "4", "--training.batch_size",
-         "2", "--training.seq_len", "32", "--metrics.log_every", "2", "--metrics.val_every",
-         "0", "--sample.max_new_tokens", "4"],
+        [
+            "--job.output_dir",
+            str(out),
+            "--model.flavor",
+            "tiny",
+            "--model.vocab_size",
+            "512",
+            "--data.dataset",
+            "jsonl",
+            "--data.path",
+            str(text_corpus),
+            "--data.vocab_size",
+            "512",
+            "--data.cache_dir",
+            str(cache_dir),
+            "--training.steps",
+            "4",
+            "--training.batch_size",
+            "2",
+            "--training.seq_len",
+            "32",
+            "--metrics.log_every",
+            "2",
+            "--metrics.val_every",
+            "0",
+            "--sample.max_new_tokens",
+            "4",
+        ],
         capsys,
-    )  # fmt: skip
+    )
     assert rc == 0
     assert f"training: 4 steps of 64 tokens, a line every 2 steps, metrics to {out}" in stdout
     assert "step 1 took" in stdout
@@ -165,9 +203,22 @@ def test_a_run_says_what_it_does_and_where_it_wrote(tmp_path: Path, capsys, text
 def test_launched_ranks_report_one_error_once(tmp_path: Path) -> None:
     # Two real ranks: a warning and an error each would print twice; they print once, no
     # traceback, exit status 2. (The Shakespeare corpus is missing from this cache dir.)
-    cmd = [sys.executable, "-m", "tidal", "train", "--nproc", "2", "--job.device", "cpu",
-           "--job.output_dir", str(tmp_path / "out"), "--data.cache_dir", str(tmp_path),
-           "--data.path", "ignored.txt"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidal",
+        "train",
+        "--nproc",
+        "2",
+        "--job.device",
+        "cpu",
+        "--job.output_dir",
+        str(tmp_path / "out"),
+        "--data.cache_dir",
+        str(tmp_path),
+        "--data.path",
+        "ignored.txt",
+    ]
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     import os
 

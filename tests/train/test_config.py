@@ -113,6 +113,8 @@ def test_cli_lists_models_and_configs(capsys):
 
 
 def test_a_bare_boolean_flag_means_true():
-    cfg = apply_overrides(get_config("debug"), ["--checkpoint.enable", "--checkpoint.interval",
-                                                "50", "--training.compile"])  # fmt: skip
+    cfg = apply_overrides(
+        get_config("debug"),
+        ["--checkpoint.enable", "--checkpoint.interval", "50", "--training.compile"],
+    )
     assert cfg.checkpoint.enable and cfg.checkpoint.interval == 50 and cfg.training.compile

@@ -436,10 +436,18 @@ def test_build_data_caches_and_val_is_stable(tmp_path: Path) -> None:
         build_data(cfg, seq_len=n_val, batch_size=1, seed=0, log=lambda _: None)
 
     no_val = build_data(
-        DataConfig(dataset="text", path=str(root), vocab_size=400, val_fraction=0.0,
-                   cache_dir=cfg.cache_dir),
-        seq_len=32, batch_size=4, seed=0, log=lambda _: None,
-    )  # fmt: skip
+        DataConfig(
+            dataset="text",
+            path=str(root),
+            vocab_size=400,
+            val_fraction=0.0,
+            cache_dir=cfg.cache_dir,
+        ),
+        seq_len=32,
+        batch_size=4,
+        seed=0,
+        log=lambda _: None,
+    )
     assert no_val.val is None
 
 

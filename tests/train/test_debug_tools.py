@@ -27,8 +27,17 @@ def _spans(trace: Path, prefix: str) -> list[str]:
 
 
 def test_trace_covers_the_chosen_steps_only(tmp_path):
-    trainer = tiny_trainer(tmp_path, "--training.steps", "6", "--profiler.enable", "true",
-                           "--profiler.start_step", "3", "--profiler.end_step", "4")  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path,
+        "--training.steps",
+        "6",
+        "--profiler.enable",
+        "true",
+        "--profiler.start_step",
+        "3",
+        "--profiler.end_step",
+        "4",
+    )
     trainer.train()
     trainer.close()
     folder = tmp_path / "profile"
@@ -43,9 +52,19 @@ def test_trace_covers_the_chosen_steps_only(tmp_path):
 
 
 def test_a_run_stopped_inside_the_window_writes_what_it_traced(tmp_path):
-    trainer = tiny_trainer(tmp_path, "--training.steps", "3", "--profiler.enable", "true",
-                           "--profiler.start_step", "2", "--profiler.end_step", "10",
-                           "--profiler.folder", str(tmp_path / "elsewhere"))  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path,
+        "--training.steps",
+        "3",
+        "--profiler.enable",
+        "true",
+        "--profiler.start_step",
+        "2",
+        "--profiler.end_step",
+        "10",
+        "--profiler.folder",
+        str(tmp_path / "elsewhere"),
+    )
     trainer.train()
     trainer.close()
     trace = tmp_path / "elsewhere" / "rank0_step2-3.json"
@@ -54,8 +73,15 @@ def test_a_run_stopped_inside_the_window_writes_what_it_traced(tmp_path):
 
 def test_the_schedule_maps_training_steps():
     actions = [step_action(s, 3, 5) for s in range(1, 8)]
-    assert [a.name for a in actions] == ["NONE", "WARMUP", "RECORD", "RECORD", "RECORD_AND_SAVE",
-                                         "NONE", "NONE"]  # fmt: skip
+    assert [a.name for a in actions] == [
+        "NONE",
+        "WARMUP",
+        "RECORD",
+        "RECORD",
+        "RECORD_AND_SAVE",
+        "NONE",
+        "NONE",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -73,16 +99,25 @@ def test_bad_profiler_settings_name_the_field(overrides, message):
 
 def test_a_window_after_the_last_step_warns(tmp_path):
     with pytest.warns(UserWarning, match="profiler.start_step=100 is after the run's last step"):
-        trainer = tiny_trainer(tmp_path, "--training.steps", "2", "--profiler.enable", "true",
-                               "--profiler.start_step", "100",
-                               "--profiler.end_step", "100")  # fmt: skip
+        trainer = tiny_trainer(
+            tmp_path,
+            "--training.steps",
+            "2",
+            "--profiler.enable",
+            "true",
+            "--profiler.start_step",
+            "100",
+            "--profiler.end_step",
+            "100",
+        )
     trainer.close()
 
 
 def test_memory_snapshot_on_cpu_warns_and_writes_nothing(tmp_path):
     with pytest.warns(UserWarning, match="profiler.memory_snapshot records the CUDA"):
-        trainer = tiny_trainer(tmp_path, "--training.steps", "2",
-                               "--profiler.memory_snapshot", "true")  # fmt: skip
+        trainer = tiny_trainer(
+            tmp_path, "--training.steps", "2", "--profiler.memory_snapshot", "true"
+        )
     trainer.train()
     trainer.close()
     assert not (tmp_path / "profile").exists()
@@ -104,10 +139,18 @@ class FakeCudaMemory:
 
 def test_memory_snapshots_at_chosen_steps_and_once_on_oom(tmp_path):
     memory = FakeCudaMemory()
-    cfg = ProfilerConfig(memory_snapshot=True, memory_snapshot_steps="1,3",
-                         memory_snapshot_entries=500)  # fmt: skip
-    prof = RunProfiler(cfg, tmp_path, rank=1, device=torch.device("cuda"), total_steps=5,
-                       log=lambda *a: None, memory=memory)  # fmt: skip
+    cfg = ProfilerConfig(
+        memory_snapshot=True, memory_snapshot_steps="1,3", memory_snapshot_entries=500
+    )
+    prof = RunProfiler(
+        cfg,
+        tmp_path,
+        rank=1,
+        device=torch.device("cuda"),
+        total_steps=5,
+        log=lambda *a: None,
+        memory=memory,
+    )
     assert memory.calls == [("record", "all", 500)]  # recording starts at construction
     for step in (1, 2, 3):
         prof.step_done(step)
@@ -116,18 +159,28 @@ def test_memory_snapshots_at_chosen_steps_and_once_on_oom(tmp_path):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
     prof.close()
     assert [c for c in memory.calls if c[0] == "dump"] == [
-        ("dump", "rank1_step1.pickle"), ("dump", "rank1_step3.pickle"),
+        ("dump", "rank1_step1.pickle"),
+        ("dump", "rank1_step3.pickle"),
         ("dump", "rank1_oom.pickle"),
-    ]  # fmt: skip
+    ]
     assert memory.calls[-1] == ("record", None, None)  # and stops at close
     assert sorted(p.name for p in (tmp_path / "profile" / "memory").iterdir()) == [
-        "rank1_oom.pickle", "rank1_step1.pickle", "rank1_step3.pickle"]  # fmt: skip
+        "rank1_oom.pickle",
+        "rank1_step1.pickle",
+        "rank1_step3.pickle",
+    ]
 
 
 def test_other_errors_write_no_snapshot(tmp_path):
     memory = FakeCudaMemory()
-    prof = RunProfiler(ProfilerConfig(memory_snapshot=True), tmp_path, rank=0,
-                       device=torch.device("cuda"), total_steps=5, memory=memory)  # fmt: skip
+    prof = RunProfiler(
+        ProfilerConfig(memory_snapshot=True),
+        tmp_path,
+        rank=0,
+        device=torch.device("cuda"),
+        total_steps=5,
+        memory=memory,
+    )
     with pytest.raises(ValueError), prof.oom_guard():
         raise ValueError("not a memory error")
     assert not any(c[0] == "dump" for c in memory.calls)
@@ -136,16 +189,30 @@ def test_other_errors_write_no_snapshot(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_cuda_memory_snapshot(tmp_path):
-    trainer = tiny_trainer(tmp_path, "--job.device", "cuda", "--training.steps", "2",
-                           "--profiler.memory_snapshot", "true",
-                           "--profiler.memory_snapshot_steps", "2")  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path,
+        "--job.device",
+        "cuda",
+        "--training.steps",
+        "2",
+        "--profiler.memory_snapshot",
+        "true",
+        "--profiler.memory_snapshot_steps",
+        "2",
+    )
     trainer.train()
     trainer.close()
     snapshot = pickle.loads((tmp_path / "profile" / "memory" / "rank0_step2.pickle").read_bytes())
     assert snapshot["segments"] and snapshot["device_traces"]
     memory = FakeCudaMemory()  # the OOM path on a real OOM, with a stand-in writer
-    prof = RunProfiler(ProfilerConfig(memory_snapshot=True), tmp_path / "oom", rank=0,
-                       device=torch.device("cuda"), total_steps=1, memory=memory)  # fmt: skip
+    prof = RunProfiler(
+        ProfilerConfig(memory_snapshot=True),
+        tmp_path / "oom",
+        rank=0,
+        device=torch.device("cuda"),
+        total_steps=1,
+        memory=memory,
+    )
     with pytest.raises(torch.OutOfMemoryError), prof.oom_guard():
         torch.empty(2**50, dtype=torch.uint8, device="cuda")  # a petabyte
     assert ("dump", "rank0_oom.pickle") in memory.calls
@@ -158,11 +225,17 @@ def test_flight_recorder_sets_its_variables(tmp_path):
     env: dict[str, str] = {}
     set_here = enable_flight_recorder(tmp_path / "fr", 500, env)
     prefix = os.path.join(str(tmp_path / "fr"), "rank_")
-    assert env == set_here == {
-        "TORCH_FR_BUFFER_SIZE": "500", "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
-        "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    }  # fmt: skip
+    assert (
+        env
+        == set_here
+        == {
+            "TORCH_FR_BUFFER_SIZE": "500",
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+            "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        }
+    )
     assert (tmp_path / "fr").is_dir()
 
 
@@ -177,10 +250,14 @@ def test_flight_recorder_keeps_what_the_user_set(tmp_path):
 
 @pytest.mark.parametrize(
     "device, world, on, expected",
-    [("cuda", 2, True, True), ("cuda", 1, True, False), ("cpu", 4, True, False),
-     ("cuda", 8, False, False)],
+    [
+        ("cuda", 2, True, True),
+        ("cuda", 1, True, False),
+        ("cpu", 4, True, False),
+        ("cuda", 8, False, False),
+    ],
     ids=["nccl", "one-rank", "gloo", "turned-off"],
-)  # fmt: skip
+)
 def test_the_trainer_turns_it_on_for_nccl_jobs_only(tmp_path, device, world, on, expected):
     env: dict[str, str] = {}
     cfg = DebugConfig(flight_recorder=on, flight_recorder_folder="fr")
@@ -194,9 +271,13 @@ def test_the_trainer_turns_it_on_for_nccl_jobs_only(tmp_path, device, world, on,
 
 
 def test_a_cpu_run_sets_no_flight_recorder_variables(tmp_path, monkeypatch):
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-                 "TORCH_NCCL_DUMP_ON_TIMEOUT"):  # fmt: skip
+    for name in (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    ):
         monkeypatch.delenv(name, raising=False)
     tiny_trainer(tmp_path, "--training.steps", "1").close()  # gloo (or no group): not NCCL
     assert "TORCH_FR_BUFFER_SIZE" not in os.environ
@@ -230,9 +311,17 @@ class FakeWandb(types.ModuleType):
 def test_wandb_gets_the_records_next_to_metrics_jsonl(tmp_path, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    trainer = tiny_trainer(tmp_path, "--training.steps", "4", "--metrics.log_every", "2",
-                           "--metrics.wandb", "true",
-                           "--metrics.wandb_project", "proj")  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path,
+        "--training.steps",
+        "4",
+        "--metrics.log_every",
+        "2",
+        "--metrics.wandb",
+        "true",
+        "--metrics.wandb_project",
+        "proj",
+    )
     trainer.train()
     trainer.close()
     (run,) = fake.runs

@@ -47,23 +47,51 @@ def markov_tokens(n: int, successors: int = 4) -> np.ndarray:
 
 
 def make_config(tmp_path, *extra):
-    return apply_overrides(get_config("debug"), [
-        "--job.output_dir", str(tmp_path / "out"), "--job.device", "cpu",
-        "--model.flavor", "tiny", "--training.steps", str(STEPS),
-        "--training.batch_size", "8", "--training.seq_len", "32",
-        "--training.mixed_precision", "fp32", "--lr_scheduler.warmup_steps", "0",
-        "--optimizer.lr", "1e-2", "--metrics.val_every", "0", "--metrics.log_every", "1",
-        "--sample.max_new_tokens", "0", *extra,
-    ])  # fmt: skip
+    return apply_overrides(
+        get_config("debug"),
+        [
+            "--job.output_dir",
+            str(tmp_path / "out"),
+            "--job.device",
+            "cpu",
+            "--model.flavor",
+            "tiny",
+            "--training.steps",
+            str(STEPS),
+            "--training.batch_size",
+            "8",
+            "--training.seq_len",
+            "32",
+            "--training.mixed_precision",
+            "fp32",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--optimizer.lr",
+            "1e-2",
+            "--metrics.val_every",
+            "0",
+            "--metrics.log_every",
+            "1",
+            "--sample.max_new_tokens",
+            "0",
+            *extra,
+        ],
+    )
 
 
 def data_for(global_batch: int = 8):
     tokens = markov_tokens((STEPS + 2) * global_batch * 32 + 1)
 
     def data(dp_rank: int, dp_world: int) -> DataBundle:
-        loader = PackedLoader(tokens, np.array([0]), seq_len=32,
-                              batch_size=global_batch // dp_world, seed=0,
-                              dp_rank=dp_rank, dp_world=dp_world)  # fmt: skip
+        loader = PackedLoader(
+            tokens,
+            np.array([0]),
+            seq_len=32,
+            batch_size=global_batch // dp_world,
+            seed=0,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
+        )
         tok = SimpleNamespace(vocab_size=VOCAB, bos_id=0, eos_id=1)
         return DataBundle(tokenizer=tok, train=loader, val=None)
 
@@ -117,8 +145,13 @@ def test_filter_picks_layers_by_size_divisibility_name_and_output():
     # vocab 512 (output 64 -> 512).
     model = meta_model()
     cfg = QuantizeConfig(float8="tensorwise")
-    block = {"attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-             "feed_forward.w3"}  # fmt: skip
+    block = {
+        "attention.wq",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+    }
     want = {f"layers.{i}.{n}" for i in range(4) for n in block}
     assert set(selected_linears(model, cfg)) == want  # wk, wv (32 < 64) and output left out
 
@@ -246,9 +279,13 @@ def test_compiled_float8_matches_eager_float8_on_cpu(tmp_path):
     """Conversion before compile: the float8 casts are traced into each block's graph and
     the losses are eager float8's (inductor reorders sums; about 90 s on 2 cores)."""
     eager, _ = train_losses(0, 1, make_config(tmp_path / "e", "--quantize.float8", "tensorwise"))
-    compiled, kinds = train_losses(0, 1, make_config(
-        tmp_path / "c", "--quantize.float8", "tensorwise", "--training.compile", "true"
-    ))  # fmt: skip
+    compiled, kinds = train_losses(
+        0,
+        1,
+        make_config(
+            tmp_path / "c", "--quantize.float8", "tensorwise", "--training.compile", "true"
+        ),
+    )
     assert kinds["wq"] == "Float8Linear"
     np.testing.assert_allclose(compiled, eager, rtol=2e-3)
 
@@ -309,17 +346,34 @@ def test_fsdp_float8_checkpoints_are_plain_and_resume(tmp_path):
     without torchao reads, and a float8 run resumes from them."""
     import subprocess
 
-    ckpt = ["--quantize.float8", "tensorwise", "--parallelism.dp_shard", "2",
-            "--training.batch_size", "4", "--checkpoint.enable", "true",
-            "--checkpoint.interval", "3", "--metrics.log_every", "3"]  # fmt: skip
-    first = run_ranks(2, train_run, make_config(tmp_path, *ckpt, "--training.steps", "3"),
-                      tmp_path=tmp_path)  # fmt: skip
+    ckpt = [
+        "--quantize.float8",
+        "tensorwise",
+        "--parallelism.dp_shard",
+        "2",
+        "--training.batch_size",
+        "4",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        "--metrics.log_every",
+        "3",
+    ]
+    first = run_ranks(
+        2, train_run, make_config(tmp_path, *ckpt, "--training.steps", "3"), tmp_path=tmp_path
+    )
     step3 = tmp_path / "out" / "checkpoint" / "step-3"
-    proc = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TORCHAO, str(step3)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_TORCHAO, str(step3)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-3000:]
-    resumed = run_ranks(2, train_run, make_config(tmp_path, *ckpt, "--training.steps", "6"),
-                        tmp_path=tmp_path)  # fmt: skip
+    resumed = run_ranks(
+        2, train_run, make_config(tmp_path, *ckpt, "--training.steps", "6"), tmp_path=tmp_path
+    )
     assert first[0][0] == 0 and resumed[0][0] == 3  # resumed at step 3
     assert math.isfinite(resumed[0][1]) and resumed[0][1] < first[0][1]
 
@@ -362,8 +416,16 @@ def _float8_gpu() -> bool:
 @needs_torchao
 @pytest.mark.skipif(not _float8_gpu(), reason="needs a GPU with float8 (compute capability 8.9+)")
 def test_compiled_float8_on_gpu_tracks_bf16(tmp_path):
-    base = ["--job.device", "cuda", "--training.mixed_precision", "bf16",
-            "--training.compile", "true", "--quantize.float8_min_dim", "16"]  # fmt: skip
+    base = [
+        "--job.device",
+        "cuda",
+        "--training.mixed_precision",
+        "bf16",
+        "--training.compile",
+        "true",
+        "--quantize.float8_min_dim",
+        "16",
+    ]
     ref, _ = train_losses(0, 1, make_config(tmp_path / "bf16", *base))
     for recipe in ("tensorwise", "rowwise"):
         got, kinds = train_losses(
@@ -381,17 +443,28 @@ def test_compiled_float8_on_gpu_tracks_bf16(tmp_path):
 )
 @pytest.mark.parametrize(
     "layout",
-    [["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
-     ["--parallelism.dp_shard", "2", "--training.batch_size", "4"]],
+    [
+        ["--parallelism.tp", "2", "--parallelism.dp_shard", "1"],
+        ["--parallelism.dp_shard", "2", "--training.batch_size", "4"],
+    ],
     ids=["tp2_float8_styles", "fsdp2_float8_all_gather"],
-)  # fmt: skip
+)
 def test_float8_on_two_gpus_matches_one(tmp_path, layout):
     """NCCL moves float8: TP's float8 styles all-gather float8 activations, FSDP float8
     weights; losses match one GPU's float8 run."""
-    base = ["--job.device", "cuda", "--training.mixed_precision", "bf16",
-            "--quantize.float8", "tensorwise", "--quantize.float8_min_dim", "16"]  # fmt: skip
+    base = [
+        "--job.device",
+        "cuda",
+        "--training.mixed_precision",
+        "bf16",
+        "--quantize.float8",
+        "tensorwise",
+        "--quantize.float8_min_dim",
+        "16",
+    ]
     ref, _ = train_losses(0, 1, make_config(tmp_path / "one", *base))
-    (losses, kinds), _ = run_ranks(2, train_losses, make_config(tmp_path / "two", *base, *layout),
-                                   tmp_path=tmp_path)  # fmt: skip
+    (losses, kinds), _ = run_ranks(
+        2, train_losses, make_config(tmp_path / "two", *base, *layout), tmp_path=tmp_path
+    )
     assert kinds["wq"] == "Float8Linear"
     np.testing.assert_allclose(losses, ref, rtol=2e-2)

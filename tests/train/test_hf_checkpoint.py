@@ -59,8 +59,11 @@ def write_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-              "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}  # fmt: skip
+    config = {
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -133,8 +136,11 @@ def test_dtype_flavor_and_tokenizer(tmp_path, hf_tiny, capsys):
     )
     out = dcp_to_hf(dcp, tmp_path / "hf", dtype=torch.float32, tokenizer=hf_tiny)
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
-    ]  # fmt: skip
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     want = {k: v.to(torch.bfloat16).float() for k, v in tensors(hf_tiny).items()}
     assert_bytes_equal(want, tensors(out))
 
@@ -165,8 +171,18 @@ def test_dcp_without_tidal_json_needs_a_model(tmp_path):
     code = main(["convert", "dcp-to-hf", str(path), str(tmp_path / "a")])
     assert code == 2 and not (tmp_path / "a").exists()
     assert main(["convert", "dcp-to-hf", str(path), str(tmp_path / "b"), "--flavor", "tiny"]) == 0
-    code = main(["convert", "dcp-to-hf", str(path), str(tmp_path / "c"), "--config", "debug",
-                 "--model.flavor", "tiny"])  # fmt: skip
+    code = main(
+        [
+            "convert",
+            "dcp-to-hf",
+            str(path),
+            str(tmp_path / "c"),
+            "--config",
+            "debug",
+            "--model.flavor",
+            "tiny",
+        ]
+    )
     assert code == 0
     assert_bytes_equal(tensors(tmp_path / "b"), tensors(tmp_path / "c"))
 
@@ -274,8 +290,9 @@ def losses(out: Path) -> list[tuple[float, float, float]]:
 
 
 def test_a_differing_vocab_size_is_ignored_with_a_warning(tmp_path, hf_tiny):
-    cfg = run_config(tmp_path, "--checkpoint.initial_load_hf", str(hf_tiny),
-                     "--model.vocab_size", "128")  # fmt: skip
+    cfg = run_config(
+        tmp_path, "--checkpoint.initial_load_hf", str(hf_tiny), "--model.vocab_size", "128"
+    )
     from tidal.train.trainer import model_args_for
 
     with pytest.warns(UserWarning, match=r"model.vocab_size=128 is ignored"):
@@ -296,12 +313,15 @@ def test_config_resolves_the_tokenizer_and_checks_fields(hf_tiny):
     for extra, message in [
         (["--checkpoint.initial_load_path", "x"], "are both set"),
         (["--checkpoint.last_save_in_hf"], "needs --checkpoint.enable true"),
-        (["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.last_save_in_hf"],
-         "a load-only run saves nothing"),
-    ]:  # fmt: skip
+        (
+            ["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.last_save_in_hf"],
+            "a load-only run saves nothing",
+        ),
+    ]:
         with pytest.raises(ValueError, match=message):
-            apply_overrides(get_config("debug"),
-                            ["--checkpoint.initial_load_hf", str(hf_tiny), *extra])  # fmt: skip
+            apply_overrides(
+                get_config("debug"), ["--checkpoint.initial_load_hf", str(hf_tiny), *extra]
+            )
     # Without enable, an initial_load_path would be silently dropped (a missing one too).
     with pytest.raises(ValueError, match="initial_load_path needs --checkpoint.enable true"):
         apply_overrides(get_config("debug"), ["--checkpoint.initial_load_path", "/no/such"])
@@ -329,8 +349,11 @@ def test_a_run_from_hf_weights_resumes_exactly(tmp_path, hf_tiny):
     train(tmp_path / "straight", *hf)
     lines: list[str] = []
     train(tmp_path / "run", *hf, stop_at=3)
-    trainer = Trainer(run_config(tmp_path / "run", *hf, steps=6), data=random_data(),
-                      log=lambda *a: lines.append(" ".join(map(str, a))))  # fmt: skip
+    trainer = Trainer(
+        run_config(tmp_path / "run", *hf, steps=6),
+        data=random_data(),
+        log=lambda *a: lines.append(" ".join(map(str, a))),
+    )
     trainer.train()
     trainer.close()
     assert any("resuming from" in line for line in lines)
@@ -345,10 +368,16 @@ def test_a_run_from_hf_weights_resumes_exactly(tmp_path, hf_tiny):
 def test_last_save_in_hf(tmp_path, hf_tiny):
     out = tmp_path / "run"
     trainer = Trainer(
-        run_config(out, "--checkpoint.initial_load_hf", str(hf_tiny),
-                   "--checkpoint.last_save_in_hf", steps=4),
-        data=random_data(), log=lambda *a: None,
-    )  # fmt: skip
+        run_config(
+            out,
+            "--checkpoint.initial_load_hf",
+            str(hf_tiny),
+            "--checkpoint.last_save_in_hf",
+            steps=4,
+        ),
+        data=random_data(),
+        log=lambda *a: None,
+    )
     trainer.train()
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -357,8 +386,11 @@ def test_last_save_in_hf(tmp_path, hf_tiny):
     export = out / "checkpoint" / "step-4-hf"
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-4", "step-4-hf"]
     assert sorted(p.name for p in export.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
-    ]  # fmt: skip
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert (export / "tokenizer.json").read_bytes() == (hf_tiny / "tokenizer.json").read_bytes()
     with torch.no_grad():
         assert torch.equal(load_hf(export)(ids), want)
@@ -375,8 +407,13 @@ def test_last_save_in_hf(tmp_path, hf_tiny):
     data = random_data()
     data.tokenizer.save = Tok().save
     out = tmp_path / "bf16"
-    trainer = Trainer(run_config(out, "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype",
-                                 "bfloat16", steps=2), data=data, log=lambda *a: None)  # fmt: skip
+    trainer = Trainer(
+        run_config(
+            out, "--checkpoint.last_save_in_hf", "--checkpoint.export_dtype", "bfloat16", steps=2
+        ),
+        data=data,
+        log=lambda *a: None,
+    )
     trainer.train()
     trainer.close()
     export = out / "checkpoint" / "step-2-hf"
@@ -394,8 +431,9 @@ def test_last_save_in_hf(tmp_path, hf_tiny):
         ("extra_tensor", "the llama model of its config.json does not"),
     ],
 )
-def test_initial_load_hf_errors_before_anything_is_built(edit, message, tmp_path, hf_tiny,
-                                                         monkeypatch):  # fmt: skip
+def test_initial_load_hf_errors_before_anything_is_built(
+    edit, message, tmp_path, hf_tiny, monkeypatch
+):
     src = tmp_path / "src"
     save_hf(load_hf(hf_tiny), src)
     extra: list[str] = []

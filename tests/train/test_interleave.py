@@ -22,8 +22,9 @@ T = 4
 def source(tag: int, windows: int, *, dp_rank: int = 0, dp_world: int = 1) -> PackedLoader:
     """A stream of `windows` windows whose tokens are tag * 1000 + window index."""
     tokens = np.repeat(tag * 1000 + np.arange(windows + 1), T)[: windows * T + 1]
-    return PackedLoader(tokens, np.array([0]), seq_len=T, batch_size=1, seed=0,
-                        dp_rank=dp_rank, dp_world=dp_world)  # fmt: skip
+    return PackedLoader(
+        tokens, np.array([0]), seq_len=T, batch_size=1, seed=0, dp_rank=dp_rank, dp_world=dp_world
+    )
 
 
 def rows(loader: InterleavedLoader, n_batches: int) -> list[tuple[int, int]]:
@@ -37,8 +38,13 @@ def rows(loader: InterleavedLoader, n_batches: int) -> list[tuple[int, int]]:
 
 def test_weights_are_sampling_probabilities() -> None:
     # Source sizes 10x apart, weights 3:1: the mixture follows the weights, not the sizes.
-    mix = InterleavedLoader([source(1, 200), source(2, 2000)], [3.0, 1.0], batch_size=8, seed=0,
-                            stopping_strategy="all_exhausted")  # fmt: skip
+    mix = InterleavedLoader(
+        [source(1, 200), source(2, 2000)],
+        [3.0, 1.0],
+        batch_size=8,
+        seed=0,
+        stopping_strategy="all_exhausted",
+    )
     counts = Counter(tag for tag, _ in rows(mix, 250))
     assert abs(counts[1] / 2000 - 0.75) < 0.04
 
@@ -55,8 +61,13 @@ def test_first_exhausted_ends_the_epoch_without_repeats() -> None:
 
 
 def test_all_exhausted_sees_every_window_and_restarts_small_sources() -> None:
-    mix = InterleavedLoader([source(1, 5), source(2, 40)], [1.0, 1.0], batch_size=1, seed=3,
-                            stopping_strategy="all_exhausted")  # fmt: skip
+    mix = InterleavedLoader(
+        [source(1, 5), source(2, 40)],
+        [1.0, 1.0],
+        batch_size=1,
+        seed=3,
+        stopping_strategy="all_exhausted",
+    )
     seen = []
     while mix.epoch == 0:
         seen.extend(rows(mix, 1))
@@ -70,8 +81,9 @@ def test_all_exhausted_sees_every_window_and_restarts_small_sources() -> None:
 def test_resume_continues_with_the_same_rows_across_epochs() -> None:
     def make() -> InterleavedLoader:
         sources = [source(1, 7), source(2, 11), source(3, 3)]
-        return InterleavedLoader(sources, [2.0, 1.0, 1.0], batch_size=3, seed=5,
-                                 stopping_strategy="all_exhausted")  # fmt: skip
+        return InterleavedLoader(
+            sources, [2.0, 1.0, 1.0], batch_size=3, seed=5, stopping_strategy="all_exhausted"
+        )
 
     full = make()
     reference = rows(full, 40)
@@ -102,8 +114,9 @@ def test_ranks_draw_the_same_sources_and_disjoint_rows() -> None:
 
 
 def test_iter_epoch_does_not_move_the_loader() -> None:
-    mix = InterleavedLoader([source(1, 9), source(2, 9)], [1.0, 1.0], batch_size=2, seed=0,
-                            shuffle=False)  # fmt: skip
+    mix = InterleavedLoader(
+        [source(1, 9), source(2, 9)], [1.0, 1.0], batch_size=2, seed=0, shuffle=False
+    )
     first = [b.input_ids for b in mix.iter_epoch(max_batches=3)]
     second = [b.input_ids for b in mix.iter_epoch(max_batches=3)]
     assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
@@ -115,15 +128,28 @@ def test_interleaved_build_and_config(tmp_path: Path) -> None:
     chat = tmp_path / "chat.jsonl"
     with open(chat, "w") as f:
         for i in range(60):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Say {i} twice."},
-                {"role": "assistant", "content": f"{i} {i}"},
-            ]}) + "\n")  # fmt: skip
-    cfg = DataConfig(dataset="interleave", format="chat", vocab_size=300, num_problems=200,
-                     cache_dir=str(tmp_path / "cache"), sources=(
-                         SourceConfig(dataset="jsonl", path=str(chat), weight=1.0),
-                         SourceConfig(dataset="arithmetic", path="add:1-2", weight=3.0),
-                     ))  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"Say {i} twice."},
+                            {"role": "assistant", "content": f"{i} {i}"},
+                        ]
+                    }
+                )
+                + "\n"
+            )
+    cfg = DataConfig(
+        dataset="interleave",
+        format="chat",
+        vocab_size=300,
+        num_problems=200,
+        cache_dir=str(tmp_path / "cache"),
+        sources=(
+            SourceConfig(dataset="jsonl", path=str(chat), weight=1.0),
+            SourceConfig(dataset="arithmetic", path="add:1-2", weight=3.0),
+        ),
+    )
     data = build_data(cfg, seq_len=64, batch_size=4, seed=0, log=lambda _: None)
     assert isinstance(data.train, InterleavedLoader) and isinstance(data.val, InterleavedLoader)
     text = data.tokenizer.decode(next(data.train).input_ids.flatten().tolist())
@@ -131,10 +157,15 @@ def test_interleaved_build_and_config(tmp_path: Path) -> None:
 
     # On the command line the sources are JSON; errors name the key.
     base = get_config("debug")
-    spec = json.dumps([{"dataset": "jsonl", "path": str(chat), "weight": 2},
-                       {"dataset": "arithmetic", "path": "sub"}])  # fmt: skip
-    over = apply_overrides(base, ["--data.dataset", "interleave", "--data.format", "chat",
-                                  "--data.sources", spec])  # fmt: skip
+    spec = json.dumps(
+        [
+            {"dataset": "jsonl", "path": str(chat), "weight": 2},
+            {"dataset": "arithmetic", "path": "sub"},
+        ]
+    )
+    over = apply_overrides(
+        base, ["--data.dataset", "interleave", "--data.format", "chat", "--data.sources", spec]
+    )
     assert [s.weight for s in over.data.sources] == [2, 1.0]
     assert to_dict(over)["data"]["sources"][1] == {
         "dataset": "arithmetic",

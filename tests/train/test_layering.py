@@ -56,7 +56,8 @@ print("RL MODULES", loaded)
 
 def test_running_the_trainer_loads_no_rl_module(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", RUN], cwd=REPO, capture_output=True, text=True,
-                         timeout=300, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", RUN], cwd=REPO, capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RL MODULES []" in out.stdout, out.stdout[-2000:]

@@ -59,8 +59,12 @@ def test_weighted_cross_entropy_matches_reference(dtype):
     weights = torch.randn(3, 7)
     weights[1, 4] = float("nan")  # an ignored position's weight is never read
     ref_logits = logits.detach().clone().requires_grad_()
-    per_token = F.cross_entropy(ref_logits.flatten(0, 1).float(), labels.flatten(),
-                                reduction="none", ignore_index=IGNORE_INDEX)  # fmt: skip
+    per_token = F.cross_entropy(
+        ref_logits.flatten(0, 1).float(),
+        labels.flatten(),
+        reduction="none",
+        ignore_index=IGNORE_INDEX,
+    )
     ref = (per_token * torch.where(labels.flatten() != IGNORE_INDEX, weights.flatten(), 0)).sum()
     out = cross_entropy_sum(logits, labels, chunk_rows=4, weights_BT=weights)
     torch.testing.assert_close(out, ref)

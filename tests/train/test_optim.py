@@ -64,8 +64,12 @@ def test_bf16_states_match_fp32_adamw_and_halve_its_state():
 
 def test_bf16_states_survive_a_state_dict_round_trip():
     opt, params, _ = _fit(AdamWBF16States, 5)
-    again = AdamWBF16States([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2,
-                            betas=(0.9, 0.95), weight_decay=0.1)  # fmt: skip
+    again = AdamWBF16States(
+        [torch.nn.Parameter(p.detach().clone()) for p in params],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+    )
     again.load_state_dict(copy.deepcopy(opt.state_dict()))  # as a checkpoint would hold it
     for p, q in zip(params, again.param_groups[0]["params"], strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
@@ -84,8 +88,9 @@ def test_config_picks_bf16_states_and_warns_on_an_ignored_kernel():
     opt = build_optimizer(model, OptimizerConfig(state_dtype="bf16"), torch.device("cpu"))
     assert isinstance(opt, AdamWBF16States)
     with pytest.warns(UserWarning, match="implementation='fused' is ignored"):
-        build_optimizer(model, OptimizerConfig(state_dtype="bf16", implementation="fused"),
-                        torch.device("cpu"))  # fmt: skip
+        build_optimizer(
+            model, OptimizerConfig(state_dtype="bf16", implementation="fused"), torch.device("cpu")
+        )
     with pytest.raises(ValueError, match="optimizer.state_dtype must be one of fp32, bf16"):
         OptimizerConfig(state_dtype="fp16")  # type: ignore[arg-type]
 
@@ -95,8 +100,12 @@ def _fit_on(device: str, compiled: bool, steps: int = 8):
     w = torch.nn.Parameter(torch.randn(64, 48, device=device))
     b = torch.nn.Parameter(torch.zeros(48, device=device))
     x, y = torch.randn(96, 64, device=device), torch.randn(96, 48, device=device)
-    opt = AdamWBF16States([{"params": [w], "weight_decay": 0.1}, {"params": [b]}], lr=1e-2,
-                          betas=(0.9, 0.95), compiled=compiled)  # fmt: skip
+    opt = AdamWBF16States(
+        [{"params": [w], "weight_decay": 0.1}, {"params": [b]}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        compiled=compiled,
+    )
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = 1e-2 * (step + 1) / steps  # a schedule: new scalars every step

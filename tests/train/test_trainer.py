@@ -18,17 +18,39 @@ def small_config(tmp_path, text_corpus, cache_dir, *extra):
     return apply_overrides(
         get_config("debug"),
         [
-            "--job.output_dir", str(tmp_path / "out"),
-            "--data.dataset", "jsonl", "--data.path", str(text_corpus),
-            "--data.cache_dir", str(cache_dir), "--data.vocab_size", "512",
-            "--model.vocab_size", "512",
-            "--training.steps", "30", "--training.batch_size", "4", "--training.seq_len", "64",
-            "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-3",
-            "--metrics.log_every", "5", "--metrics.val_every", "15", "--metrics.val_batches", "2",
-            "--sample.max_new_tokens", "12",
+            "--job.output_dir",
+            str(tmp_path / "out"),
+            "--data.dataset",
+            "jsonl",
+            "--data.path",
+            str(text_corpus),
+            "--data.cache_dir",
+            str(cache_dir),
+            "--data.vocab_size",
+            "512",
+            "--model.vocab_size",
+            "512",
+            "--training.steps",
+            "30",
+            "--training.batch_size",
+            "4",
+            "--training.seq_len",
+            "64",
+            "--lr_scheduler.warmup_steps",
+            "5",
+            "--optimizer.lr",
+            "3e-3",
+            "--metrics.log_every",
+            "5",
+            "--metrics.val_every",
+            "15",
+            "--metrics.val_batches",
+            "2",
+            "--sample.max_new_tokens",
+            "12",
             *extra,
         ],
-    )  # fmt: skip
+    )
 
 
 def test_training_lowers_loss_and_writes_metrics(tmp_path, text_corpus, cache_dir, capsys):
@@ -76,13 +98,34 @@ def fixed_batch_data(vocab=64, batch=4, seq=32, seed=0):
 def tiny_trainer(tmp_path, *extra):
     cfg = apply_overrides(
         get_config("debug"),
-        ["--job.output_dir", str(tmp_path), "--model.vocab_size", "64",
-         "--training.batch_size", "4", "--training.seq_len", "32", "--training.steps", "60",
-         "--optimizer.lr", "3e-3", "--optimizer.weight_decay", "0",
-         "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_fraction", "0",
-         "--metrics.log_every", "60", "--metrics.val_every", "0", "--sample.max_new_tokens", "0",
-         *extra],
-    )  # fmt: skip
+        [
+            "--job.output_dir",
+            str(tmp_path),
+            "--model.vocab_size",
+            "64",
+            "--training.batch_size",
+            "4",
+            "--training.seq_len",
+            "32",
+            "--training.steps",
+            "60",
+            "--optimizer.lr",
+            "3e-3",
+            "--optimizer.weight_decay",
+            "0",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--lr_scheduler.decay_fraction",
+            "0",
+            "--metrics.log_every",
+            "60",
+            "--metrics.val_every",
+            "0",
+            "--sample.max_new_tokens",
+            "0",
+            *extra,
+        ],
+    )
     return Trainer(cfg, data=fixed_batch_data(), log=lambda *a: None)
 
 
@@ -216,8 +259,15 @@ def test_sample_is_reproducible(tmp_path):
 
 def test_tensorboard_events_are_written(tmp_path):
     pytest.importorskip("tensorboard")
-    trainer = tiny_trainer(tmp_path, "--metrics.tensorboard", "true", "--training.steps", "2",
-                           "--metrics.log_every", "1")  # fmt: skip
+    trainer = tiny_trainer(
+        tmp_path,
+        "--metrics.tensorboard",
+        "true",
+        "--training.steps",
+        "2",
+        "--metrics.log_every",
+        "1",
+    )
     trainer.train()
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
@@ -227,8 +277,9 @@ def test_tensorboard_events_are_written(tmp_path):
 def test_compiled_blocks_match_eager(tmp_path):
     # Cold inductor compiles take 15-30 s on CPU: slow-marked (pytest -m slow).
     eager = tiny_trainer(tmp_path / "eager", "--training.steps", "3")
-    compiled = tiny_trainer(tmp_path / "compiled", "--training.steps", "3",
-                            "--training.compile", "true")  # fmt: skip
+    compiled = tiny_trainer(
+        tmp_path / "compiled", "--training.steps", "3", "--training.compile", "true"
+    )
     for _ in range(3):
         a = eager.train_step(*eager.next_batches()[:2])
         b = compiled.train_step(*compiled.next_batches()[:2])

@@ -319,8 +319,12 @@ def _bmm_blocks(a_PMK: torch.Tensor, b_PKN: torch.Tensor, block: int) -> torch.T
     P, M, N = a_PMK.shape[0], a_PMK.shape[1], b_PKN.shape[2]
     assert P % block == 0, f"{P} problems are not whole blocks of {block}"
     out_PMN = a_PMK.new_empty(P, M, N)
-    blocks = zip(a_PMK.contiguous().split(block), b_PKN.contiguous().split(block),
-                 out_PMN.split(block), strict=True)  # fmt: skip
+    blocks = zip(
+        a_PMK.contiguous().split(block),
+        b_PKN.contiguous().split(block),
+        out_PMN.split(block),
+        strict=True,
+    )
     for a, b, out in blocks:
         torch.bmm(a, b, out=out)  # bmm.out: not a replaced op; writes the slice in place
     return out_PMN

@@ -89,16 +89,17 @@ def _module_lists(n_layers: int, n_stages: int, split: str) -> list[list[int]]:
             if name.startswith("layers.") and name[7:].isdigit():
                 ids.append(int(name[7:]))
             elif name not in ("tok_embeddings", "norm", "output"):
-                raise ValueError(f"{where}: unknown module {name!r} (tok_embeddings, "
-                                 f"layers.N, norm, output)")  # fmt: skip
+                raise ValueError(
+                    f"{where}: unknown module {name!r} (tok_embeddings, layers.N, norm, output)"
+                )
         layers.append(ids)
     flat = [i for ids in layers for i in ids]
     if flat != list(range(n_layers)):
-        raise ValueError(f"{where} must list layers.0 .. layers.{n_layers - 1} once each, "
-                         f"in order")  # fmt: skip
+        raise ValueError(f"{where} must list layers.0 .. layers.{n_layers - 1} once each, in order")
     if "tok_embeddings" not in stages[0] or not {"norm", "output"} <= set(stages[-1]):
-        raise ValueError(f"{where}: the first stage must hold tok_embeddings and the last "
-                         f"norm and output")  # fmt: skip
+        raise ValueError(
+            f"{where}: the first stage must hold tok_embeddings and the last norm and output"
+        )
     return layers
 
 

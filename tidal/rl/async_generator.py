@@ -123,8 +123,9 @@ class _Feed:
             return Generator.END
         self.number += 1
         seeds = (cfg.rollout.seed, self.first_step, self.number, self.index)
-        problems, prompts, params = batch_requests(self.policy, self.task, cfg, seeds, self.stop,
-                                                   cfg.prompts_of(self.index))  # fmt: skip
+        problems, prompts, params = batch_requests(
+            self.policy, self.task, cfg, seeds, self.stop, cfg.prompts_of(self.index)
+        )
         self.fed.append(_Fed(self.number, problems, version, overlapped=bool(self.fed)))
         return prompts, params
 
@@ -152,9 +153,11 @@ class _Feed:
 
     def _report_torn(self) -> None:
         for aborted, why in self.stager.torn[self.torn :]:
-            self.log(f"{generator_name(self.index)}: policy version {aborted} was never "
-                          f"completely written ({why}); keeping version "
-                          f"{self.policy.generator.version}")  # fmt: skip
+            self.log(
+                f"{generator_name(self.index)}: policy version {aborted} was never "
+                f"completely written ({why}); keeping version "
+                f"{self.policy.generator.version}"
+            )
         self.torn = len(self.stager.torn)
 
     def completed(self) -> tuple[_Fed, dict[str, Any]]:
@@ -163,11 +166,18 @@ class _Feed:
         the in-flight swaps and the time blocked in them (`sync_s`) meanwhile."""
         now, st = time.perf_counter(), self.stager
         wall = now - self.since
-        meta = {"generator": self.index, "version": self.fed[0].version, "idle_s": self.idle_s,
-                "wall_s": wall, "gen_s": wall - self.idle_s,
-                "swaps_in_flight": st.swaps - self.swaps, "sync_s": st.swap_s - self.swap_s,
-                "prefetch_hits": st.hits, "prefetch_misses": st.misses,
-                "overlapped": self.fed[0].overlapped}  # fmt: skip
+        meta = {
+            "generator": self.index,
+            "version": self.fed[0].version,
+            "idle_s": self.idle_s,
+            "wall_s": wall,
+            "gen_s": wall - self.idle_s,
+            "swaps_in_flight": st.swaps - self.swaps,
+            "sync_s": st.swap_s - self.swap_s,
+            "prefetch_hits": st.hits,
+            "prefetch_misses": st.misses,
+            "overlapped": self.fed[0].overlapped,
+        }
         self.since, self.idle_s, self.swaps, self.swap_s = now, 0.0, st.swaps, st.swap_s
         return self.fed.popleft(), meta
 
@@ -200,9 +210,14 @@ def generate_loop_async(
         """Score the version held; swaps are off (the feed paused them, or the stream ended)."""
         assert gen.swap_hook is None and gen.version == version, (gen.version, version)
         t0 = time.perf_counter()
-        result = evaluate(policy, grader, eval_set, log=log,
-                          max_new_tokens=cfg.rollout.max_new_tokens,
-                          label=f"eval of policy version {version}")  # fmt: skip
+        result = evaluate(
+            policy,
+            grader,
+            eval_set,
+            log=log,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            label=f"eval of policy version {version}",
+        )
         if main:
             store.put_state_dict(result, EVAL, version=version)
         feed.evaluated.add(version)
@@ -212,14 +227,33 @@ def generate_loop_async(
     idle_s = load_exactly(first_step)
     # GPU slots when the versions live in the trainer's GPU memory (read device to device).
     on_device = gen.device.type == "cuda" and cfg.store.policy_memory == "cuda"
-    stager = Stager(store, POLICY, gen.model.state_dict(), held=first_step, last=steps,
-                    slice_s=cfg.rl.heartbeat_s, on_device=on_device)  # fmt: skip
+    stager = Stager(
+        store,
+        POLICY,
+        gen.model.state_dict(),
+        held=first_step,
+        last=steps,
+        slice_s=cfg.rl.heartbeat_s,
+        on_device=on_device,
+    )
     first = first_batch(store, index)
-    feed = _Feed(policy=policy, task=task, link=link, cfg=cfg, stager=stager, index=index,
-                 main=main, number=first - 1, first=first, first_step=first_step, log=log,
-                 stop=tuple(sorted(policy.encoder.stop_ids)),
-                 evals=set(eval_versions(steps, cfg.rl.eval_every)), idle_s=idle_s,
-                 since=since)  # fmt: skip
+    feed = _Feed(
+        policy=policy,
+        task=task,
+        link=link,
+        cfg=cfg,
+        stager=stager,
+        index=index,
+        main=main,
+        number=first - 1,
+        first=first,
+        first_step=first_step,
+        log=log,
+        stop=tuple(sorted(policy.encoder.stop_ids)),
+        evals=set(eval_versions(steps, cfg.rl.eval_every)),
+        idle_s=idle_s,
+        since=since,
+    )
     stager.start()
     try:
         while not feed.over:
@@ -228,8 +262,7 @@ def generate_loop_async(
                 fed, meta = feed.completed()
                 batch = graded_batch(policy, task, grader, fed.problems, groups, meta)
                 if main:
-                    store.put_state_dict(batch.to_state_dict(), key, version=fed.number,
-                                         keep=keep)  # fmt: skip
+                    store.put_state_dict(batch.to_state_dict(), key, version=fed.number, keep=keep)
             if feed.eval_due is not None:
                 evaluate_held(feed, feed.eval_due)
                 feed.eval_due = None

@@ -72,8 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", type=int, default=32, help="samples decoded at once")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                        help="weights' dtype (auto: bf16 on CUDA, fp32 on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="weights' dtype (auto: bf16 on CUDA, fp32 on CPU)",
+    )
 
 
 def main(argv: list[str]) -> int:

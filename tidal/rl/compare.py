@@ -47,8 +47,10 @@ def table(runs: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     lines = [f"{'run':<34}{'mode':<7}{'steps':>6}{'steps/min':>11}  held-out pass@1"]
     for r in runs:
-        lines.append(f"{r['folder']:<34}{r['mode']:<7}{r['steps']:>6}{r['steps_per_min']:>11.2f}"
-                     f"  {pct(r['pass1_before'])} -> {pct(r['pass1_after'])}")  # fmt: skip
+        lines.append(
+            f"{r['folder']:<34}{r['mode']:<7}{r['steps']:>6}{r['steps_per_min']:>11.2f}"
+            f"  {pct(r['pass1_before'])} -> {pct(r['pass1_after'])}"
+        )
     return "\n".join(lines)
 
 

@@ -161,10 +161,14 @@ class TrainerConfig:
     kernels run at the same time (docs/rl.md, "One GPU for every role")."""
 
     def __post_init__(self) -> None:
-        _check(1 <= self.sm_percent <= 100,
-               f"trainer.sm_percent must be in 1..100, got {self.sm_percent}")  # fmt: skip
-        _check(self.micro_batch_size > 0,
-               f"trainer.micro_batch_size must be > 0, got {self.micro_batch_size}")  # fmt: skip
+        _check(
+            1 <= self.sm_percent <= 100,
+            f"trainer.sm_percent must be in 1..100, got {self.sm_percent}",
+        )
+        _check(
+            self.micro_batch_size > 0,
+            f"trainer.micro_batch_size must be > 0, got {self.micro_batch_size}",
+        )
         _check(self.max_norm >= 0, f"trainer.max_norm must be >= 0, got {self.max_norm}")
         _check(
             self.mixed_precision in ("auto", "bf16", "fp32"),
@@ -218,24 +222,33 @@ class GeneratorRoleConfig:
 
     def __post_init__(self) -> None:
         _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
-        _check(1 <= self.sm_percent <= 100,
-               f"generator.sm_percent must be in 1..100, got {self.sm_percent}")  # fmt: skip
+        _check(
+            1 <= self.sm_percent <= 100,
+            f"generator.sm_percent must be in 1..100, got {self.sm_percent}",
+        )
         degrees = (self.tp,) if isinstance(self.tp, int) else tuple(self.tp)
         _check(
             isinstance(self.tp, int) or len(degrees) == self.count,
             f"generator.tp lists {len(degrees)} degree(s) {','.join(map(str, degrees))} for "
             f"generator.count={self.count} generators: give one int for all, or one per generator",
         )
-        _check(all(isinstance(d, int) and d >= 1 for d in degrees),
-               f"generator.tp degrees must be integers >= 1, got {self.tp!r}")  # fmt: skip
+        _check(
+            all(isinstance(d, int) and d >= 1 for d in degrees),
+            f"generator.tp degrees must be integers >= 1, got {self.tp!r}",
+        )
         _check(self.max_batch >= 1, f"generator.max_batch must be >= 1, got {self.max_batch}")
-        _check(self.dtype in ("auto", "fp32", "bf16"),
-               f"generator.dtype must be one of auto, fp32, bf16; got {self.dtype!r}")  # fmt: skip
-        _check(self.compile_scope in ("step", "blocks"),
-               "generator.compile_scope must be one of step, blocks; got "
-               f"{self.compile_scope!r}")  # fmt: skip
-        _check(self.device in ("auto", "cpu", "cuda"),
-               f"generator.device must be one of auto, cpu, cuda; got {self.device!r}")  # fmt: skip
+        _check(
+            self.dtype in ("auto", "fp32", "bf16"),
+            f"generator.dtype must be one of auto, fp32, bf16; got {self.dtype!r}",
+        )
+        _check(
+            self.compile_scope in ("step", "blocks"),
+            f"generator.compile_scope must be one of step, blocks; got {self.compile_scope!r}",
+        )
+        _check(
+            self.device in ("auto", "cpu", "cuda"),
+            f"generator.device must be one of auto, cpu, cuda; got {self.device!r}",
+        )
 
     def tp_of(self, index: int) -> int:
         """The tensor-parallel degree (ranks) of generator `index`; 1 for an index past a
@@ -309,10 +322,14 @@ class LoopConfig:
             f"rl.max_staleness must be >= 0 (how many policy versions a token may lag the "
             f"trainer; 0 keeps only the current version), got {self.max_staleness}",
         )
-        _check(self.queue_depth is None or self.queue_depth >= 1,
-               f"rl.queue_depth must be None or >= 1, got {self.queue_depth}")  # fmt: skip
-        _check(self.batches_in_flight >= 1,
-               f"rl.batches_in_flight must be >= 1, got {self.batches_in_flight}")  # fmt: skip
+        _check(
+            self.queue_depth is None or self.queue_depth >= 1,
+            f"rl.queue_depth must be None or >= 1, got {self.queue_depth}",
+        )
+        _check(
+            self.batches_in_flight >= 1,
+            f"rl.batches_in_flight must be >= 1, got {self.batches_in_flight}",
+        )
         _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
         _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
         for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s", "lost_after_s"):
@@ -323,8 +340,9 @@ class LoopConfig:
                 f"rl.{name}={getattr(self, name)} must exceed twice rl.heartbeat_s="
                 f"{self.heartbeat_s}",
             )
-        _check(self.min_generators >= 1,
-               f"rl.min_generators must be >= 1, got {self.min_generators}")  # fmt: skip
+        _check(
+            self.min_generators >= 1, f"rl.min_generators must be >= 1, got {self.min_generators}"
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -352,8 +370,10 @@ class RLCheckpointConfig:
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, f"checkpoint.interval must be >= 0, got {self.interval}")
-        _check(self.keep_latest_k >= 0,
-               f"checkpoint.keep_latest_k must be >= 0, got {self.keep_latest_k}")  # fmt: skip
+        _check(
+            self.keep_latest_k >= 0,
+            f"checkpoint.keep_latest_k must be >= 0, got {self.keep_latest_k}",
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -378,8 +398,10 @@ class StoreConfig:
             not self.address or self.address.startswith("tcp://"),
             f"store.address must be empty or tcp://host:port, got {self.address!r}",
         )
-        _check(self.connect_timeout_s > 0,
-               f"store.connect_timeout_s must be > 0, got {self.connect_timeout_s}")  # fmt: skip
+        _check(
+            self.connect_timeout_s > 0,
+            f"store.connect_timeout_s must be > 0, got {self.connect_timeout_s}",
+        )
         _check(self.keep >= 2, f"store.keep must be >= 2, got {self.keep}")
         _check(
             self.policy_memory in ("auto", "host", "cuda"),
@@ -445,10 +467,12 @@ class RLConfig:
         )
         for role in ("trainer", "generator"):
             share = getattr(self, role).sm_percent
-            _check(share == 100 or self.rl.mps,
-                   f"{role}.sm_percent={share} splits a GPU's SMs between the roles only "
-                   "under CUDA MPS: set --rl.mps true (tidal rl starts a daemon for its "
-                   "roles)")  # fmt: skip
+            _check(
+                share == 100 or self.rl.mps,
+                f"{role}.sm_percent={share} splits a GPU's SMs between the roles only "
+                "under CUDA MPS: set --rl.mps true (tidal rl starts a daemon for its "
+                "roles)",
+            )
         _check(
             self.rl.mode == "sync" or self.loss.corrects,
             "rl.mode=async trains on tokens of older policy versions and needs a per-token "
@@ -467,10 +491,12 @@ class RLConfig:
         g, q = self.generator.count, self.rl.queue_depth
         if self.rl.mode != "async" or q is None or g <= q:
             return None
-        return (f"rl.queue_depth={q} rollout batches cannot serve generator.count={g} "
-                f"generators (each needs a slot): every generator gets 1, so up to {g} batches "
-                f"wait in the store and the oldest may go stale; raise rl.queue_depth to "
-                f">= {g} or run fewer generators")  # fmt: skip
+        return (
+            f"rl.queue_depth={q} rollout batches cannot serve generator.count={g} "
+            f"generators (each needs a slot): every generator gets 1, so up to {g} batches "
+            f"wait in the store and the oldest may go stale; raise rl.queue_depth to "
+            f">= {g} or run fewer generators"
+        )
 
     def prompts_of(self, generator: int) -> int:
         """Prompts generator `generator` samples each step (the remainder goes to the first)."""

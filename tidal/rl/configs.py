@@ -41,8 +41,10 @@ def get_rl_config(name: str) -> RLConfig:
     if ":" in name:
         return config_from_module(name, RLConfig)
     if name not in RL_CONFIGS:
-        raise ValueError(f"unknown RL config {name!r}; choose one of {sorted(RL_CONFIGS)}, "
-                         "or name a function as MODULE:FUNCTION")  # fmt: skip
+        raise ValueError(
+            f"unknown RL config {name!r}; choose one of {sorted(RL_CONFIGS)}, "
+            "or name a function as MODULE:FUNCTION"
+        )
     return RL_CONFIGS[name]()
 
 
@@ -88,7 +90,7 @@ def rl_llama3_1b() -> RLConfig:
         task=TaskConfig(name="addition", params={"digits": [1, 4]}, eval_problems=64),
         rollout=RolloutConfig(
             prompts_per_step=32, group_size=8, max_new_tokens=128, max_prompt_tokens=64
-        ),  # fmt: skip
+        ),
         loss=LossConfig(drop_equal_groups=False),
         optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.0),
         lr_scheduler=SchedulerConfig(warmup_steps=0, decay_fraction=0.0),

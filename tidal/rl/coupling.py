@@ -111,9 +111,17 @@ class Link:
             it as a member only once it is ready: tidal/rl/membership.py).
     """
 
-    def __init__(self, store: Any, name: str, *, watch: list[str], loop: LoopConfig,
-                 beat: bool = True, log: Callable[[str], None] | None = None,
-                 ready: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Any,
+        name: str,
+        *,
+        watch: list[str],
+        loop: LoopConfig,
+        beat: bool = True,
+        log: Callable[[str], None] | None = None,
+        ready: bool = True,
+    ) -> None:
         self.store, self.name, self.watch, self.loop = store, name, list(watch), loop
         self.log = log
         self._torn: set[str] = set()
@@ -143,13 +151,16 @@ class Link:
         if not self._beat:
             return
         self._put_beat()
-        self._thread = threading.Thread(target=self._run, name=f"tidal-rl-beat-{self.name}",
-                                         daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._run, name=f"tidal-rl-beat-{self.name}", daemon=True
+        )
         self._thread.start()
 
     def _put_beat(self) -> None:
-        self.store.put_state_dict({"role": self.name, "t": time.time(), "id": self.ident,
-                                   "ready": self.ready}, self.key(self.name))  # fmt: skip
+        self.store.put_state_dict(
+            {"role": self.name, "t": time.time(), "id": self.ident, "ready": self.ready},
+            self.key(self.name),
+        )
 
     def set_ready(self) -> None:
         """Say from the next heartbeat on (within `heartbeat_s`) that this role is ready."""
@@ -195,18 +206,24 @@ class Link:
             try:  # goes out on a new one (a restarted controller answers it)
                 self._check_store()
             except (StoreError, KeyNotFoundError, VersionNotFoundError) as e:
-                raise RoleStopped(f"{self.name}: the store at {self.store.address} stopped "
-                                  f"answering ({e}); every role stops") from e  # fmt: skip
+                raise RoleStopped(
+                    f"{self.name}: the store at {self.store.address} stopped "
+                    f"answering ({e}); every role stops"
+                ) from e
         except (KeyNotFoundError, VersionNotFoundError) as e:
-            raise RoleStopped(f"{self.name}: the store at {self.store.address} lost this "
-                              f"run's keys ({e}); every role stops") from e  # fmt: skip
+            raise RoleStopped(
+                f"{self.name}: the store at {self.store.address} lost this "
+                f"run's keys ({e}); every role stops"
+            ) from e
         self._check_watched()
 
     def _check_store(self) -> None:
         if self.store.exists(STOP):
             info = self.store.get_state_dict(STOP)
-            raise RoleStopped(f"{info.get('by', 'a role')} stopped the run: "
-                              f"{info.get('reason', '(no reason given)')}")  # fmt: skip
+            raise RoleStopped(
+                f"{info.get('by', 'a role')} stopped the run: "
+                f"{info.get('reason', '(no reason given)')}"
+            )
         if self._run_seen and not self.store.exists(START, 0):
             raise RoleStopped(
                 f"{self.name}: the store at {self.store.address} no longer holds this run "
@@ -282,8 +299,9 @@ class Link:
                 self.check()
                 failures += 1
                 if failures > 1:
-                    raise RoleStopped(f"{self.name}: the store failed while waiting for "
-                                      f"{what}: {e}") from e  # fmt: skip
+                    raise RoleStopped(
+                        f"{self.name}: the store failed while waiting for {what}: {e}"
+                    ) from e
                 continue
             failures = 0
             if time.monotonic() >= deadline:
@@ -294,5 +312,6 @@ class Link:
 
     def wait_version(self, key: str, version: int, what: str, into: Any = None) -> dict:
         """`store.get_state_dict(key, into=, version=)` through `wait`."""
-        return self.wait(what, lambda s: self.store.get_state_dict(
-            key, into=into, version=version, wait=s))  # fmt: skip
+        return self.wait(
+            what, lambda s: self.store.get_state_dict(key, into=into, version=version, wait=s)
+        )

@@ -411,9 +411,15 @@ class Generator:
                 slot.marks.append((slot.count, version))
 
     def _requests(self, prompts, params) -> list[Request]:
-        return make_requests(prompts, params, vocab_size=self.vocab_size,
-                             capacity=self.capacity, model_max_seq_len=self.model.args.max_seq_len,
-                             max_batch=self.config.max_batch, tokenizer=self.tokenizer)  # fmt: skip
+        return make_requests(
+            prompts,
+            params,
+            vocab_size=self.vocab_size,
+            capacity=self.capacity,
+            model_max_seq_len=self.model.args.max_seq_len,
+            max_batch=self.config.max_batch,
+            tokenizer=self.tokenizer,
+        )
 
     # -- admission and prefill ------------------------------------------------------------
 

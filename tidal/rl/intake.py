@@ -41,8 +41,9 @@ def _announced(link: Link, step: int, main: bool, taken: list[tuple[int, int]]) 
     return [tuple(x) for x in chosen["batches"]]
 
 
-def take_sync(link: Link, members: Members | None, announced: list[list[Any]],
-              step: int) -> list[RolloutBatch]:  # fmt: skip
+def take_sync(
+    link: Link, members: Members | None, announced: list[list[Any]], step: int
+) -> list[RolloutBatch]:
     """Sync: the batches of step `step` from the generators `announced` with version step - 1
     (`members` is None on ranks other than 0, which read rank 0's choice)."""
     store = link.store
@@ -57,16 +58,18 @@ def take_sync(link: Link, members: Members | None, announced: list[list[Any]],
                     taken.append((g, step))
                     del pending[g]
                 elif not members.is_live(g, pending[g]) and _drop(members, g, pending, taken):
-                    members.log(f"trainer: step {step} goes on without generator {g}'s "
-                                f"batch ({members.why(g)})")  # fmt: skip
+                    members.log(
+                        f"trainer: step {step} goes on without generator {g}'s "
+                        f"batch ({members.why(g)})"
+                    )
                     del pending[g]
             if not pending:
                 if not taken:
                     members.require(f"waiting for the rollouts of step {step}")
-                    why = "; ".join(f"generator {a[0]} {members.why(int(a[0]))}"
-                                    for a in announced)  # fmt: skip
-                    raise RoleStopped(f"trainer: every generator making step {step}'s batch "
-                                      f"is gone ({why})")  # fmt: skip
+                    why = "; ".join(f"generator {a[0]} {members.why(int(a[0]))}" for a in announced)
+                    raise RoleStopped(
+                        f"trainer: every generator making step {step}'s batch is gone ({why})"
+                    )
                 return None
             g = min(pending)
             wait = seconds if len(pending) == 1 else min(seconds, 0.05)
@@ -75,8 +78,10 @@ def take_sync(link: Link, members: Members | None, announced: list[list[Any]],
 
         link.wait(f"the rollouts of step {step}", attempt)
     chosen = _announced(link, step, members is not None, sorted(taken))
-    return [RolloutBatch.from_state_dict(store.get_state_dict(rollouts_key(g), version=k))
-            for g, k in chosen]  # fmt: skip
+    return [
+        RolloutBatch.from_state_dict(store.get_state_dict(rollouts_key(g), version=k))
+        for g, k in chosen
+    ]
 
 
 def _drop(members: Members, g: int, pending: dict[int, str], taken: list) -> bool:
@@ -121,8 +126,9 @@ class AsyncIntake:
         chosen = _announced(self.link, step, self.members is not None, taken)
         out = []
         for g, k in chosen:
-            batch = RolloutBatch.from_state_dict(self.store.get_state_dict(rollouts_key(g),
-                                                                           version=k))  # fmt: skip
+            batch = RolloutBatch.from_state_dict(
+                self.store.get_state_dict(rollouts_key(g), version=k)
+            )
             self.latest[g] = batch.meta
             out.append(batch)
         return out
@@ -161,8 +167,7 @@ class AsyncIntake:
             self.mark_taken()  # every live queue is full of this step's batches: free them
         g = live[0].index  # none is there: wait a little for one, then ask all again
         wait = seconds if len(live) == 1 else min(seconds, 0.05)
-        self.store.get_state_dict(rollouts_key(g), into={}, version=self.next.get(g, 1),
-                                  wait=wait)  # fmt: skip
+        self.store.get_state_dict(rollouts_key(g), into={}, version=self.next.get(g, 1), wait=wait)
         raise NotYet
 
     def stats(self, parts: list[RolloutBatch]) -> dict[str, Any]:

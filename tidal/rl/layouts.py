@@ -42,8 +42,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_generator_layouts(cfg: RLConfig, args: ModelArgs, *, where: str = "the policy",
-                            cuda_devices: int | None = None) -> None:  # fmt: skip
+def check_generator_layouts(
+    cfg: RLConfig, args: ModelArgs, *, where: str = "the policy", cuda_devices: int | None = None
+) -> None:
     """Every generator's layout holds the model `args`.
 
     A tensor-parallel degree must divide the query heads, the key/value heads (each rank
@@ -59,8 +60,12 @@ def check_generator_layouts(cfg: RLConfig, args: ModelArgs, *, where: str = "the
     by_degree: dict[int, list[int]] = {}
     for i in range(g.count):
         by_degree.setdefault(g.tp_of(i), []).append(i)
-    sizes = {"query heads": args.n_heads, "key/value heads": args.n_kv_heads,
-             "MLP hidden width": args.ffn_dim, "vocabulary": args.vocab_size}  # fmt: skip
+    sizes = {
+        "query heads": args.n_heads,
+        "key/value heads": args.n_kv_heads,
+        "MLP hidden width": args.ffn_dim,
+        "vocabulary": args.vocab_size,
+    }
     fits = _divisors(math.gcd(*sizes.values()))
     for tp, which in sorted(by_degree.items()):
         if tp == 1:
@@ -95,8 +100,13 @@ def generator_command(cfg: RLConfig, index: int, role_argv: list[str]) -> list[s
     role = ["-m", "tidal", "rl", "generator", "--index", str(index), *role_argv]
     if tp == 1:
         return [sys.executable, *role]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={tp}"]  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={tp}",
+    ]
     return [*torchrun, *role]
 
 
@@ -126,9 +136,13 @@ def join_generator_group(cfg: RLConfig, index: int, info: Any, device: torch.dev
     from torch.distributed.device_mesh import init_device_mesh
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
-                            timeout=timedelta(seconds=cfg.rl.wait_timeout_s),
-                            device_id=device if device.type == "cuda" else None)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timedelta(seconds=cfg.rl.wait_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     return init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
 
 

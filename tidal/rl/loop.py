@@ -122,8 +122,15 @@ class Grader:
             return Grade(reward=0.0, answer=None, format_ok=False)
 
 
-def evaluate(policy: Policy, grader: Grader, problems: list[Problem], *, max_new_tokens: int,
-             log: Log, label: str) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    policy: Policy,
+    grader: Grader,
+    problems: list[Problem],
+    *,
+    max_new_tokens: int,
+    log: Log,
+    label: str,
+) -> dict[str, Any]:
     """pass@1 of greedy decoding on `problems` (a fixed held-out set), with progress lines."""
     start = time.perf_counter()
     stop = tuple(sorted(policy.encoder.stop_ids))
@@ -138,8 +145,12 @@ def evaluate(policy: Policy, grader: Grader, problems: list[Problem], *, max_new
         if done < len(problems):
             log(f"{label}: {done}/{len(problems)} problems, {correct} right so far")
     n = len(problems)
-    return {"pass1": correct / max(n, 1), "correct": correct, "total": n,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "pass1": correct / max(n, 1),
+        "correct": correct,
+        "total": n,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def generate_loop(
@@ -179,8 +190,14 @@ def generate_loop(
     def maybe_eval(version: int) -> None:
         if index != 0 or version not in evals:
             return
-        result = evaluate(policy, grader, eval_set, max_new_tokens=r.max_new_tokens, log=log,
-                          label=f"eval of policy version {version}")  # fmt: skip
+        result = evaluate(
+            policy,
+            grader,
+            eval_set,
+            max_new_tokens=r.max_new_tokens,
+            log=log,
+            label=f"eval of policy version {version}",
+        )
         if main:
             store.put_state_dict(result, EVAL, version=version)
 
@@ -193,8 +210,9 @@ def generate_loop(
             members = store.get_state_dict(MEMBERS, version=version)
         except (KeyNotFoundError, VersionNotFoundError, StoreError):
             return True
-        return not any(g == index and i == link.ident and n > 0
-                       for g, i, n in members["generators"])  # fmt: skip
+        return not any(
+            g == index and i == link.ident and n > 0 for g, i, n in members["generators"]
+        )
 
     link.may_leave = may_leave
     while version < steps or (index == 0 and version == steps):
@@ -205,14 +223,26 @@ def generate_loop(
         prompts = share_of(link, version, index)
         if (prompts > 0) != member:
             member = prompts > 0
-            log(f"{generator_name(index)}: " + (f"sampling {prompts} prompts a step from policy "
-                f"version {version}" if member else f"joined at policy version {version}; "
-                "waiting to be given prompts"))  # fmt: skip
+            log(
+                f"{generator_name(index)}: "
+                + (
+                    f"sampling {prompts} prompts a step from policy version {version}"
+                    if member
+                    else f"joined at policy version {version}; waiting to be given prompts"
+                )
+            )
         if prompts:
             step = version + 1
-            batch = _sample_batch(policy, task, grader, cfg, (r.seed, step, index), stop,
-                                  prompts, {"generator": index, "version": version,
-                                            "idle_s": idle_s, "sync_s": sync_s})  # fmt: skip
+            batch = _sample_batch(
+                policy,
+                task,
+                grader,
+                cfg,
+                (r.seed, step, index),
+                stop,
+                prompts,
+                {"generator": index, "version": version, "idle_s": idle_s, "sync_s": sync_s},
+            )
             if main:
                 store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
         version += 1
@@ -235,20 +265,33 @@ def _wait_policy(link: Link, version: int) -> int:
     return link.wait(f"policy version {version}", attempt)
 
 
-def _sample_batch(policy: Policy, task: Task, grader: Grader, cfg: RLConfig,
-                  seeds: tuple[int, ...], stop: tuple[int, ...], n_prompts: int,
-                  meta: dict[str, Any]) -> RolloutBatch:  # fmt: skip
+def _sample_batch(
+    policy: Policy,
+    task: Task,
+    grader: Grader,
+    cfg: RLConfig,
+    seeds: tuple[int, ...],
+    stop: tuple[int, ...],
+    n_prompts: int,
+    meta: dict[str, Any],
+) -> RolloutBatch:
     """The graded samples of one batch of `n_prompts` problems (see `batch_requests`)."""
     problems, prompts, params = batch_requests(policy, task, cfg, seeds, stop, n_prompts)
     t0 = time.perf_counter()
     groups = policy.generator.generate(prompts, params)
-    return graded_batch(policy, task, grader, problems, groups,
-                        {**meta, "gen_s": time.perf_counter() - t0})  # fmt: skip
+    return graded_batch(
+        policy, task, grader, problems, groups, {**meta, "gen_s": time.perf_counter() - t0}
+    )
 
 
-def batch_requests(policy: Policy, task: Task, cfg: RLConfig, seeds: tuple[int, ...],
-                   stop: tuple[int, ...], n_prompts: int,
-                   ) -> tuple[list[Problem], list[list[int]], list[SamplingParams]]:  # fmt: skip
+def batch_requests(
+    policy: Policy,
+    task: Task,
+    cfg: RLConfig,
+    seeds: tuple[int, ...],
+    stop: tuple[int, ...],
+    n_prompts: int,
+) -> tuple[list[Problem], list[list[int]], list[SamplingParams]]:
     """The problems of one batch, their prompts' token ids and their sampling parameters. Its
     problems and sampling noise are seeded by `seeds` (the same whatever ran before: a
     resumed run draws what the uninterrupted one would have)."""
@@ -256,25 +299,43 @@ def batch_requests(policy: Policy, task: Task, cfg: RLConfig, seeds: tuple[int, 
     stream: Iterator[Problem] = task.problems("train", seed=request_seed(*seeds))
     problems = [next(stream) for _ in range(n_prompts)]
     prompts = [encode_prompt(policy, p) for p in problems]
-    params = [SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p,
-                             top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                             stop_token_ids=stop, seed=request_seed(*seeds, i))
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(
+            n=r.group_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=stop,
+            seed=request_seed(*seeds, i),
+        )
+        for i in range(len(prompts))
+    ]
     return problems, prompts, params
 
 
-def graded_batch(policy: Policy, task: Task, grader: Grader, problems: list[Problem],
-                 groups: list[list[Sample]], meta: dict[str, Any]) -> RolloutBatch:  # fmt: skip
+def graded_batch(
+    policy: Policy,
+    task: Task,
+    grader: Grader,
+    problems: list[Problem],
+    groups: list[list[Sample]],
+    meta: dict[str, Any],
+) -> RolloutBatch:
     """The rollout batch of `groups` (one per problem), each sample graded; `meta` gains the
     token and grader-error counts."""
     samples = [s for g in groups for s in g]
     errors_before = grader.errors
     grades = [grader(s.text, problems[s.prompt_index].reference) for s in samples]
-    meta = {**meta, "gen_tokens": sum(len(s.completion_ids) for s in samples),
-            "grader_errors": grader.errors - errors_before,
-            "grader_error": grader.first_error}  # fmt: skip
-    return RolloutBatch.from_samples(samples, grades, task=task.name, pad_id=policy.pad_id,
-                                     meta=meta)  # fmt: skip
+    meta = {
+        **meta,
+        "gen_tokens": sum(len(s.completion_ids) for s in samples),
+        "grader_errors": grader.errors - errors_before,
+        "grader_error": grader.first_error,
+    }
+    return RolloutBatch.from_samples(
+        samples, grades, task=task.name, pad_id=policy.pad_id, meta=meta
+    )
 
 
 # -- trainer side ----------------------------------------------------------------------------
@@ -301,8 +362,14 @@ class TrainerSide:
     `loss.kl_coef` > 0, else None."""
 
 
-def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
-               log_record: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
+def train_loop(
+    side: TrainerSide,
+    link: Link,
+    cfg: RLConfig,
+    *,
+    first_step: int,
+    log_record: Callable[[dict[str, Any]], None],
+) -> None:
     """The trainer's side of the loop: steps first_step + 1 .. rl.steps, publishing each
     version, then waiting for the last evaluation. `log_record` gets one record per step and
     one per evaluation (rank 0 writes them). In async mode each step takes the next
@@ -351,19 +418,26 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
                     f"step {step}: {stale} rollout tokens come from another policy version than "
                     f"{schedule.version_for_batch(step)}; sync mode trains only on-policy tokens"
                 )
-        adv = None if trained is None else group_advantages(trained.rewards, trained.group_ids,
-                                                            cfg.loss)  # fmt: skip
+        adv = (
+            None
+            if trained is None
+            else group_advantages(trained.rewards, trained.group_ids, cfg.loss)
+        )
         t0 = time.perf_counter()
         future.result()  # the last put read the weights: the optimizer may change them now
         sync_s += time.perf_counter() - t0
         if queue is not None:  # now, so that the generators' next batches start from it
             queue.mark_taken()
-        lr = cfg.optimizer.lr * wsd_multiplier(step - lr_start, cfg.rl.steps - lr_start,
-                                               cfg.lr_scheduler)  # fmt: skip
+        lr = cfg.optimizer.lr * wsd_multiplier(
+            step - lr_start, cfg.rl.steps - lr_start, cfg.lr_scheduler
+        )
         set_lr(trainer.optimizer, lr)
         train_start = time.perf_counter()
-        metrics, tokens, positions = ({}, 0, 0) if trained is None or adv is None else (
-            _train_step(side, trained, adv, loss, cfg))  # fmt: skip
+        metrics, tokens, positions = (
+            ({}, 0, 0)
+            if trained is None or adv is None
+            else (_train_step(side, trained, adv, loss, cfg))
+        )
         train_s = time.perf_counter() - train_start
         trainer.step = step
         if members is not None and not is_async and step < cfg.rl.steps:
@@ -434,9 +508,15 @@ def train_loop(side: TrainerSide, link: Link, cfg: RLConfig, *, first_step: int,
         v = cfg.rl.steps
         result = _wait_eval(link, members, v)
         if result is not None:
-            log_record({"step": v, "eval_pass1": result["pass1"],
-                        "eval_correct": result["correct"], "eval_total": result["total"],
-                        "eval_s": result["seconds"]})  # fmt: skip
+            log_record(
+                {
+                    "step": v,
+                    "eval_pass1": result["pass1"],
+                    "eval_correct": result["correct"],
+                    "eval_total": result["total"],
+                    "eval_s": result["seconds"],
+                }
+            )
 
 
 def _wait_eval(link: Link, members: Members, version: int) -> dict[str, Any] | None:
@@ -448,8 +528,10 @@ def _wait_eval(link: Link, members: Members, version: int) -> dict[str, Any] | N
         if store.exists(EVAL, version):
             return store.get_state_dict(EVAL, version=version)
         if not any(m.index == 0 for m in members.live()):
-            members.log(f"trainer: no evaluation of policy version {version}: generator 0, "
-                        f"which evaluates, is gone")  # fmt: skip
+            members.log(
+                f"trainer: no evaluation of policy version {version}: generator 0, "
+                f"which evaluates, is gone"
+            )
             return None
         store.get_state_dict(EVAL, into={}, version=version, wait=seconds)
         raise NotYet
@@ -457,8 +539,9 @@ def _wait_eval(link: Link, members: Members, version: int) -> dict[str, Any] | N
     return link.wait(f"the evaluation of policy version {version}", attempt)
 
 
-def _drop_stale(rollout: RolloutBatch, schedule: AsyncSchedule,
-                step: int) -> tuple[RolloutBatch | None, dict[str, Any]]:  # fmt: skip
+def _drop_stale(
+    rollout: RolloutBatch, schedule: AsyncSchedule, step: int
+) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """The samples step `step` may train on (every token new enough; a group with a stale
     sample goes whole, its baseline needs all of them), and the staleness figures."""
     versions, mask = rollout.versions, rollout.completion_mask
@@ -486,23 +569,36 @@ def _log_evals(store: Any, pending: list[int], step: int, log_record) -> list[in
     for v in pending:
         if v < step and store.exists(EVAL, v):
             r = store.get_state_dict(EVAL, version=v)
-            log_record({"step": v, "eval_pass1": r["pass1"], "eval_correct": r["correct"],
-                        "eval_total": r["total"], "eval_s": r["seconds"]})  # fmt: skip
+            log_record(
+                {
+                    "step": v,
+                    "eval_pass1": r["pass1"],
+                    "eval_correct": r["correct"],
+                    "eval_total": r["total"],
+                    "eval_s": r["seconds"],
+                }
+            )
         else:
             left.append(v)
     return left
 
 
-def _train_step(side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss,
-                cfg: RLConfig) -> tuple[dict[str, float], int, int]:  # fmt: skip
+def _train_step(
+    side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss, cfg: RLConfig
+) -> tuple[dict[str, float], int, int]:
     """One optimizer step on a rollout (nothing when dynamic sampling dropped every group).
     Returns the loss metrics, the real token positions trained on (every kept sample's prompt
     and completion, minus its last token, over all ranks) and the positions the trainer ran,
     padding included."""
     trainer = side.trainer
-    batches = rollout_batches(rollout, adv, micro_batch_size=cfg.trainer.micro_batch_size,
-                              seq_len=side.seq_len, dp_rank=side.dp_rank,
-                              dp_world=side.dp_world)  # fmt: skip
+    batches = rollout_batches(
+        rollout,
+        adv,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        seq_len=side.seq_len,
+        dp_rank=side.dp_rank,
+        dp_world=side.dp_world,
+    )
     if not batches:
         return {}, 0, 0
     batches = [b.to(trainer.device) for b in batches]

@@ -178,27 +178,43 @@ class LossConfig:
 
 def grpo() -> LossConfig:
     """GRPO as in DeepSeekMath: symmetric clip 0.2, per-sequence token means, KL 0.04."""
-    return LossConfig(clip_low=0.2, clip_high=0.2, aggregation="seq-mean-token-mean",
-                      kl_coef=0.04, drop_equal_groups=False)  # fmt: skip
+    return LossConfig(
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="seq-mean-token-mean",
+        kl_coef=0.04,
+        drop_equal_groups=False,
+    )
 
 
 def dapo() -> LossConfig:
     """DAPO: clip-higher (0.2, 0.28), token-mean, dynamic sampling, no KL."""
-    return LossConfig(clip_low=0.2, clip_high=0.28, aggregation="token-mean",
-                      drop_equal_groups=True)  # fmt: skip
+    return LossConfig(
+        clip_low=0.2, clip_high=0.28, aggregation="token-mean", drop_equal_groups=True
+    )
 
 
 def dr_grpo(normalizer: float) -> LossConfig:
     """Dr. GRPO: token sums over a constant `normalizer`, no std normalization, no KL."""
-    return LossConfig(clip_low=0.2, clip_high=0.2, aggregation="constant",
-                      normalizer=normalizer, std_normalize=False,
-                      drop_equal_groups=False)  # fmt: skip
+    return LossConfig(
+        clip_low=0.2,
+        clip_high=0.2,
+        aggregation="constant",
+        normalizer=normalizer,
+        std_normalize=False,
+        drop_equal_groups=False,
+    )
 
 
 def gspo() -> LossConfig:
     """GSPO: sequence-level ratio, clip (3e-4, 4e-4), per-sequence means, no KL."""
-    return LossConfig(clip_low=3e-4, clip_high=4e-4, ratio="sequence",
-                      aggregation="seq-mean-token-mean", drop_equal_groups=False)  # fmt: skip
+    return LossConfig(
+        clip_low=3e-4,
+        clip_high=4e-4,
+        ratio="sequence",
+        aggregation="seq-mean-token-mean",
+        drop_equal_groups=False,
+    )
 
 
 # -- advantages ---------------------------------------------------------------------------
@@ -327,8 +343,13 @@ def policy_loss(
     if new_logprobs.dim() != 2:
         raise ValueError(f"new_logprobs must be [B, T], got shape {tuple(new_logprobs.shape)}")
     B, T = new_logprobs.shape
-    for name, x in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
-                    ("gen_logprobs", gen_logprobs), ("entropy", entropy)):  # fmt: skip
+    for name, x in (
+        ("old_logprobs", old_logprobs),
+        ("mask", mask),
+        ("ref_logprobs", ref_logprobs),
+        ("gen_logprobs", gen_logprobs),
+        ("entropy", entropy),
+    ):
         _check(name, x, (B, T))
     _check("advantages", advantages, (B,))
     if cfg.kl_coef > 0 and ref_logprobs is None:
@@ -339,8 +360,9 @@ def policy_loss(
     if cfg.kl_coef == 0 and ref_logprobs is not None:
         warnings.warn("ref_logprobs is ignored with LossConfig.kl_coef=0", stacklevel=2)
     if not cfg.corrects and gen_logprobs is not None:
-        warnings.warn("gen_logprobs is ignored with LossConfig.tis_cap=None (and no mask band)",
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(
+            "gen_logprobs is ignored with LossConfig.tis_cap=None (and no mask band)", stacklevel=2
+        )
 
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
     m_BT = mask != 0

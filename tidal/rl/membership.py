@@ -84,8 +84,9 @@ class Members:
         clock: seconds, monotonic (tests pass their own).
     """
 
-    def __init__(self, store: Any, cfg: RLConfig, *, log: Log,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, store: Any, cfg: RLConfig, *, log: Log, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store, self.cfg, self.log, self.clock = store, cfg, log, clock
         self.gens: dict[int, Member] = {}
         self.lost = 0
@@ -158,8 +159,11 @@ class Members:
         with self._lock:
             if len(live) + sum(self._may_return(m) for m in self.gens.values()) >= need:
                 return
-            gone = [f"generator {m.index} {m.why}" for _, m in sorted(self.gens.items())
-                    if m.state in ("lost", "left")]  # fmt: skip
+            gone = [
+                f"generator {m.index} {m.why}"
+                for _, m in sorted(self.gens.items())
+                if m.state in ("lost", "left")
+            ]
         raise RoleStopped(
             f"trainer: {len(live)} generator(s) live while {doing}, fewer than "
             f"rl.min_generators={need}"
@@ -194,8 +198,9 @@ class Members:
             token, ready = (beat.get("id"), beat.get("t")), bool(beat.get("ready", True))
             m = self.gens.get(g)
             if m is None:  # first sighting: a member once it beats again
-                self.gens[g] = Member(index=g, id=str(beat.get("id")), token=token, seen=now,
-                                      ready=ready)  # fmt: skip
+                self.gens[g] = Member(
+                    index=g, id=str(beat.get("id")), token=token, seen=now, ready=ready
+                )
                 continue
             if token != m.token:
                 m.token, m.seen, m.ready = token, now, ready
@@ -207,8 +212,12 @@ class Members:
                 elif m.state != "live" or m.id != ident:
                     self._join(m, ident)
             elif m.state == "live" and now - m.seen > self.cfg.rl.lost_after_s:
-                self._gone(m, "lost", f"lost: no heartbeat for {now - m.seen:.1f} s "
-                           f"(rl.lost_after_s={self.cfg.rl.lost_after_s:g})")  # fmt: skip
+                self._gone(
+                    m,
+                    "lost",
+                    f"lost: no heartbeat for {now - m.seen:.1f} s "
+                    f"(rl.lost_after_s={self.cfg.rl.lost_after_s:g})",
+                )
         for g, m in self.gens.items():
             if g not in present and m.state == "live":
                 self._gone(m, "left", f"left ({self._left_reason(g)})")
@@ -224,8 +233,9 @@ class Members:
     def _gone(self, m: Member, state: str, why: str) -> None:
         m.state, m.why = state, why
         self.lost += 1
-        self.log(f"trainer: generator {m.index} {why}; going on with {len(self.live())} "
-                 f"generator(s)")  # fmt: skip
+        self.log(
+            f"trainer: generator {m.index} {why}; going on with {len(self.live())} generator(s)"
+        )
 
     def _left_reason(self, g: int) -> str:
         try:
@@ -256,16 +266,20 @@ class Members:
                 warming = [m.index for _, m in sorted(self.gens.items()) if not m.ready]
             hint = "start them with `tidal rl generator --store ADDR --index i`"
             if warming:
-                hint = (f"generator(s) {warming} beat but were still warming up (compiles "
-                        f"and CUDA graphs): raise rl.wait_timeout_s")  # fmt: skip
+                hint = (
+                    f"generator(s) {warming} beat but were still warming up (compiles "
+                    f"and CUDA graphs): raise rl.wait_timeout_s"
+                )
             if len(live) < self.cfg.rl.min_generators:
                 raise TimeoutError(
                     f"trainer: {len(live)} of generator.count={count} generators joined within "
                     f"rl.wait_timeout_s={self.cfg.rl.wait_timeout_s:g} s (rl.min_generators="
                     f"{self.cfg.rl.min_generators}); {hint}"
                 ) from None
-            self.log(f"trainer: {len(live)} of generator.count={count} generators joined within "
-                     f"rl.wait_timeout_s; going on with them")  # fmt: skip
+            self.log(
+                f"trainer: {len(live)} of generator.count={count} generators joined within "
+                f"rl.wait_timeout_s; going on with them"
+            )
 
     # -- sync announcements ----------------------------------------------------------------
 

@@ -38,26 +38,47 @@ def mps_daemon(log: Callable[[str], None] = print) -> Iterator[dict[str, str]]:
     """
     exe = shutil.which(CONTROL)
     if exe is None:
-        raise ValueError(f"rl.mps needs {CONTROL} on PATH (it comes with the NVIDIA driver); "
-                         "set --rl.mps false to share the GPU by time-slicing")  # fmt: skip
+        raise ValueError(
+            f"rl.mps needs {CONTROL} on PATH (it comes with the NVIDIA driver); "
+            "set --rl.mps false to share the GPU by time-slicing"
+        )
     root = Path(tempfile.mkdtemp(prefix="tidal-mps-"))  # short: the pipe is a unix socket
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
-           "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}  # fmt: skip
+    env = {
+        "CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"),
+        "CUDA_MPS_LOG_DIRECTORY": str(root / "log"),
+    }
     try:
         for path in env.values():
             Path(path).mkdir()
-        started = subprocess.run([exe, "-d"], env=_with(env), capture_output=True, text=True,
-                                 timeout=TIMEOUT_S, check=False)  # fmt: skip
+        started = subprocess.run(
+            [exe, "-d"],
+            env=_with(env),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
         if started.returncode != 0:
-            raise ValueError(f"rl.mps: {CONTROL} -d failed (status {started.returncode}): "
-                             f"{(started.stderr or started.stdout).strip()}")  # fmt: skip
-        log(f"tidal rl: roles share the GPU under a CUDA MPS daemon of their own "
-            f"({env['CUDA_MPS_PIPE_DIRECTORY']})")  # fmt: skip
+            raise ValueError(
+                f"rl.mps: {CONTROL} -d failed (status {started.returncode}): "
+                f"{(started.stderr or started.stdout).strip()}"
+            )
+        log(
+            f"tidal rl: roles share the GPU under a CUDA MPS daemon of their own "
+            f"({env['CUDA_MPS_PIPE_DIRECTORY']})"
+        )
         try:
             yield env
         finally:
-            subprocess.run([exe], input="quit\n", env=_with(env), capture_output=True,
-                           text=True, timeout=TIMEOUT_S, check=False)  # fmt: skip
+            subprocess.run(
+                [exe],
+                input="quit\n",
+                env=_with(env),
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT_S,
+                check=False,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -18,16 +18,39 @@ from tidal.train.metrics import MetricsLogger
 
 Log = Callable[[str], None]
 
-STEP_FIELDS = ("step", "reward_mean", "reward_std", "response_len_mean", "entropy", "clip_frac",
-               "groups_dropped", "samples", "samples_per_generator", "tokens_per_s_gen",
-               "tokens_per_s_train", "train_pad_frac", "sync_trainer_s",
-               "sync_generator_s")  # fmt: skip
+STEP_FIELDS = (
+    "step",
+    "reward_mean",
+    "reward_std",
+    "response_len_mean",
+    "entropy",
+    "clip_frac",
+    "groups_dropped",
+    "samples",
+    "samples_per_generator",
+    "tokens_per_s_gen",
+    "tokens_per_s_train",
+    "train_pad_frac",
+    "sync_trainer_s",
+    "sync_generator_s",
+)
 """Fields of every step record (and "kl" when loss.kl_coef > 0, "tis_weight_mean" and
 "tis_capped_frac" with loss.tis_cap)."""
-ASYNC_FIELDS = ("staleness_hist", "stale_samples_dropped", "stale_dropped_frac",
-                "stale_samples_dropped_total", "version_min", "version_max", "samples_trained",
-                "trainer_idle_frac", "generator_idle_frac", "weight_swaps_in_flight",
-                "prefetch_hit_rate", "prefetch_needed", "batches_overlapped")  # fmt: skip
+ASYNC_FIELDS = (
+    "staleness_hist",
+    "stale_samples_dropped",
+    "stale_dropped_frac",
+    "stale_samples_dropped_total",
+    "version_min",
+    "version_max",
+    "samples_trained",
+    "trainer_idle_frac",
+    "generator_idle_frac",
+    "weight_swaps_in_flight",
+    "prefetch_hit_rate",
+    "prefetch_needed",
+    "batches_overlapped",
+)
 """Fields a step record of async mode adds (with the loss's correction figures:
 "tis_weight_mean" and "tis_capped_frac", or "is_masked_frac")."""
 
@@ -36,9 +59,12 @@ class Report:
     def __init__(self, cfg: RLConfig, *, first_step: int, resumed: bool, log: Log = print) -> None:
         self.cfg, self.log_line = cfg, log
         self.dir = Path(cfg.job.output_dir)
-        self.logger = MetricsLogger(self.dir, tensorboard=cfg.metrics.tensorboard,
-                                    resume_step=first_step if resumed else None,
-                                    stream=_LineSink(log))  # fmt: skip
+        self.logger = MetricsLogger(
+            self.dir,
+            tensorboard=cfg.metrics.tensorboard,
+            resume_step=first_step if resumed else None,
+            stream=_LineSink(log),
+        )
         self.steps: list[dict[str, Any]] = []
         self.evals: dict[int, dict[str, Any]] = {}
         self.grader_errors = 0
@@ -47,9 +73,11 @@ class Report:
         """Write one record (a step's or an evaluation's) and print its line."""
         if "eval_pass1" in record:
             self.evals[record["step"]] = record
-            line = (f"eval  step {record['step']:>4}: pass@1 {100 * record['eval_pass1']:5.1f}% "
-                    f"({record['eval_correct']}/{record['eval_total']} held-out, greedy, "
-                    f"{record['eval_s']:.0f}s)")  # fmt: skip
+            line = (
+                f"eval  step {record['step']:>4}: pass@1 {100 * record['eval_pass1']:5.1f}% "
+                f"({record['eval_correct']}/{record['eval_total']} held-out, greedy, "
+                f"{record['eval_s']:.0f}s)"
+            )
         else:
             self.steps.append(record)
             self.grader_errors += record.get("grader_errors", 0)
@@ -66,13 +94,16 @@ class Report:
             )
             if "staleness_hist" in record:
                 hit = record["prefetch_hit_rate"]
-                line += (f" | stale dropped {record['stale_samples_dropped']} lag "
-                         f"{record['staleness_hist']} idle {record['trainer_idle_frac']:.2f}/"
-                         f"{record['generator_idle_frac']:.2f} prefetch hit "
-                         f"{'-' if hit is None else f'{hit:.2f}'}")  # fmt: skip
+                line += (
+                    f" | stale dropped {record['stale_samples_dropped']} lag "
+                    f"{record['staleness_hist']} idle {record['trainer_idle_frac']:.2f}/"
+                    f"{record['generator_idle_frac']:.2f} prefetch hit "
+                    f"{'-' if hit is None else f'{hit:.2f}'}"
+                )
             if record.get("grader_errors"):
-                line += (f" | grader raised {record['grader_errors']}x: "
-                         f"{record.get('grader_error', '')}")  # fmt: skip
+                line += (
+                    f" | grader raised {record['grader_errors']}x: {record.get('grader_error', '')}"
+                )
         self.logger.log(record, line)
 
     def finish(self) -> dict[str, Any]:
@@ -81,8 +112,12 @@ class Report:
         summary: dict[str, Any] = {"steps": len(self.steps), "grader_errors": self.grader_errors}
         if evals:
             (v0, first), (v1, last) = evals[0], evals[-1]
-            summary.update(pass1_before=first["eval_pass1"], pass1_after=last["eval_pass1"],
-                           version_before=v0, version_after=v1)  # fmt: skip
+            summary.update(
+                pass1_before=first["eval_pass1"],
+                pass1_after=last["eval_pass1"],
+                version_before=v0,
+                version_after=v1,
+            )
         if self.steps:
             # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
             k = max(1, min(10, len(self.steps) // 2))
@@ -101,8 +136,10 @@ class Report:
             self.log_line(f"plot: {summary['plot']}")
         self.log_line(f"metrics: {self.dir / 'metrics.jsonl'}")
         if self.grader_errors:
-            self.log_line(f"the grader raised {self.grader_errors} time(s); those samples got "
-                          "reward 0 (the first error is in metrics.jsonl)")  # fmt: skip
+            self.log_line(
+                f"the grader raised {self.grader_errors} time(s); those samples got "
+                "reward 0 (the first error is in metrics.jsonl)"
+            )
         return summary
 
     def close(self) -> None:
@@ -113,14 +150,18 @@ def summary_line(s: dict[str, Any]) -> str:
     parts = []
     if "pass1_before" in s:
         d = 100 * (s["pass1_after"] - s["pass1_before"])
-        parts.append(f"held-out pass@1 {100 * s['pass1_before']:.1f}% (version "
-                     f"{s['version_before']}) -> {100 * s['pass1_after']:.1f}% (version "
-                     f"{s['version_after']}), {d:+.1f} points")  # fmt: skip
+        parts.append(
+            f"held-out pass@1 {100 * s['pass1_before']:.1f}% (version "
+            f"{s['version_before']}) -> {100 * s['pass1_after']:.1f}% (version "
+            f"{s['version_after']}), {d:+.1f} points"
+        )
     if "reward_first" in s:
         k, n = s.get("reward_window", 1), s["steps"]
         ends = f" (means of steps 1-{k} and {n - k + 1}-{n})" if k > 1 else ""
-        parts.append(f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}{ends} over "
-                     f"{n} steps in {s['elapsed_s']:.0f}s")  # fmt: skip
+        parts.append(
+            f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}{ends} over "
+            f"{n} steps in {s['elapsed_s']:.0f}s"
+        )
     return "; ".join(parts) or "no steps run"
 
 
@@ -135,8 +176,10 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("metrics.plot=true needs matplotlib: pip install 'tidal[plot]' (or "
-                          "--metrics.plot false)") from e  # fmt: skip
+        raise ImportError(
+            "metrics.plot=true needs matplotlib: pip install 'tidal[plot]' (or "
+            "--metrics.plot false)"
+        ) from e
     fig, ax = plt.subplots(figsize=(7, 4))
     x, reward = [r["step"] for r in steps], [r["reward_mean"] for r in steps]
     ax.plot(x, reward, label="reward (mean of the step)", color="tab:blue", alpha=0.35)
@@ -145,8 +188,13 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
         smooth = [fmean(reward[max(0, i - k + 1) : i + 1]) for i in range(len(reward))]
         ax.plot(x, smooth, label=f"reward ({k}-step running mean)", color="tab:blue")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_pass1"] for r in evals], "o-",
-                label="held-out pass@1 (greedy)", color="tab:orange")  # fmt: skip
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval_pass1"] for r in evals],
+            "o-",
+            label="held-out pass@1 (greedy)",
+            color="tab:orange",
+        )
     ax.set_xlabel("step (policy version)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

@@ -65,18 +65,24 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
         "Any field can be overridden with --section.field VALUE; --help lists them all."
     )
     parser = argparse.ArgumentParser(prog=prog, add_help=False, description=about)
-    parser.add_argument("--config", default="rl_addition",
-                        help=f"one of {sorted(RL_CONFIGS)}, or MODULE:FUNCTION")  # fmt: skip
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config as JSON and exit")  # fmt: skip
+    parser.add_argument(
+        "--config", default="rl_addition", help=f"one of {sorted(RL_CONFIGS)}, or MODULE:FUNCTION"
+    )
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as JSON and exit"
+    )
     parser.add_argument("-h", "--help", action="store_true", help="list every config field")
     if role is None:
         parser.add_argument("--nproc", type=int, default=1, help="trainer ranks (torchrun)")
-        parser.add_argument("--prepare", action="store_true",
-                            help="only train (or find) the SFT warm start, then exit")  # fmt: skip
+        parser.add_argument(
+            "--prepare",
+            action="store_true",
+            help="only train (or find) the SFT warm start, then exit",
+        )
     else:
-        parser.add_argument("--store", required=False, default="",
-                            help="tcp://HOST:PORT of the run's store")  # fmt: skip
+        parser.add_argument(
+            "--store", required=False, default="", help="tcp://HOST:PORT of the run's store"
+        )
     if role == "generator":
         parser.add_argument("--index", type=int, default=0, help="this generator's number")
     args, overrides = parser.parse_known_args(argv)

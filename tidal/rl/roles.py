@@ -201,7 +201,7 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
         job=dataclasses.replace(cfg.job),
         model=ModelConfig(
             flavor=src.flavor, attention=cfg.model.attention, vocab_size=src.vocab_size
-        ),  # fmt: skip
+        ),
         training=TrainingConfig(
             steps=cfg.rl.steps,
             batch_size=t.micro_batch_size,
@@ -213,7 +213,7 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
             seed=t.seed,
             deterministic=t.deterministic,
             batch_invariant=cfg.generator.batch_invariant,
-        ),  # fmt: skip
+        ),
         optimizer=cfg.optimizer,
         lr_scheduler=cfg.lr_scheduler,
         parallelism=cfg.parallelism,
@@ -232,7 +232,7 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
             # policy checkpoints too) and skipped when the run resumes.
             initial_load_hf=str(src.hf_folder) if src.hf_folder else None,
             initial_load_model_only=True,
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -273,9 +273,12 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
 
     # The generators are members that come and go (tidal/rl/membership.py), not watched roles.
     link = Link(store, "trainer", watch=[], loop=cfg.rl, beat=main, log=log)
-    trainer = Trainer(trainer_config(cfg, src),
-                      data=DataBundle(tokenizer=src.tokenizer, train=None, val=None),
-                      dist_info=info, log=log)  # fmt: skip
+    trainer = Trainer(
+        trainer_config(cfg, src),
+        data=DataBundle(tokenizer=src.tokenizer, train=None, val=None),
+        dist_info=info,
+        log=log,
+    )
     report = None
     members: Members | None = None
     try:
@@ -293,8 +296,9 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
 
         def publish(version: int):
             sd = {k: v for m in trainer.modules for k, v in m.state_dict().items()}
-            future = store.put_state_dict_async(sd, POLICY, version=version, writers=writers,
-                                                dtype=dtype, memory=memory)  # fmt: skip
+            future = store.put_state_dict_async(
+                sd, POLICY, version=version, writers=writers, dtype=dtype, memory=memory
+            )
 
             def stop_on_failure(f) -> None:
                 # The loop reads the put's result only after the next rollouts, which the
@@ -302,8 +306,10 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
                 # the error, instead of all of them waiting out rl.wait_timeout_s.
                 if not f.cancelled() and f.exception() is not None:
                     e = f.exception()
-                    link.stop(f"the trainer (rank {info.rank}) failed to publish policy "
-                              f"version {version}: {type(e).__name__}: {e}"[:500])  # fmt: skip
+                    link.stop(
+                        f"the trainer (rank {info.rank}) failed to publish policy "
+                        f"version {version}: {type(e).__name__}: {e}"[:500]
+                    )
 
             future.add_done_callback(stop_on_failure)
             return future
@@ -311,26 +317,35 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
         dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
         members = Members(store, cfg, log=log) if main else None
         side = TrainerSide(
-            trainer=trainer, publish=publish, dp_rank=dp_rank, dp_world=trainer.dims.dp,
+            trainer=trainer,
+            publish=publish,
+            dp_rank=dp_rank,
+            dp_world=trainer.dims.dp,
             is_main=main,
             seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
             reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
             members=members,
-        )  # fmt: skip
+        )
         if members is not None:
             members.start()
         if main:
             report = Report(cfg, first_step=first, resumed=first > 0, log=log)
             store.put_state_dict({"step": first, "steps": cfg.rl.steps}, START, version=0)
             link.follow_run()
-            log(f"trainer: {src.describe}; steps {first + 1}..{cfg.rl.steps}, "
+            log(
+                f"trainer: {src.describe}; steps {first + 1}..{cfg.rl.steps}, "
                 f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
                 f"step over {cfg.generator.count} generator(s), {cfg.rl.mode} mode"
-                + (f" (max_staleness {cfg.rl.max_staleness}, queue {cfg.queue_slots()} "
-                   f"batch(es) per generator, {cfg.rl.batches_in_flight} in flight)"
-                   if cfg.rl.mode == "async" else ""))  # fmt: skip
-        train_loop(side, link, cfg, first_step=first,
-                   log_record=report.log if report else lambda r: None)  # fmt: skip
+                + (
+                    f" (max_staleness {cfg.rl.max_staleness}, queue {cfg.queue_slots()} "
+                    f"batch(es) per generator, {cfg.rl.batches_in_flight} in flight)"
+                    if cfg.rl.mode == "async"
+                    else ""
+                )
+            )
+        train_loop(
+            side, link, cfg, first_step=first, log_record=report.log if report else lambda r: None
+        )
         summary = report.finish() if report else {}
         if main:
             store.put_state_dict({"ok": True}, DONE, version=0)
@@ -379,9 +394,14 @@ def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local
     model.to(dtype)
     capacity = trainer_seq_len(cfg, src)
     g = cfg.generator
-    config = GeneratorConfig(max_batch=g.max_batch, max_seq_len=capacity,
-                             batch_invariant=g.batch_invariant, compile=g.compile,
-                             cuda_graphs=g.cuda_graphs, compile_scope=g.compile_scope)  # fmt: skip
+    config = GeneratorConfig(
+        max_batch=g.max_batch,
+        max_seq_len=capacity,
+        batch_invariant=g.batch_invariant,
+        compile=g.compile,
+        cuda_graphs=g.cuda_graphs,
+        compile_scope=g.compile_scope,
+    )
     return Generator(model, tokenizer=src.tokenizer, config=config)
 
 
@@ -396,16 +416,21 @@ def warm_up_generator(gen: Any, cfg: RLConfig, index: int, *, log: Log) -> None:
     if index == 0:
         params.append(SamplingParams(temperature=0.0))
     if gen.device.type == "cuda":  # a compile scope "step" warm-up may take minutes
-        log(f"{generator_name(index)}: warming up (batch buckets {gen.buckets}, "
-            f"{len(params)} sampler variant(s)); it joins the job when done")  # fmt: skip
+        log(
+            f"{generator_name(index)}: warming up (batch buckets {gen.buckets}, "
+            f"{len(params)} sampler variant(s)); it joins the job when done"
+        )
     seconds = gen.warm_up(params)
     if seconds:
-        log(f"{generator_name(index)}: warmed up in {seconds:.1f} s ({gen.stats.graphs_captured} "
-            f"CUDA graphs; batch buckets {gen.buckets})")  # fmt: skip
+        log(
+            f"{generator_name(index)}: warmed up in {seconds:.1f} s ({gen.stats.graphs_captured} "
+            f"CUDA graphs; batch buckets {gen.buckets})"
+        )
 
 
-def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
-                  log: Log = print) -> None:  # fmt: skip
+def run_generator(
+    cfg: RLConfig, store: Any, *, index: int, dist_info=None, log: Log = print
+) -> None:
     """Generator `index`'s role (in each of its ranks; `dist_info`: torchrun's, for a
     tensor-parallel generator): until the trainer is done."""
     from tidal.parallel.launch import DistInfo
@@ -428,8 +453,17 @@ def run_generator(cfg: RLConfig, store: Any, *, index: int, dist_info=None,
             leave_generator_group()
 
 
-def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, index: int,
-                   info: Any, mesh: Any, log: Log) -> None:  # fmt: skip
+def _generate_role(
+    cfg: RLConfig,
+    store: Any,
+    src: PolicySource,
+    task: Any,
+    *,
+    index: int,
+    info: Any,
+    mesh: Any,
+    log: Log,
+) -> None:
     from tidal.rl.async_generator import generate_loop_async
     from tidal.rl.layouts import agree_start
     from tidal.rl.loop import Policy, generate_loop
@@ -451,19 +485,29 @@ def _generate_role(cfg: RLConfig, store: Any, src: PolicySource, task: Any, *, i
         warm_up_generator(gen, cfg, index, log=log)
         link.set_ready()
         pad = src.tokenizer.eos_id
-        policy = Policy(generator=gen, encoder=src.encoder, pad_id=pad,
-                        max_prompt_tokens=cfg.rollout.max_prompt_tokens)  # fmt: skip
+        policy = Policy(
+            generator=gen,
+            encoder=src.encoder,
+            pad_id=pad,
+            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+        )
         start = link.wait("the trainer's start", lambda seconds: _start_of(link, seconds))
         link.follow_run()
         # A generator joining a running job starts from the newest committed version.
-        first = max([start["step"], *store.versions(POLICY)] if store.exists(POLICY)
-                    else [start["step"]])  # fmt: skip
+        first = max(
+            [start["step"], *store.versions(POLICY)] if store.exists(POLICY) else [start["step"]]
+        )
         first, link.ident = agree_start(first, link.ident, gen.model)
         where = str(gen.device) if mesh is None else f"{info.world_size} ranks (tp) on {gen.device}"
-        share = f"{cfg.prompts_of(index)} prompts a batch" if cfg.rl.mode == "async" else (
-            "its share of the prompts")  # fmt: skip
-        log(f"{name}: on {where} ({generator_dtype(cfg)}), from policy version {first} to "
-            f"{cfg.rl.steps}, {share}")  # fmt: skip
+        share = (
+            f"{cfg.prompts_of(index)} prompts a batch"
+            if cfg.rl.mode == "async"
+            else ("its share of the prompts")
+        )
+        log(
+            f"{name}: on {where} ({generator_dtype(cfg)}), from policy version {first} to "
+            f"{cfg.rl.steps}, {share}"
+        )
         loop = generate_loop_async if cfg.rl.mode == "async" else generate_loop
         loop(policy, task, link, cfg, index=index, first_step=first, log=log, main=main)
         link.wait_version(DONE, 0, "the trainer to finish")
@@ -518,8 +562,10 @@ def _check_index_free(store: Any, name: str, cfg: RLConfig) -> None:
         deadline = time.monotonic() + 2.5 * cfg.rl.heartbeat_s
         while time.monotonic() < deadline:  # two heartbeats: does it still beat?
             if store.versions(key)[-1] != first:
-                raise ValueError(f"{name} is already running in this job (its heartbeat "
-                                 f"{key} advances); give this one another --index")  # fmt: skip
+                raise ValueError(
+                    f"{name} is already running in this job (its heartbeat "
+                    f"{key} advances); give this one another --index"
+                )
             time.sleep(cfg.rl.heartbeat_s / 4)
     except (KeyNotFoundError, VersionNotFoundError, IndexError):
         return  # it left meanwhile
@@ -528,8 +574,7 @@ def _check_index_free(store: Any, name: str, cfg: RLConfig) -> None:
 # -- the local launcher ----------------------------------------------------------------------
 
 
-def run_local(config: str = "rl_addition", overrides: Sequence[str] = (), *,
-              nproc: int = 1) -> int:  # fmt: skip
+def run_local(config: str = "rl_addition", overrides: Sequence[str] = (), *, nproc: int = 1) -> int:
     """`tidal rl --config CONFIG OVERRIDES... --nproc N` from Python: every role on this
     machine (embedded store, generator processes, `nproc` trainer ranks). Returns the exit
     status (0: done; the run's folder holds metrics.jsonl, rl.png and the checkpoints).
@@ -549,8 +594,14 @@ def run_local(config: str = "rl_addition", overrides: Sequence[str] = (), *,
     return launch_local(cfg, ["--config", config, *overrides], nproc=nproc)
 
 
-def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: str | None = None,
-                 log: Log = print) -> int:  # fmt: skip
+def launch_local(
+    cfg: RLConfig,
+    role_argv: list[str],
+    *,
+    nproc: int = 1,
+    token: str | None = None,
+    log: Log = print,
+) -> int:
     """`tidal rl`: every role on this machine, coupled by an embedded store (see the module
     docstring). `role_argv` is the config's command line (`--config NAME` and overrides),
     repeated for each role. Returns the exit status."""
@@ -560,8 +611,10 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: 
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     src = check_rl_job(cfg, log=log)
     if cfg.rl.mps and generator_device(cfg).type != "cuda":
-        raise ValueError("rl.mps shares a GPU between the roles, but the generators run "
-                         f"on {generator_device(cfg)}: set --rl.mps false")  # fmt: skip
+        raise ValueError(
+            "rl.mps shares a GPU between the roles, but the generators run "
+            f"on {generator_device(cfg)}: set --rl.mps false"
+        )
     if cfg.store.address:
         store = connect_store(cfg.store.address, cfg, token=token)
     else:
@@ -577,8 +630,9 @@ def launch_local(cfg: RLConfig, role_argv: list[str], *, nproc: int = 1, token: 
         store.close()
 
 
-def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log: Log,
-               mps: dict[str, str]) -> int:  # fmt: skip
+def _run_roles(
+    cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log: Log, mps: dict[str, str]
+) -> int:
     env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1", **mps}
     env.setdefault("OMP_NUM_THREADS", "1")
     memory = cfg.store.policy_memory
@@ -594,8 +648,13 @@ def _run_roles(cfg: RLConfig, store: Any, role_argv: list[str], nproc: int, log:
         )
     trainer_cmd = [sys.executable, "-m", "tidal", "rl", "trainer", *common]
     if nproc > 1:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={nproc}"]  # fmt: skip
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
         trainer_cmd = [*torchrun, "-m", "tidal", "rl", "trainer", *common]
     procs["trainer"] = subprocess.Popen(trainer_cmd, env=role_env(env, cfg.trainer.sm_percent))
     try:

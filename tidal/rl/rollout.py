@@ -33,11 +33,20 @@ MAX_ANSWER_CHARS = 256
 """Parsed answers are cut to this many characters in the batch (the store carries plain
 values of at most 1 MB a version)."""
 
-_TENSORS_NC = {"completion_ids": torch.int64, "completion_mask": torch.bool,
-               "logprobs": torch.float32, "sampling_logprobs": torch.float32,
-               "versions": torch.int64}  # fmt: skip
-_TENSORS_N = {"prompt_lens": torch.int64, "rewards": torch.float32, "group_ids": torch.int64,
-              "format_ok": torch.bool, "truncated": torch.bool}  # fmt: skip
+_TENSORS_NC = {
+    "completion_ids": torch.int64,
+    "completion_mask": torch.bool,
+    "logprobs": torch.float32,
+    "sampling_logprobs": torch.float32,
+    "versions": torch.int64,
+}
+_TENSORS_N = {
+    "prompt_lens": torch.int64,
+    "rewards": torch.float32,
+    "group_ids": torch.int64,
+    "format_ok": torch.bool,
+    "truncated": torch.bool,
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,8 +168,9 @@ class RolloutBatch:
             sampling_logprobs[i, :c] = torch.tensor(s.sampling_logprobs)
             if s.versions is not None:
                 if len(s.versions) != c:
-                    raise ValueError(f"sample {i}: {c} completion tokens but {len(s.versions)} "
-                                     "versions")  # fmt: skip
+                    raise ValueError(
+                        f"sample {i}: {c} completion tokens but {len(s.versions)} versions"
+                    )
                 versions[i, :c] = torch.tensor(s.versions, dtype=torch.int64)
             elif s.weight_version is not None:
                 versions[i, :c] = s.weight_version
@@ -186,8 +196,13 @@ class RolloutBatch:
 
     def to_state_dict(self) -> dict[str, Any]:
         """Tensors and plain values for `store.put_state_dict` (no pickling anywhere)."""
-        sd: dict[str, Any] = {"schema": SCHEMA, "task": self.task, "pad_id": self.pad_id,
-                              "answers": list(self.answers), "meta": dict(self.meta)}  # fmt: skip
+        sd: dict[str, Any] = {
+            "schema": SCHEMA,
+            "task": self.task,
+            "pad_id": self.pad_id,
+            "answers": list(self.answers),
+            "meta": dict(self.meta),
+        }
         for name in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC):
             sd[name] = getattr(self, name)
         return sd
@@ -256,8 +271,9 @@ class RolloutBatch:
             rows = rows.nonzero()[:, 0]
         idx = rows.tolist()
         tensors = {n: getattr(self, n)[rows] for n in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC)}
-        return replace(self, answers=[self.answers[i] for i in idx], meta=dict(self.meta),
-                       **tensors)  # fmt: skip
+        return replace(
+            self, answers=[self.answers[i] for i in idx], meta=dict(self.meta), **tensors
+        )
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
@@ -297,8 +313,9 @@ class RolloutBatch:
             offset += int(inverse.max()) + 1 if inverse.numel() else 0
         out["group_ids"] = torch.cat(groups)
         answers = [a for b in batches for a in b.answers]
-        return cls(**out, answers=answers, task=first.task, pad_id=first.pad_id,
-                   meta=dict(first.meta))  # fmt: skip
+        return cls(
+            **out, answers=answers, task=first.task, pad_id=first.pad_id, meta=dict(first.meta)
+        )
 
     def stats(self) -> dict[str, float]:
         """Means for logging: reward, format-ok, answered and truncated rates, completion

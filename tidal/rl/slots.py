@@ -25,10 +25,16 @@ class Request:
     """Which batch of a stream it belongs to (Generator.stream numbers them 0, 1, ...)."""
 
 
-def make_requests(prompts: Sequence[Sequence[int]],
-                  params: SamplingParams | Sequence[SamplingParams] | None, *, vocab_size: int,
-                  capacity: int, model_max_seq_len: int, max_batch: int,
-                  tokenizer: Any) -> list[Request]:  # fmt: skip
+def make_requests(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    *,
+    vocab_size: int,
+    capacity: int,
+    model_max_seq_len: int,
+    max_batch: int,
+    tokenizer: Any,
+) -> list[Request]:
     """Check one batch of prompts and their sampling parameters against the generator's
     sizes (`Generator.generate` documents each error) and make its requests."""
     if isinstance(prompts, (str, bytes)) or (len(prompts) and isinstance(prompts[0], int)):
@@ -123,8 +129,22 @@ class Slot:
 class Rows:
     """The device state of every slot (all [R] or [R, W]); decode steps update it in place."""
 
-    FIELDS = ("last", "pos", "count", "done", "max_new", "temperature", "top_k", "top_p",
-              "min_p", "key", "stop_ids", "out_tok", "out_lp", "out_slp")  # fmt: skip
+    FIELDS = (
+        "last",
+        "pos",
+        "count",
+        "done",
+        "max_new",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "key",
+        "stop_ids",
+        "out_tok",
+        "out_lp",
+        "out_slp",
+    )
 
     def __init__(self, rows: int, width: int, device: torch.device):
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -70,8 +70,17 @@ class Stager:
             store keeps versions in GPU memory) instead of host memory.
     """
 
-    def __init__(self, store: Any, key: str, params: Mapping[str, torch.Tensor], *, held: int,
-                 last: int, slice_s: float = 0.5, on_device: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Any,
+        key: str,
+        params: Mapping[str, torch.Tensor],
+        *,
+        held: int,
+        last: int,
+        slice_s: float = 0.5,
+        on_device: bool = False,
+    ) -> None:
         self.store, self.key, self.params = store, key, dict(params)
         self.last, self.slice_s = last, slice_s
         pin = any(t.is_cuda for t in self.params.values()) and torch.cuda.is_available()
@@ -155,8 +164,9 @@ class Stager:
             if newest > held:
                 self.store.get_state_dict(self.key, into=self.staging, version=newest)
                 return newest
-            self.store.get_state_dict(self.key, into=self.staging, version=target,
-                                      wait=self.slice_s)  # fmt: skip
+            self.store.get_state_dict(
+                self.key, into=self.staging, version=target, wait=self.slice_s
+            )
             return target
         except VersionNotFoundError as e:
             # A version aborted mid-put (the staging buffer may hold part of its bytes, and
@@ -220,8 +230,9 @@ class Stager:
         """Block until a version newer than the held one is staged (at most `timeout` s);
         returns it, or None. For callers that choose to wait; the async loop never does."""
         with self._cv:
-            self._cv.wait_for(lambda: self._staged is not None or self.error is not None,
-                              timeout=timeout)  # fmt: skip
+            self._cv.wait_for(
+                lambda: self._staged is not None or self.error is not None, timeout=timeout
+            )
             return self._staged
 
     def at_batch_start(self) -> int | None:
@@ -252,8 +263,9 @@ def _staging_like(t: torch.Tensor, on_device: bool, pin: bool) -> torch.Tensor:
         buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
     if not isinstance(t, DTensor):
         return buf
-    return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())  # fmt: skip
+    return DTensor.from_local(
+        buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

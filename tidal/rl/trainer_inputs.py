@@ -42,8 +42,17 @@ from tidal.rl.rollout import RolloutBatch
 from tidal.train.data import Batch
 from tidal.train.loss import IGNORE_INDEX, StepNorms
 
-_TOKEN_MEANS = ("kl", "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean", "entropy",
-                "tis_weight_mean", "tis_capped_frac", "is_masked_frac")  # fmt: skip
+_TOKEN_MEANS = (
+    "kl",
+    "clip_frac",
+    "clip_low_frac",
+    "clip_high_frac",
+    "ratio_mean",
+    "entropy",
+    "tis_weight_mean",
+    "tis_capped_frac",
+    "is_masked_frac",
+)
 """policy_loss metrics that are means over the micro-batch's tokens."""
 
 
@@ -89,8 +98,10 @@ def rollout_batches(
     if dp_world < 1 or not 0 <= dp_rank < dp_world:
         raise ValueError(f"need 0 <= dp_rank < dp_world, got dp_rank={dp_rank}, {dp_world=}")
     N, C = rollout.completion_ids.shape
-    per_token = {"old_logprobs": rollout.logprobs if old_logprobs is None else old_logprobs,
-                 "gen_logprobs": rollout.logprobs}  # fmt: skip
+    per_token = {
+        "old_logprobs": rollout.logprobs if old_logprobs is None else old_logprobs,
+        "gen_logprobs": rollout.logprobs,
+    }
     if ref_logprobs is not None:
         per_token["ref_logprobs"] = ref_logprobs
     for name, x in per_token.items():
@@ -103,15 +114,17 @@ def rollout_batches(
     if tuple(adv_N.shape) != (N,):
         raise ValueError(f"advantages must have shape {(N,)}, got {tuple(adv_N.shape)}")
     if N and int(rollout.prompt_lens.min()) < 1:
-        raise ValueError("every prompt needs at least one token (the first completion token's "
-                         "context)")  # fmt: skip
+        raise ValueError(
+            "every prompt needs at least one token (the first completion token's context)"
+        )
 
     ids_NL = rollout.token_ids()
     L = ids_NL.shape[1]
     T = L - 1 if seq_len is None else seq_len
     if T < L - 1:
-        raise ValueError(f"seq_len={seq_len} is shorter than the rollout's longest sequence, "
-                         f"{L - 1} positions")  # fmt: skip
+        raise ValueError(
+            f"seq_len={seq_len} is shorter than the rollout's longest sequence, {L - 1} positions"
+        )
     ids_NL = torch.cat([ids_NL, ids_NL.new_full((N, T + 1 - L), rollout.pad_id)], 1)
     # Completion token k of row i is label position prompt_len - 1 + k: (row, position) of
     # every completion token, in the completion layout's order.
@@ -145,8 +158,12 @@ def rollout_batches(
     input_ids = take(ids_NL[:, :-1], rollout.pad_id)
     labels = take(labels_NT, IGNORE_INDEX)
     extras = {k: take(v, False if v.dtype == torch.bool else 0.0) for k, v in extras_N.items()}
-    batch = Batch(input_ids=input_ids, labels=labels,
-                  document_ids=torch.zeros(rows, T, dtype=torch.int32), extras=extras)  # fmt: skip
+    batch = Batch(
+        input_ids=input_ids,
+        labels=labels,
+        document_ids=torch.zeros(rows, T, dtype=torch.int32),
+        extras=extras,
+    )
     return [batch.row_slice(s, s + micro_batch_size) for s in range(0, rows, micro_batch_size)]
 
 

@@ -80,10 +80,14 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         from tidal.train.trainer import model_args_for
 
         return PolicySource(
-            args=model_args_for(sft), flavor=sft.model.flavor, vocab_size=sft.model.vocab_size,
-            tokenizer=tok, encoder=encoder, checkpoint=ckpt,
+            args=model_args_for(sft),
+            flavor=sft.model.flavor,
+            vocab_size=sft.model.vocab_size,
+            tokenizer=tok,
+            encoder=encoder,
+            checkpoint=ckpt,
             describe=f"SFT warm start {p.source} ({ckpt})",
-        )  # fmt: skip
+        )
     if p.kind == "hf":
         from tidal.models.hf import hf_model_args
 
@@ -103,9 +107,15 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         tok = _tokenizer(tok_spec, cfg)
         tok_path = None if tok_spec.startswith("sft:") else tok_spec
         encoder = build_encoder(tok, p.chat_template, tok_path)
-        return PolicySource(args=args, flavor=matching_flavor(args) or cfg.model.flavor,
-                            vocab_size=None, tokenizer=tok, encoder=encoder, hf_folder=folder,
-                            describe=f"Hugging Face folder {folder}")  # fmt: skip
+        return PolicySource(
+            args=args,
+            flavor=matching_flavor(args) or cfg.model.flavor,
+            vocab_size=None,
+            tokenizer=tok,
+            encoder=encoder,
+            hf_folder=folder,
+            describe=f"Hugging Face folder {folder}",
+        )
     tok = _tokenizer(p.tokenizer, cfg)
     tok_path = p.tokenizer if not p.tokenizer.startswith("sft:") else None
     encoder = build_encoder(tok, p.chat_template, tok_path)
@@ -131,17 +141,29 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
         args = FLAVORS[flavor]
         if vocab is not None:
             args = dataclasses.replace(args, vocab_size=vocab)
-        return PolicySource(args=args, flavor=flavor, vocab_size=vocab, tokenizer=tok,
-                            encoder=encoder, checkpoint=path,
-                            describe=f"checkpoint {path}")  # fmt: skip
+        return PolicySource(
+            args=args,
+            flavor=flavor,
+            vocab_size=vocab,
+            tokenizer=tok,
+            encoder=encoder,
+            checkpoint=path,
+            describe=f"checkpoint {path}",
+        )
     from dataclasses import replace
 
     args = FLAVORS[cfg.model.flavor]
     if cfg.model.vocab_size is not None:
         args = replace(args, vocab_size=cfg.model.vocab_size)
     seed = f"seed init of {cfg.model.flavor} (seed {cfg.trainer.seed})"
-    return PolicySource(args=args, flavor=cfg.model.flavor, vocab_size=cfg.model.vocab_size,
-                        tokenizer=tok, encoder=encoder, describe=seed)  # fmt: skip
+    return PolicySource(
+        args=args,
+        flavor=cfg.model.flavor,
+        vocab_size=cfg.model.vocab_size,
+        tokenizer=tok,
+        encoder=encoder,
+        describe=seed,
+    )
 
 
 def sft_run(cfg: RLConfig):
@@ -197,14 +219,28 @@ def prepare_policy(cfg: RLConfig, *, log: Log = print) -> None:
         return
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    run = apply_overrides(sft, [
-        "--job.output_dir", str(partial), "--checkpoint.enable", "true",
-        "--checkpoint.interval", str(sft.training.steps), "--checkpoint.keep_latest_k", "1",
-        "--checkpoint.last_save_model_only", "true", "--sample.max_new_tokens", "0",
-    ])  # fmt: skip
+    run = apply_overrides(
+        sft,
+        [
+            "--job.output_dir",
+            str(partial),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            str(sft.training.steps),
+            "--checkpoint.keep_latest_k",
+            "1",
+            "--checkpoint.last_save_model_only",
+            "true",
+            "--sample.max_new_tokens",
+            "0",
+        ],
+    )
     t = sft.training
-    log(f"warm start: SFT {cfg.policy.source} for {t.steps} steps (cached for later runs in "
-        f"{folder})")  # fmt: skip
+    log(
+        f"warm start: SFT {cfg.policy.source} for {t.steps} steps (cached for later runs in "
+        f"{folder})"
+    )
     trainer = Trainer(run, log=log)
     try:
         last = trainer.train()

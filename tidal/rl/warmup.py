@@ -107,8 +107,10 @@ def warm_up(
     sizes = sorted(set(gen.buckets if buckets is None else buckets), reverse=True)
     bad = [b for b in sizes if b not in gen.buckets]
     if bad:
-        raise ValueError(f"warm_up buckets {bad} are not batch buckets of this Generator "
-                         f"(max_batch={gen.config.max_batch}): {gen.buckets}")  # fmt: skip
+        raise ValueError(
+            f"warm_up buckets {bad} are not batch buckets of this Generator "
+            f"(max_batch={gen.config.max_batch}): {gen.buckets}"
+        )
     if not (gen._compile_on or gen._graphs_on):
         return 0.0
     start = time.perf_counter()

@@ -158,9 +158,10 @@ class RemoteBackend:
             self._doomed.extend(slots)
             if self._sender is None:
                 self._sender = threading.Thread(
-                    target=self._sender_loop, name=f"tidal-store-destroy-{self.volume_id}",
+                    target=self._sender_loop,
+                    name=f"tidal-store-destroy-{self.volume_id}",
                     daemon=True,
-                )  # fmt: skip
+                )
                 self._sender.start()
             self._queue.notify()
 

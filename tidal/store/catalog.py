@@ -299,6 +299,8 @@ def _check_kind(key: str, have: str, want: str) -> None:
 def _version_sig(vrec: VersionRec) -> str:
     return layout_signature(
         vrec.kind,
-        {n: (t.shape, t.dtype, [(s.offsets, s.sizes) for s in t.shards])
-         for n, t in vrec.tensors.items()},
-    )  # fmt: skip
+        {
+            n: (t.shape, t.dtype, [(s.offsets, s.sizes) for s in t.shards])
+            for n, t in vrec.tensors.items()
+        },
+    )

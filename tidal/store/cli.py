@@ -33,8 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     _token_args(serve, "shared secret clients must present; required off loopback")
     serve.add_argument("--keep", type=int, default=2, help="versions retained per key")
     serve.add_argument("--capacity-gb", type=float, default=None, help="volume memory cap")
-    serve.add_argument("--reserve-gb", type=float, default=0.0,
-                       help="memory allocated at start for new keys' first puts")  # fmt: skip
+    serve.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=0.0,
+        help="memory allocated at start for new keys' first puts",
+    )
     serve.add_argument("--shm-dir", default="/dev/shm", help="where segments live")
     serve.add_argument("--no-volume", action="store_true", help="metadata only (volumes join)")
     serve.set_defaults(func=_serve)
@@ -59,10 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _token_args(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--token-file", default=None,
-                   help=f"file holding {what} (or set TIDAL_STORE_TOKEN)")  # fmt: skip
-    p.add_argument("--token", default=None, help="the secret itself (visible to ps; prefer "
-                   "--token-file)")  # fmt: skip
+    p.add_argument(
+        "--token-file", default=None, help=f"file holding {what} (or set TIDAL_STORE_TOKEN)"
+    )
+    p.add_argument(
+        "--token", default=None, help="the secret itself (visible to ps; prefer --token-file)"
+    )
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -109,8 +115,13 @@ def _serve(args: argparse.Namespace) -> int:
     store_id = new_store_id()
     volume = None
     if not args.no_volume:
-        volume = Volume("v0", store_id, shm_dir=args.shm_dir, capacity=_gb(args.capacity_gb),
-                        reserve=_gb(args.reserve_gb) or 0)  # fmt: skip
+        volume = Volume(
+            "v0",
+            store_id,
+            shm_dir=args.shm_dir,
+            capacity=_gb(args.capacity_gb),
+            reserve=_gb(args.reserve_gb) or 0,
+        )
     server = Server(
         controller=Controller(store_id, keep=args.keep),
         volume=volume,
@@ -154,8 +165,17 @@ def _ls(args: argparse.Namespace) -> int:
         listing = store.ls(args.prefix)
     rows = [("KEY", "VERSION", "KIND", "TENSORS", "SHARDS", "BYTES", "VOLUMES")]
     for e in listing["entries"]:
-        rows.append((e["key"], str(e["version"]), e["kind"], str(e["tensors"]),
-                     str(e["shards"]), _size(e["bytes"]), ",".join(e["volumes"])))  # fmt: skip
+        rows.append(
+            (
+                e["key"],
+                str(e["version"]),
+                e["kind"],
+                str(e["tensors"]),
+                str(e["shards"]),
+                _size(e["bytes"]),
+                ",".join(e["volumes"]),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

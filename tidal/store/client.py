@@ -61,8 +61,14 @@ class Store:
         self.address = address
         self.transport = transport
         self._server = _server
-        self._s = Session(address, token=token, timeout=timeout, transport=transport,
-                          volume=volume, connections=connections)  # fmt: skip
+        self._s = Session(
+            address,
+            token=token,
+            timeout=timeout,
+            transport=transport,
+            volume=volume,
+            connections=connections,
+        )
         self._writer = Writer(self._s)
         self._reader = Reader(self._s)
         self._lock = threading.Lock()
@@ -210,11 +216,20 @@ class Store:
             _check_count("keep", keep, 1)
         if memory not in ("host", "cuda"):
             raise ValueError(f"memory must be 'host' or 'cuda', got {memory!r}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or
-                                  not dtype.is_floating_point):  # fmt: skip
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
             raise ValueError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
-        return self._writer.put(key, kind, items, version=version, writers=writers, keep=keep,
-                                memory=memory, dtype=dtype)  # fmt: skip
+        return self._writer.put(
+            key,
+            kind,
+            items,
+            version=version,
+            writers=writers,
+            keep=keep,
+            memory=memory,
+            dtype=dtype,
+        )
 
     # ================================================================== reads
 
@@ -342,8 +357,9 @@ class Store:
         _check_key(key)
         if version != "latest":
             _check_count("version", version, 0, "a non-negative int or 'latest'")
-        if wait is not None and (version == "latest" or not isinstance(wait, int | float)
-                                 or wait < 0):  # fmt: skip
+        if wait is not None and (
+            version == "latest" or not isinstance(wait, int | float) or wait < 0
+        ):
             raise ValueError("wait= needs a version number and a non-negative number of seconds")
         return self._reader.get(key, kind, dests, version, wait, copy, cast)
 
@@ -375,8 +391,9 @@ class Store:
         into CUDA destinations run on a side stream (a generator's prefetch)."""
         return self._submit_copies(into, self.get_state_dict, key, into, **kwargs)
 
-    def _submit_copies(self, tensors: Any, fn: Callable[..., Any], *args: Any,
-                       **kwargs: Any) -> Future[Any]:  # fmt: skip
+    def _submit_copies(
+        self, tensors: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Future[Any]:
         """Run ``fn`` in a background thread, with its CUDA copies on side streams ordered
         after the caller's queued work on the devices of ``tensors``."""
         self._s.check_open()

@@ -110,13 +110,17 @@ class Controller(Writes):
             vols=[index[s.volume] for s in flat],
             volume_ids=volume_ids,
             meta=[
-                {"name": list(n), "shape": list(vrec.tensors[n].shape),
-                 "dtype": vrec.tensors[n].dtype,
-                 "boxes": [{"offsets": list(s.offsets), "sizes": list(s.sizes)}
-                           for s in shards[n]]}
+                {
+                    "name": list(n),
+                    "shape": list(vrec.tensors[n].shape),
+                    "dtype": vrec.tensors[n].dtype,
+                    "boxes": [
+                        {"offsets": list(s.offsets), "sizes": list(s.sizes)} for s in shards[n]
+                    ],
+                }
                 for n in names
             ],
-        )  # fmt: skip
+        )
         if vrec.layout is not None:
             self._read_layouts[vrec.layout] = rl
         return rl
@@ -249,10 +253,13 @@ class Controller(Writes):
 
     def keys(self, conn: int, *, prefix: str) -> dict[str, Any]:
         with self._lock:
-            return {"keys": sorted(
-                k for k, r in self._keys.items()
-                if k.startswith(prefix) and any(v.committed for v in r.versions.values())
-            )}  # fmt: skip
+            return {
+                "keys": sorted(
+                    k
+                    for k, r in self._keys.items()
+                    if k.startswith(prefix) and any(v.committed for v in r.versions.values())
+                )
+            }
 
     def versions(self, conn: int, *, key: str) -> dict[str, Any]:
         with self._lock:
@@ -325,10 +332,15 @@ class Controller(Writes):
 
     def _volume_states(self) -> list[dict[str, Any]]:
         return [
-            {"volume": v.volume_id, "kind": v.kind, "host": v.host, "address": v.address,
-             "alive": v.alive}
+            {
+                "volume": v.volume_id,
+                "kind": v.kind,
+                "host": v.host,
+                "address": v.address,
+                "alive": v.alive,
+            }
             for v in self._volumes.values()
-        ]  # fmt: skip
+        ]
 
     def readers_waiting(self, key: str, version: int) -> bool:
         """Whether a streaming reader waits for ``version`` of ``key`` (tidal.store.testing)."""
@@ -338,5 +350,9 @@ class Controller(Writes):
     def counts(self) -> dict[str, int]:
         """Live leases, slots, plans and reservations (tidal.store.testing)."""
         with self._lock:
-            return {"leases": len(self._leases), "slots": len(self._slot_owner),
-                    "plans": len(self._plans), "reservations": len(self._reservations)}  # fmt: skip
+            return {
+                "leases": len(self._leases),
+                "slots": len(self._slot_owner),
+                "plans": len(self._plans),
+                "reservations": len(self._reservations),
+            }

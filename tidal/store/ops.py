@@ -97,9 +97,16 @@ s_grant = s_bytes(GRANT_BYTES)
 # A device slot: its GPU, the IPC handle of the allocation it was carved from, its offset
 # there and the allocation's size (``span``), and the IPC handle of the event recorded after
 # each put's copies on that GPU (tidal/store/transports/cuda_ipc.py).
-s_handle = s_map({"slot": s_slot, "uuid": s_str(128), "handle": s_bytes(HANDLE_BYTES),
-                  "offset": s_int(0, 1 << 62), "span": s_int(1, 1 << 62),
-                  "event": s_bytes(HANDLE_BYTES)})  # fmt: skip
+s_handle = s_map(
+    {
+        "slot": s_slot,
+        "uuid": s_str(128),
+        "handle": s_bytes(HANDLE_BYTES),
+        "offset": s_int(0, 1 << 62),
+        "span": s_int(1, 1 << 62),
+        "event": s_bytes(HANDLE_BYTES),
+    }
+)
 # Where a volume's bytes are. shm volumes: segments ``<shm_dir>/tidal-<store_id>-<id>-<slot>``
 # (and ``.<part>`` files for slots over volume.PART_BYTES) readable on ``host``, and
 # ``address`` for TCP; cuda volumes: a writer's GPU memory.
@@ -114,18 +121,26 @@ s_volume = s_map(
     }
 )
 s_decl = s_map(
-    {"name": s_path, "shape": s_dims, "dtype": wire.s_enum(*wire.DTYPES), "offsets": s_dims,
-     "sizes": s_dims}
-)  # fmt: skip
+    {
+        "name": s_path,
+        "shape": s_dims,
+        "dtype": wire.s_enum(*wire.DTYPES),
+        "offsets": s_dims,
+        "sizes": s_dims,
+    }
+)
 s_meta = s_map(
-    {"name": s_path, "shape": s_dims, "dtype": wire.s_enum(*wire.DTYPES),
-     "boxes": s_list(s_map({"offsets": s_dims, "sizes": s_dims}), MAX_ITEMS)}
-)  # fmt: skip
+    {
+        "name": s_path,
+        "shape": s_dims,
+        "dtype": wire.s_enum(*wire.DTYPES),
+        "boxes": s_list(s_map({"offsets": s_dims, "sizes": s_dims}), MAX_ITEMS),
+    }
+)
 s_object = s_map({"name": s_path, "value": s_value()})
 s_reservation = s_map(
-    {"id": s_int(1, 1 << 62), "slots": s_slots_or_none, "fresh": s_slots,
-     "grant": s_grant}
-)  # fmt: skip
+    {"id": s_int(1, 1 << 62), "slots": s_slots_or_none, "fresh": s_slots, "grant": s_grant}
+)
 
 OPS: dict[str, Op] = {}
 
@@ -138,99 +153,156 @@ def _op(name: str, served_by: Server, request: dict[str, Checker], reply=None, *
 
 # -- session ------------------------------------------------------------------------------
 HELLO = _op(
-    "hello", "controller",
+    "hello",
+    "controller",
     {"token": s_opt(s_str(1024)), "proto": s_int(0, 1 << 16)},
     {"host": s_host, "proto": s_int(0, 1 << 16)},
     doc="the first message of every connection: the token and the protocol version",
-)  # fmt: skip
+)
 BYE = _op("bye", "controller", {}, doc="a graceful close: leases and pending writes go first")
 
 # -- writes -------------------------------------------------------------------------------
 PUT_DECLARE = _op(
-    "put_declare", "controller",
-    {"key": s_key, "kind": s_enum("tensor", "state_dict"), "writers": s_int(1, 1 << 20),
-     "keep": s_opt(s_int(1, 1 << 20)), "host": s_host, "volume": s_opt(s_volume_id),
-     "tensors": s_list(s_decl, MAX_ITEMS)},
+    "put_declare",
+    "controller",
+    {
+        "key": s_key,
+        "kind": s_enum("tensor", "state_dict"),
+        "writers": s_int(1, 1 << 20),
+        "keep": s_opt(s_int(1, 1 << 20)),
+        "host": s_host,
+        "volume": s_opt(s_volume_id),
+        "tensors": s_list(s_decl, MAX_ITEMS),
+    },
     {"plan": s_int(1, 1 << 62), "volume": s_volume},
     doc="a writer's layout of one key (tensors, shapes, boxes), checked once and kept by "
     "the controller as a put plan of this connection",
-)  # fmt: skip
+)
 PUT_BEGIN = _op(
-    "put_begin", "controller",
-    {"key": s_key, "plan": s_int(1, 1 << 62), "version": s_opt(s_version), "writer": s_writer,
-     "reservation": s_opt(s_int(1, 1 << 62)), "objects": s_list(s_object, 1 << 16)},
-    {"version": s_version, "slots": s_slots_or_none, "fresh": s_slots,
-     "grant": s_grant, "report": s_bool, "freed": s_slots},
+    "put_begin",
+    "controller",
+    {
+        "key": s_key,
+        "plan": s_int(1, 1 << 62),
+        "version": s_opt(s_version),
+        "writer": s_writer,
+        "reservation": s_opt(s_int(1, 1 << 62)),
+        "objects": s_list(s_object, 1 << 16),
+    },
+    {
+        "version": s_version,
+        "slots": s_slots_or_none,
+        "fresh": s_slots,
+        "grant": s_grant,
+        "report": s_bool,
+        "freed": s_slots,
+    },
     bound=True,
     doc="start writing a version of a plan: slots per tensor (None: nothing to write, an "
     "empty shard or a replica another writer stores), the slots new to the volume (never "
     "written: a device volume's owner allocates them, a shared-memory writer fills them "
     "with pwrite), and whether a reader waits for progress reports",
-)  # fmt: skip
+)
 PUT_PROGRESS = _op(
-    "put_progress", "controller",
+    "put_progress",
+    "controller",
     {"key": s_key, "version": s_version, "writer": s_writer, "slots": s_slots},
     bound=True,
     doc="these slots of a pending version are written (for streaming readers)",
-)  # fmt: skip
+)
 PUT_COMMIT = _op(
-    "put_commit", "controller",
+    "put_commit",
+    "controller",
     {"key": s_key, "version": s_version, "writer": s_writer, "reserve": s_bool},
     {"visible": s_bool, "next": s_opt(s_reservation), "freed": s_slots},
     bound=True,
     doc="a writer's bytes are all in place; with reserve, slots for its next put come back",
-)  # fmt: skip
+)
 PUT_ABORT = _op(
-    "put_abort", "controller",
+    "put_abort",
+    "controller",
     {"key": s_key, "version": s_version, "writer": s_writer},
     bound=True,
     doc="drop a pending version this connection began",
-)  # fmt: skip
+)
 DEVICE_VOLUME = _op(
-    "device_volume", "controller",
+    "device_volume",
+    "controller",
     {"volume_id": s_volume_id, "host": s_host},
     doc="register this connection's GPU memory as a volume that dies with the connection",
-)  # fmt: skip
+)
 PUT_HANDLES = _op(
-    "put_handles", "controller",
+    "put_handles",
+    "controller",
     {"volume_id": s_volume_id, "handles": s_list(s_handle, MAX_ITEMS)},
     bound=True,
     doc="CUDA IPC handles of slots the owner of a device volume allocated",
-)  # fmt: skip
+)
 
 # -- reads --------------------------------------------------------------------------------
 ACQUIRE = _op(
-    "acquire", "controller",
-    {"key": s_key, "version": s_any_of(s_version, s_enum("latest")),
-     "known_sig": s_opt(s_str(128)), "wait_ms": s_opt(s_int(0, 1 << 31))},
-    {"waiting": s_bool, "version": s_version, "lease": s_int(1, 1 << 62),
-     "kind": s_enum("tensor", "state_dict"), "sig": s_str(128), "pending": s_bool,
-     "slots": s_slots_or_none, "vols": wire.s_ints(0, 1 << 20, MAX_ITEMS),
-     "volumes": s_list(s_volume, 1 << 16), "meta": s_list(s_meta, MAX_ITEMS),
-     "objects": s_list(s_object, 1 << 16)},
-    optional=frozenset({"version", "lease", "kind", "sig", "pending", "slots", "vols",
-                        "volumes", "meta", "objects"}),
+    "acquire",
+    "controller",
+    {
+        "key": s_key,
+        "version": s_any_of(s_version, s_enum("latest")),
+        "known_sig": s_opt(s_str(128)),
+        "wait_ms": s_opt(s_int(0, 1 << 31)),
+    },
+    {
+        "waiting": s_bool,
+        "version": s_version,
+        "lease": s_int(1, 1 << 62),
+        "kind": s_enum("tensor", "state_dict"),
+        "sig": s_str(128),
+        "pending": s_bool,
+        "slots": s_slots_or_none,
+        "vols": wire.s_ints(0, 1 << 20, MAX_ITEMS),
+        "volumes": s_list(s_volume, 1 << 16),
+        "meta": s_list(s_meta, MAX_ITEMS),
+        "objects": s_list(s_object, 1 << 16),
+    },
+    optional=frozenset(
+        {
+            "version",
+            "lease",
+            "kind",
+            "sig",
+            "pending",
+            "slots",
+            "vols",
+            "volumes",
+            "meta",
+            "objects",
+        }
+    ),
     doc="pin a version for reading (a lease) and say where its shards are; the layout "
     "(meta) only when the client's cached signature is stale; waiting=True (and nothing "
     "else) when wait_ms passed before the version began",
-)  # fmt: skip
+)
 WAIT = _op(
-    "wait", "controller",
+    "wait",
+    "controller",
     {"key": s_key, "version": s_version, "slots": s_slots, "wait_ms": s_int(0, 1 << 31)},
     {"done": s_bool, "committed": s_bool, "written": s_slots},
     doc="block until the first of these slots of a pending version is written (no slots: "
     "its commit); written: those of them written by then",
-)  # fmt: skip
+)
 RELEASE = _op(
-    "release", "controller", {"lease": s_int(1, 1 << 62)}, {"lost": s_bool}, bound=True,
+    "release",
+    "controller",
+    {"lease": s_int(1, 1 << 62)},
+    {"lost": s_bool},
+    bound=True,
     doc="unpin a version; lost says whether its volume died meanwhile",
-)  # fmt: skip
+)
 SLOT_HANDLES = _op(
-    "slot_handles", "controller",
+    "slot_handles",
+    "controller",
     {"volume_id": s_volume_id, "slots": s_slots},
     {"handles": s_list(s_handle, MAX_ITEMS)},
     doc="the CUDA IPC handles of a device volume's slots, for a reader to open them",
-)  # fmt: skip
+)
 
 # -- queries ------------------------------------------------------------------------------
 KEYS = _op("keys", "controller", {"prefix": s_str(1024)}, {"keys": s_list(s_key, MAX_ITEMS)})
@@ -239,53 +311,81 @@ EXISTS = _op(
     "exists", "controller", {"key": s_key, "version": s_opt(s_version)}, {"exists": s_bool}
 )
 DELETE = _op(
-    "delete", "controller", {"key": s_key, "version": s_opt(s_version)},
+    "delete",
+    "controller",
+    {"key": s_key, "version": s_opt(s_version)},
     {"deleted": s_int(0, 1 << 62)},
-)  # fmt: skip
+)
 s_entry = s_map(
-    {"key": s_key, "version": s_version, "kind": s_enum("tensor", "state_dict"),
-     "tensors": s_int(), "shards": s_int(), "bytes": s_int(), "volumes": s_list(s_volume_id)}
-)  # fmt: skip
+    {
+        "key": s_key,
+        "version": s_version,
+        "kind": s_enum("tensor", "state_dict"),
+        "tensors": s_int(),
+        "shards": s_int(),
+        "bytes": s_int(),
+        "volumes": s_list(s_volume_id),
+    }
+)
 s_volume_state = s_map(
-    {"volume": s_volume_id, "kind": s_enum("shm", "cuda"), "host": s_host,
-     "address": s_str(512), "alive": s_bool}
-)  # fmt: skip
+    {
+        "volume": s_volume_id,
+        "kind": s_enum("shm", "cuda"),
+        "host": s_host,
+        "address": s_str(512),
+        "alive": s_bool,
+    }
+)
 LS = _op(
-    "ls", "controller", {"prefix": s_str(1024)},
+    "ls",
+    "controller",
+    {"prefix": s_str(1024)},
     {"entries": s_list(s_entry, MAX_ITEMS), "volumes": s_list(s_volume_state, 1 << 16)},
-)  # fmt: skip
+)
 VOLUMES = _op("volumes", "controller", {}, {"volumes": s_list(s_volume_state, 1 << 16)})
 
 # -- volumes ------------------------------------------------------------------------------
 REGISTER_VOLUME = _op(
-    "register_volume", "controller",
-    {"volume_id": s_volume_id, "address": s_str(512), "host": s_host,
-     "shm_dir": s_str(1024), "store_id": s_str(96)},
+    "register_volume",
+    "controller",
+    {
+        "volume_id": s_volume_id,
+        "address": s_str(512),
+        "host": s_host,
+        "shm_dir": s_str(1024),
+        "store_id": s_str(96),
+    },
     doc="a volume process joins; the controller then sends it registration ops on this "
     "connection, and its close means the volume is gone",
-)  # fmt: skip
+)
 VOL_WRITE = _op(
-    "vol_write", "volume",
+    "vol_write",
+    "volume",
     {"slot": s_slot, "offset": s_int(), "nbytes": s_int(), "grant": s_grant},
-    payload=True, doc="bytes into a slot the controller granted to this writer",
-)  # fmt: skip
+    payload=True,
+    doc="bytes into a slot the controller granted to this writer",
+)
 VOL_READ = _op(
-    "vol_read", "volume",
-    {"slot": s_slot, "shape": s_dims, "itemsize": s_int(1, 64), "offsets": s_dims,
-     "sizes": s_dims},
-    {"nbytes": s_int()}, reply_payload=True,
+    "vol_read",
+    "volume",
+    {"slot": s_slot, "shape": s_dims, "itemsize": s_int(1, 64), "offsets": s_dims, "sizes": s_dims},
+    {"nbytes": s_int()},
+    reply_payload=True,
     doc="a sub-box of the shard a slot holds, contiguous",
-)  # fmt: skip
+)
 VOL_CREATE = _op(
-    "vol_create", "registration",
+    "vol_create",
+    "registration",
     {"segments": s_list(s_map({"slot": s_slot, "nbytes": s_int()}), MAX_ITEMS)},
     doc="allocate segments for new slots",
-)  # fmt: skip
+)
 VOL_DESTROY = _op("vol_destroy", "registration", {"slots": s_slots}, doc="free segments")
 VOL_GRANT = _op(
-    "vol_grant", "registration", {"slots": s_slots, "grant": s_grant},
+    "vol_grant",
+    "registration",
+    {"slots": s_slots, "grant": s_grant},
     doc="these slots may be written by whoever shows the grant",
-)  # fmt: skip
+)
 VOL_SEAL = _op("vol_seal", "registration", {"slots": s_slots}, doc="no more writes")
 
 

@@ -37,8 +37,16 @@ def fingerprint(items: list[tuple[Path, torch.Tensor]], cast: torch.dtype | None
     out: list[tuple[Any, ...]] = []
     for path, t in items:
         if isinstance(t, DTensor):
-            out.append((path, tuple(t.shape), t.dtype, tuple(t.placements), id(t.device_mesh),
-                        tuple(t._local_tensor.shape)))  # fmt: skip
+            out.append(
+                (
+                    path,
+                    tuple(t.shape),
+                    t.dtype,
+                    tuple(t.placements),
+                    id(t.device_mesh),
+                    tuple(t._local_tensor.shape),
+                )
+            )
         else:
             out.append((path, tuple(t.shape), t.dtype))
     return (cast, tuple(out))
@@ -60,9 +68,15 @@ def describe(
         shape, offs, sizes, local = layout.window(value)
         if isinstance(value, DTensor):
             meshes = max(meshes, value.device_mesh.size())
-        decls.append({"name": list(path), "shape": list(shape),
-                      "dtype": wire.dtype_name(stored_dtype(value, cast)),
-                      "offsets": list(offs), "sizes": list(sizes)})  # fmt: skip
+        decls.append(
+            {
+                "name": list(path),
+                "shape": list(shape),
+                "dtype": wire.dtype_name(stored_dtype(value, cast)),
+                "offsets": list(offs),
+                "sizes": list(sizes),
+            }
+        )
         locals_.append(local)
     return decls, locals_, meshes
 
@@ -170,9 +184,17 @@ def read_plan(stored: dict[Path, Stored], windows: list[Window]) -> list[Copy]:
             src_off = tuple(a - b for a, b in zip(h_off, b_off, strict=True))
             dst_off = tuple(a - b for a, b in zip(h_off, offs, strict=True))
             out.append(
-                Copy(d, s.first + k, b_size, src_off, dst_off, h_size,
-                     whole_src=h_size == b_size, whole_dst=h_size == sizes)
-            )  # fmt: skip
+                Copy(
+                    d,
+                    s.first + k,
+                    b_size,
+                    src_off,
+                    dst_off,
+                    h_size,
+                    whole_src=h_size == b_size,
+                    whole_dst=h_size == sizes,
+                )
+            )
     return out
 
 

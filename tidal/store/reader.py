@@ -75,8 +75,9 @@ class Reader:
         gate = None
         if wait is None:
             conn = self.s.main
-            reply = conn.request(ops.ACQUIRE, key=key, version=version, known_sig=known,
-                                 wait_ms=None)  # fmt: skip
+            reply = conn.request(
+                ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=None
+            )
         else:
             conn = self.s.waiter()
             deadline = time.monotonic() + wait
@@ -102,12 +103,19 @@ class Reader:
         timeout) until the version has begun; raises VersionNotFoundError at the deadline."""
 
         def attempt(wait_ms: int) -> dict[str, Any] | None:
-            r = conn.request(ops.ACQUIRE, key=key, version=version, known_sig=known,
-                             wait_ms=wait_ms)  # fmt: skip
+            r = conn.request(
+                ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=wait_ms
+            )
             return None if r["waiting"] else r
 
-        return until(deadline, conn.timeout, attempt, lambda: VersionNotFoundError(
-            f"version {version} of key {key!r} was not written within the wait"))  # fmt: skip
+        return until(
+            deadline,
+            conn.timeout,
+            attempt,
+            lambda: VersionNotFoundError(
+                f"version {version} of key {key!r} was not written within the wait"
+            ),
+        )
 
     def _release(self, conn: Conn, key: str, reply: dict[str, Any]) -> None:
         device = any(v["kind"] == "cuda" for v in reply["volumes"])
@@ -239,8 +247,13 @@ class Reader:
         while any view is alive (even past ``close()``), so the version stays pinned."""
         conn = self.s.views_conn()
         cached = self._meta.get(key)
-        reply = conn.request(ops.ACQUIRE, key=key, version=version,
-                             known_sig=cached[0] if cached else None, wait_ms=None)  # fmt: skip
+        reply = conn.request(
+            ops.ACQUIRE,
+            key=key,
+            version=version,
+            known_sig=cached[0] if cached else None,
+            wait_ms=None,
+        )
         try:
             stored = self._layout(key, kind, reply, cached)
             return self._alias(key, stored, reply), _objects(reply)
@@ -382,8 +395,15 @@ class BoundRead:
         for c in self.plan:
             local = self.windows[c.dest][3]
             dst = local if c.whole_dst else layout.narrow(local, c.dst_off, c.sizes)
-            job = ReadJob(slots[c.shard], c.shard_shape, self.dtypes[c.dest], c.src_off,
-                          c.sizes, dst, c.whole_src)  # fmt: skip
+            job = ReadJob(
+                slots[c.shard],
+                c.shard_shape,
+                self.dtypes[c.dest],
+                c.src_off,
+                c.sizes,
+                dst,
+                c.whole_src,
+            )
             groups.setdefault(vols[c.shard], []).append(job)
         if len(self._jobs) >= 8:  # a key's retention keeps a few slot sets in turn
             self._jobs.clear()

@@ -169,9 +169,14 @@ class VolumeRec:
 
     def info(self) -> dict[str, Any]:
         """The volume as the wire describes it (ops.s_volume)."""
-        return {"id": self.volume_id, "kind": self.kind, "host": self.host,
-                "address": self.address, "shm_dir": self.shm_dir,
-                "store_id": self.store_id}  # fmt: skip
+        return {
+            "id": self.volume_id,
+            "kind": self.kind,
+            "host": self.host,
+            "address": self.address,
+            "shm_dir": self.shm_dir,
+            "store_id": self.store_id,
+        }
 
 
 def name_order(name: Name) -> tuple[Any, ...]:

@@ -84,8 +84,10 @@ class Segments:
                     fresh.append((i, path, n))
         if fresh:
             segs = [_map_rw(p, n) for _, p, n in fresh]
-            populate([(seg.data_ptr(), n, p) for seg, (_, p, n) in zip(segs, fresh, strict=True)],
-                     self.threads())  # fmt: skip
+            populate(
+                [(seg.data_ptr(), n, p) for seg, (_, p, n) in zip(segs, fresh, strict=True)],
+                self.threads(),
+            )
             for seg, (i, p, _) in zip(segs, fresh, strict=True):
                 out[i] = self._insert(p, seg)
         return out  # type: ignore[return-value]  # every entry is filled above

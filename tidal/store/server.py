@@ -180,7 +180,7 @@ class Server:
                     volume.shm_dir,
                     volume.store_id,
                     LocalBackend(volume),
-                )  # fmt: skip
+                )
             )
         self._thread = threading.Thread(target=self._accept_loop, name=SERVER_THREAD, daemon=True)
         self._thread.start()
@@ -240,8 +240,9 @@ class Server:
                 if self._closing.is_set():
                     return
                 if e.errno in _OUT_OF_FDS:
-                    self._warn("fds", f"out of file descriptors accepting a connection ({e}); "
-                               "backing off")  # fmt: skip
+                    self._warn(
+                        "fds", f"out of file descriptors accepting a connection ({e}); backing off"
+                    )
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                 elif e.errno not in (errno.ECONNABORTED, errno.EINTR, errno.EPROTO):
@@ -260,16 +261,21 @@ class Server:
                     self._conns[cid] = sock
                     self._pending += 1
             if full or crowded:
-                why = (f"{self.max_connections} connections are open" if full else
-                       f"{self.max_pending} connections are waiting to say hello")  # fmt: skip
+                why = (
+                    f"{self.max_connections} connections are open"
+                    if full
+                    else f"{self.max_pending} connections are waiting to say hello"
+                )
                 self._warn("refused", f"refused a connection: {why}")
                 _refuse(sock, f"tidal store refused the connection: {why}; try again later")
                 continue
             try:
                 threading.Thread(
-                    target=self._serve, args=(sock, cid), name=f"{SERVER_THREAD}-{cid}",
+                    target=self._serve,
+                    args=(sock, cid),
+                    name=f"{SERVER_THREAD}-{cid}",
                     daemon=True,
-                ).start()  # fmt: skip
+                ).start()
             except RuntimeError as e:  # no thread left to start
                 self._warn("threads", f"cannot start a connection thread: {e}")
                 self._forget(cid, hello_done=False)
@@ -341,8 +347,9 @@ class Server:
         # which a peer trickling a byte at a time would stretch), a small header, no payload.
         deadline = time.monotonic() + self.hello_timeout
         try:
-            header, plen = wire.recv_header(sock, max_header=1 << 16, max_payload=0,
-                                            deadline=deadline)  # fmt: skip
+            header, plen = wire.recv_header(
+                sock, max_header=1 << 16, max_payload=0, deadline=deadline
+            )
         except TimeoutError:
             raise ProtocolError(f"no hello within {self.hello_timeout:g} s") from None
         op = ops.check_request(header, plen)
@@ -385,8 +392,9 @@ class Server:
                 raise
             except Exception as e:  # a bug: report it to the caller, keep serving others
                 self._warn("bug", f"op {op.name!r} failed: {e!r}\n{traceback.format_exc()}")
-                self._reply_error(sock, StoreError(f"internal error in {op.name!r}: {e!r}"),
-                                  keep=True)  # fmt: skip
+                self._reply_error(
+                    sock, StoreError(f"internal error in {op.name!r}: {e!r}"), keep=True
+                )
                 continue
             reply["ok"] = True
             wire.send(sock, reply, payload)
@@ -413,8 +421,16 @@ class Server:
         requests to it; this thread watches it until it closes."""
         assert self.controller is not None, "registration needs a controller"
         backend = RemoteBackend(sock, m["volume_id"])
-        rec = VolumeRec(m["volume_id"], "shm", m["host"], m["address"], m["shm_dir"],
-                        m["store_id"], backend, owner=cid)  # fmt: skip
+        rec = VolumeRec(
+            m["volume_id"],
+            "shm",
+            m["host"],
+            m["address"],
+            m["shm_dir"],
+            m["store_id"],
+            backend,
+            owner=cid,
+        )
         with backend.holding():  # no request of the controller's goes out before the reply
             try:
                 self.controller.add_volume(rec)

@@ -232,8 +232,14 @@ def open_segment(path: str, nbytes: int, writable: bool) -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]  # fmt: skip
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _MAP_FIXED = 0x10  # Linux values; Python's mmap module does not export these two
@@ -309,16 +315,19 @@ def populate(regions: list[tuple[int, int, str]], pool: Executor | None = None) 
 
     def one(piece: tuple[int, int, int, int]) -> int:
         i, _, at, n = piece
-        rc = _libc.madvise(ctypes.c_void_p(regions[i][0] + at), ctypes.c_size_t(n),
-                           _MADV_POPULATE_WRITE)  # fmt: skip
+        rc = _libc.madvise(
+            ctypes.c_void_p(regions[i][0] + at), ctypes.c_size_t(n), _MADV_POPULATE_WRITE
+        )
         return 0 if rc == 0 else ctypes.get_errno()
 
     pieces = []  # (region, part, offset in the slot, bytes)
     for i, (_, nbytes, _) in enumerate(regions):
         for part, n in enumerate(part_sizes(nbytes)):
             start = part * PART_BYTES
-            pieces += [(i, part, o, min(POPULATE_CHUNK, start + n - o))
-                       for o in range(start, start + n, POPULATE_CHUNK)]  # fmt: skip
+            pieces += [
+                (i, part, o, min(POPULATE_CHUNK, start + n - o))
+                for o in range(start, start + n, POPULATE_CHUNK)
+            ]
     pieces.sort(key=lambda p: p[2] - p[1] * PART_BYTES)  # by offset in the part (stable)
     errors = list(pool.map(one, pieces)) if pool is not None else [one(p) for p in pieces]
     failed = [(p, e) for p, e in zip(pieces, errors, strict=True) if e]

@@ -45,8 +45,9 @@ class Gate:
     each wait then asks for all of them still missing and learns every one written so far,
     one round trip per progress report of the writer rather than one per slot."""
 
-    def __init__(self, conn: Callable[[], Conn], key: str, version: int, deadline: float,
-                 wait: float) -> None:  # fmt: skip
+    def __init__(
+        self, conn: Callable[[], Conn], key: str, version: int, deadline: float, wait: float
+    ) -> None:
         self._conn, self.key, self.version = conn, key, version
         self._deadline, self._wait = deadline, wait
         self._written: set[int] = set()
@@ -75,14 +76,21 @@ class Gate:
         conn = self._conn()
 
         def attempt(wait_ms: int) -> bool | None:
-            r = conn.request(ops.WAIT, key=self.key, version=self.version, slots=slots,
-                             wait_ms=wait_ms)  # fmt: skip
+            r = conn.request(
+                ops.WAIT, key=self.key, version=self.version, slots=slots, wait_ms=wait_ms
+            )
             if not r["done"]:
                 return None
             self._committed = r["committed"]
             self._written.update(r["written"])
             return True
 
-        until(self._deadline, conn.timeout, attempt, lambda: WaitExpiredError(
-            f"version {self.version} of key {self.key!r} was not completely written within "
-            f"{self._wait:g} s"))  # fmt: skip
+        until(
+            self._deadline,
+            conn.timeout,
+            attempt,
+            lambda: WaitExpiredError(
+                f"version {self.version} of key {self.key!r} was not completely written within "
+                f"{self._wait:g} s"
+            ),
+        )

@@ -187,8 +187,9 @@ def s_ints(lo: int, hi: int, max_len: int, none: bool = False) -> Checker:
             _fail(f, f"a list of at most {max_len} items", v)
         if not fine(v):
             bad = next(i for i, x in enumerate(v) if not ok(x))
-            _fail(f"{f}[{bad}]", f"an integer in [{lo}, {hi}]" + (" or None" if none else ""),
-                  v[bad])  # fmt: skip
+            _fail(
+                f"{f}[{bad}]", f"an integer in [{lo}, {hi}]" + (" or None" if none else ""), v[bad]
+            )
 
     return check
 

@@ -79,8 +79,9 @@ class Writer:
             with self._lock:
                 plan = self._plans.get(fp)
             if plan is None or plan.generation != conn.generation:
-                plan, locals_ = self._declare(conn, fp, key, kind, tensors, dtype, writers,
-                                              keep, volume)  # fmt: skip
+                plan, locals_ = self._declare(
+                    conn, fp, key, kind, tensors, dtype, writers, keep, volume
+                )
             elif locals_ is None:
                 locals_ = plans.local_shards(tensors)
             if last is None or last[0] != same or last[3] is not plan:
@@ -154,15 +155,24 @@ class Writer:
         transport = self.s.transport_for(vol)
         cuda = self.s.cuda() if vol["kind"] == "cuda" else None
         res, plan.reservation = plan.reservation, None
-        begin: dict[str, Any] = {"key": key, "plan": plan.plan_id, "version": version,
-                                 "writer": self.s.writer, "objects": objects}  # fmt: skip
+        begin: dict[str, Any] = {
+            "key": key,
+            "plan": plan.plan_id,
+            "version": version,
+            "writer": self.s.writer,
+            "objects": objects,
+        }
 
         fresh: set[int] = set(res["fresh"]) if res is not None else set()
 
         def jobs(slots: list[int | None], skip: list[int | None] | None = None) -> list[WriteJob]:
-            return [WriteJob(s, t, d, s in fresh, n) for i, (s, t, d, n) in enumerate(zip(
-                    slots, locals_, plan.dtypes, plan.nbytes, strict=True)) if s is not None
-                    and (skip is None or skip[i] is None)]  # fmt: skip
+            return [
+                WriteJob(s, t, d, s in fresh, n)
+                for i, (s, t, d, n) in enumerate(
+                    zip(slots, locals_, plan.dtypes, plan.nbytes, strict=True)
+                )
+                if s is not None and (skip is None or skip[i] is None)
+            ]
 
         started = False
         try:
@@ -226,8 +236,9 @@ class Writer:
         # A layout put once (a one-off key, a rollout) reserves nothing; from its second put
         # on, a layout is taken to repeat, and its commit reserves the next put's slots.
         plan.puts += 1
-        done = conn.request(ops.PUT_COMMIT, key=key, version=version, writer=self.s.writer,
-                            reserve=plan.puts >= 2)  # fmt: skip
+        done = conn.request(
+            ops.PUT_COMMIT, key=key, version=version, writer=self.s.writer, reserve=plan.puts >= 2
+        )
         if done["next"] is not None and conn.generation == plan.generation:
             plan.reservation = done["next"]
         if cuda is not None:
@@ -242,8 +253,9 @@ class Writer:
         reports every ``PROGRESS_BYTES``, and at most ``progress.MAX_REPORTS`` times a put."""
 
         def send(slots: list[int]) -> None:
-            conn.request(ops.PUT_PROGRESS, key=key, version=version, writer=self.s.writer,
-                         slots=slots)  # fmt: skip
+            conn.request(
+                ops.PUT_PROGRESS, key=key, version=version, writer=self.s.writer, slots=slots
+            )
 
         total = sum(j.nbytes for j in jobs)
         every = max(progress.PROGRESS_BYTES, total // progress.MAX_REPORTS)

@@ -92,8 +92,17 @@ class Writes(Catalog):
                 _check_kind(key, krec.kind, kind)
             vol = self._pick_volume(conn, host, volume)
             boxes = {e.name: (e.shape, e.dtype, [(e.offsets, e.sizes)]) for e in entries}
-            plan = PlanRec(self._new_id(), key, kind, conn, writers, keep, vol.volume_id,
-                           entries, layout_signature(kind, boxes))  # fmt: skip
+            plan = PlanRec(
+                self._new_id(),
+                key,
+                kind,
+                conn,
+                writers,
+                keep,
+                vol.volume_id,
+                entries,
+                layout_signature(kind, boxes),
+            )
             self._plans[plan.plan] = plan
             return {"plan": plan.plan, "volume": vol.info()}
 
@@ -174,9 +183,14 @@ class Writes(Catalog):
             self._changed.notify_all()
             freed = self._freed(vol)
         self._run(work, lambda e: self._abort_write(conn, key, vrec, vol, writer, e))
-        return {"version": vrec.version, "slots": slots,
-                "fresh": fresh, "grant": grant,
-                "report": report, "freed": freed}  # fmt: skip
+        return {
+            "version": vrec.version,
+            "slots": slots,
+            "fresh": fresh,
+            "grant": grant,
+            "report": report,
+            "freed": freed,
+        }
 
     def _version_for(
         self, key: str, krec: KeyRec, p: PlanRec, version: int | None, writer: str
@@ -317,8 +331,11 @@ class Writes(Catalog):
     def _quarantine_slots(self, conn: int, key: str, p: PlanRec, slots: list[int | None]) -> None:
         """Slots of ``p`` that ``conn`` may still be copying into: kept from everyone else
         until it sends its next write (its copies are done by then) or closes."""
-        items = [(p.volume, e.name, e.nbytes, s)
-                 for s, e in zip(slots, p.entries, strict=True) if s is not None]  # fmt: skip
+        items = [
+            (p.volume, e.name, e.nbytes, s)
+            for s, e in zip(slots, p.entries, strict=True)
+            if s is not None
+        ]
         if items:
             self._quarantine.setdefault(conn, []).append((key, items))
 
@@ -413,17 +430,25 @@ class Writes(Catalog):
             if held:
                 work.append((vol, _call(vol.backend.grant, held, res.grant)))
             self._run(work, lambda e: self._drop_reservation(res))
-            out["next"] = {"id": res.rid, "slots": res.slots,
-                           "fresh": res.fresh,
-                           "grant": res.grant}  # fmt: skip
+            out["next"] = {
+                "id": res.rid,
+                "slots": res.slots,
+                "fresh": res.fresh,
+                "grant": res.grant,
+            }
         return out
 
     def _publish(self, key: str, krec: KeyRec, vrec: VersionRec) -> None:
         """Check that the shards tile every tensor and make the version visible. The check
         and the layout signature are made once per set of writers' plans (and shards each
         left to a replica): a steady writer's commit checks nothing again."""
-        layout_key = tuple(sorted((p, frozenset(self._plans[p].replicas)) for p in
-                                  vrec.plans.values() if p in self._plans))  # fmt: skip
+        layout_key = tuple(
+            sorted(
+                (p, frozenset(self._plans[p].replicas))
+                for p in vrec.plans.values()
+                if p in self._plans
+            )
+        )
         for trec in vrec.tensors.values():
             if len(trec.shards) > 1:
                 trec.shards.sort(key=lambda s: s.offsets)
@@ -459,8 +484,9 @@ class Writes(Catalog):
             None if e.nbytes == 0 or i in p.replicas else self._claim(krec, vol, ring, fresh)
             for i, (e, ring) in enumerate(zip(p.entries, p.rings, strict=True))
         ]
-        res = Reservation(self._new_id(), p.plan, p.conn, slots,
-                          secrets.token_bytes(ops.GRANT_BYTES), fresh)  # fmt: skip
+        res = Reservation(
+            self._new_id(), p.plan, p.conn, slots, secrets.token_bytes(ops.GRANT_BYTES), fresh
+        )
         self._reservations[res.rid] = res
         return res
 

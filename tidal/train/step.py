@@ -319,9 +319,11 @@ class StepPath:
             dist.all_gather_object(everyone, names, group=self.dim("pp").get_group())
             names = sorted(set().union(*everyone))
         out: dict[str, torch.Tensor] = {}
-        for suffix, op, fill in (("_max", dist.ReduceOp.MAX, -torch.inf),
-                                 ("_min", dist.ReduceOp.MIN, torch.inf),
-                                 ("", dist.ReduceOp.SUM, 0.0)):  # fmt: skip
+        for suffix, op, fill in (
+            ("_max", dist.ReduceOp.MAX, -torch.inf),
+            ("_min", dist.ReduceOp.MIN, torch.inf),
+            ("", dist.ReduceOp.SUM, 0.0),
+        ):
             keys = [k for k in names if k.endswith(suffix) and k not in out]
             if not keys:
                 continue
@@ -330,8 +332,11 @@ class StepPath:
                 got = [m[k].float() for m in per_micro if k in m]
                 if got:
                     stacked = torch.stack(got)
-                    vals[i] = stacked.amax() if suffix == "_max" else (
-                        stacked.amin() if suffix == "_min" else stacked.sum())  # fmt: skip
+                    vals[i] = (
+                        stacked.amax()
+                        if suffix == "_max"
+                        else (stacked.amin() if suffix == "_min" else stacked.sum())
+                    )
             if self.pipeline is not None:
                 vals = self.reduce(vals, "pp", op)
             vals = self.reduce(vals, "dp", op)

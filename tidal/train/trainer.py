@@ -70,8 +70,15 @@ from tidal.train.profiling import RunProfiler, setup_flight_recorder
 from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 from tidal.train.step import StepPath, StepResult
 
-__all__ = ["Sampler", "StepResult", "Trainer", "check_job", "model_args_for", "resolve_device",
-           "seed_everything"]  # fmt: skip
+__all__ = [
+    "Sampler",
+    "StepResult",
+    "Trainer",
+    "check_job",
+    "model_args_for",
+    "resolve_device",
+    "seed_everything",
+]
 
 
 class Sampler(Protocol):
@@ -215,9 +222,13 @@ class Trainer:
         self.float8: Float8 | None = None
         for module in self.modules:
             self.float8 = convert_float8(
-                module, cfg.quantize, device=self.device, fsdp=fsdp, state=self.float8,
+                module,
+                cfg.quantize,
+                device=self.device,
+                fsdp=fsdp,
+                state=self.float8,
                 log=self.log,
-            )  # fmt: skip
+            )
             if t.fuse_projections:  # refused with TP by check_job
                 n = module.fuse_projections()
                 self.log(f"fused projections in {n} of {2 * len(module.layers)} modules")
@@ -674,8 +685,19 @@ class Trainer:
             self._release_locks()
             if getattr(self, "profiler", None) is not None:
                 self.profiler.close()
-            for name in ("model", "modules", "params", "optimizer", "pipeline", "path", "mesh",
-                         "cp", "checkpoint", "train_iter", "profiler"):  # fmt: skip
+            for name in (
+                "model",
+                "modules",
+                "params",
+                "optimizer",
+                "pipeline",
+                "path",
+                "mesh",
+                "cp",
+                "checkpoint",
+                "train_iter",
+                "profiler",
+            ):
                 if hasattr(self, name):
                     setattr(self, name, None)
             destroy_process_group()

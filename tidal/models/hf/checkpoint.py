@@ -279,8 +279,10 @@ def _check_box_layout(key: str, placements) -> None:
         if p.is_partial():
             raise ValueError(f"{key!r} has Partial placements {placements}; cannot load into it")
         if isinstance(p, _StridedShard) and p.dim in sharded:
-            raise ValueError(f"{key!r}: placements {placements} give a local shard that is not "
-                             "one slice of the tensor; not supported")  # fmt: skip
+            raise ValueError(
+                f"{key!r}: placements {placements} give a local shard that is not "
+                "one slice of the tensor; not supported"
+            )
         if isinstance(p, Shard):
             sharded.add(p.dim)
 

@@ -38,11 +38,23 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_CODES = {v: k for k, v in FLOAT_DTYPES.items()}
 _ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 _MAX_HEADER = 100 * 2**20  # safetensors refuses headers above 100 MB too
 
 

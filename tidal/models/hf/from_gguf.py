@@ -156,8 +156,9 @@ def gguf_state_dict(reader: Any, args: Any, source: str) -> dict[str, torch.Tens
     for t in reader.tensors:
         name = _tidal_name(t.name)
         if name is None or name not in expected:
-            raise ValueError(f"{source}: tensor {t.name!r} has no place in a {args.n_layers}-layer "
-                             "Llama")  # fmt: skip
+            raise ValueError(
+                f"{source}: tensor {t.name!r} has no place in a {args.n_layers}-layer Llama"
+            )
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists dims innermost first
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
@@ -181,8 +182,9 @@ def gguf_tokenizer(meta: dict[str, Any], source: str):
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"{source}: tokenizer.ggml.model = {kind!r}; only 'gpt2' (byte-level "
-                         "BPE) is supported")  # fmt: skip
+        raise ValueError(
+            f"{source}: tokenizer.ggml.model = {kind!r}; only 'gpt2' (byte-level BPE) is supported"
+        )
     pre = meta.get("tokenizer.ggml.pre", "gpt2")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(

@@ -134,8 +134,19 @@ def _batch_call(lib: ctypes.CDLL) -> Callable[[Batch, int], int] | None:
         f.restype, f.argtypes = ctypes.c_int, [*common, ctypes.POINTER(sz), vp]
 
         def v1(b: Batch, stream: int) -> int:
-            return int(f(b.dsts, b.srcs, b.sizes, b.count, b.attrs, b.attr_idxs, 1,
-                         ctypes.byref(b.fail), stream))  # fmt: skip
+            return int(
+                f(
+                    b.dsts,
+                    b.srcs,
+                    b.sizes,
+                    b.count,
+                    b.attrs,
+                    b.attr_idxs,
+                    1,
+                    ctypes.byref(b.fail),
+                    stream,
+                )
+            )
 
         return v1
     return None

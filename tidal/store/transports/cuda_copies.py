@@ -73,8 +73,14 @@ class CopyPlan:
             for t in (d, s):
                 if t.is_cuda:
                     devices.add(t.device)
-            if (d.is_cuda and d.device == s.device and d.dtype == s.dtype and d.shape == s.shape
-                    and d.is_contiguous() and s.is_contiguous()):  # fmt: skip
+            if (
+                d.is_cuda
+                and d.device == s.device
+                and d.dtype == s.dtype
+                and d.shape == s.shape
+                and d.is_contiguous()
+                and s.is_contiguous()
+            ):
                 fast.setdefault(d.device, []).append(
                     (d.data_ptr(), s.data_ptr(), d.numel() * d.element_size())
                 )

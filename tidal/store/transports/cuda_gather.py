@@ -161,8 +161,11 @@ class GatherCopier:
             with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
                 src = torch.arange(1024, dtype=torch.int32, device=f"cuda:{device}")
                 dst = torch.zeros_like(src)
-                table = torch.tensor([[dst.data_ptr(), src.data_ptr(), 1024]] * 2,
-                                     dtype=torch.int64, device=f"cuda:{device}")  # fmt: skip
+                table = torch.tensor(
+                    [[dst.data_ptr(), src.data_ptr(), 1024]] * 2,
+                    dtype=torch.int64,
+                    device=f"cuda:{device}",
+                )
                 kernel[(1,)](table, WORDS=_WORDS, BLOCK=_BLOCK)
                 torch.cuda.current_stream().synchronize()
                 if not torch.equal(dst, src):

@@ -174,8 +174,14 @@ class CudaIpcTransport:
             index = src.device.index if src.is_cuda else torch.cuda.current_device()
             _, where = device.slot(slot, job.nbytes, index)
             if where is not None:
-                fresh.append({"slot": slot, "uuid": device_uuid(index), **where,
-                              "event": device.event(index)[1]})  # fmt: skip
+                fresh.append(
+                    {
+                        "slot": slot,
+                        "uuid": device_uuid(index),
+                        **where,
+                        "event": device.event(index)[1],
+                    }
+                )
         if fresh:
             try:
                 self._writer_conn().request(
@@ -209,8 +215,7 @@ class CudaIpcTransport:
             else:  # nobody streams it: the copies of a kept plan, no per-slot work
                 plan = self._write_plan(device, jobs, srcs, key)
                 with _on_copy_streams(device, plan.devices):
-                    plan.run(lambda i: plan_dst(device, jobs, srcs, i), srcs.__getitem__,
-                             copier())  # fmt: skip
+                    plan.run(lambda i: plan_dst(device, jobs, srcs, i), srcs.__getitem__, copier())
                 if not all(t.is_cuda for t in srcs):  # host sources (pinned ones copy
                     # asynchronously): the caller may rewrite them once the put returns
                     for d in plan.devices:
@@ -225,8 +230,12 @@ class CudaIpcTransport:
         if memo is not None and memo[0] is jobs:
             return memo[1], memo[2], memo[3]
         slots, srcs = [j.slot for j in jobs], [j.src for j in jobs]
-        key = (tuple(slots), tuple([j.dtype for j in jobs]),
-               tuple(map(torch.Tensor.data_ptr, srcs)), tuple([t.dtype for t in srcs]))  # fmt: skip
+        key = (
+            tuple(slots),
+            tuple([j.dtype for j in jobs]),
+            tuple(map(torch.Tensor.data_ptr, srcs)),
+            tuple([t.dtype for t in srcs]),
+        )
         if len(self._write_keys) >= 32:
             self._write_keys.clear()
         self._write_keys[id(jobs)] = (jobs, slots, srcs, key)
@@ -317,8 +326,23 @@ class CudaIpcTransport:
         memo = self._read_keys.get(id(jobs))
         if memo is not None and memo[0] is jobs and memo[1] == volume_id:
             return memo[2]
-        key = (volume_id, tuple([(j.slot, j.dtype, j.shard_shape, j.src_off, j.sizes,
-                                  j.dst.data_ptr(), j.dst.dtype) for j in jobs]))  # fmt: skip
+        key = (
+            volume_id,
+            tuple(
+                [
+                    (
+                        j.slot,
+                        j.dtype,
+                        j.shard_shape,
+                        j.src_off,
+                        j.sizes,
+                        j.dst.data_ptr(),
+                        j.dst.dtype,
+                    )
+                    for j in jobs
+                ]
+            ),
+        )
         if len(self._read_keys) >= 32:
             self._read_keys.clear()
         self._read_keys[id(jobs)] = (jobs, volume_id, key)
@@ -354,8 +378,9 @@ class CudaIpcTransport:
         if vid not in known and known:
             # A writer this process has not read from yet: close what it holds open of
             # writers that are gone (their GPU memory stays allocated while it is open).
-            alive = {v["volume"] for v in self._control.request(ops.VOLUMES)["volumes"]
-                     if v["alive"]}  # fmt: skip
+            alive = {
+                v["volume"] for v in self._control.request(ops.VOLUMES)["volumes"] if v["alive"]
+            }
             if known - alive:
                 self._read_plans.clear()  # their slots' memory is closed below
                 self._imports.drop_volumes(known - alive)

@@ -323,8 +323,7 @@ class Imports:
                 at = [(self._open[(volume_id, slot)][:2], dt, sh) for slot, dt, sh in items]
             except KeyError as e:
                 raise StoreError(f"slot {e} of device volume {volume_id} is not open") from None
-        return _views([(o, off, dt, sh) for (o, off), dt, sh in at],
-                      lambda o: (o, keep))  # fmt: skip
+        return _views([(o, off, dt, sh) for (o, off), dt, sh in at], lambda o: (o, keep))
 
     def typed(self, volume_id: str, job: ReadJob) -> torch.Tensor:
         """The bytes ``job`` reads of an opened slot, as a view of its shape and dtype

@@ -100,8 +100,9 @@ class ShmTransport:
             self._pwrite(vol, [j for j, c in zip(jobs, cold, strict=True) if c], progress)
         warm = [j for j, c in zip(jobs, cold, strict=True) if not c]
         paths = [path_of(vol, j.slot) for j in warm]
-        views = self.segments.typed_all([(p, j.nbytes, j.dtype, tuple(j.src.shape))
-                                         for p, j in zip(paths, warm, strict=True)])  # fmt: skip
+        views = self.segments.typed_all(
+            [(p, j.nbytes, j.dtype, tuple(j.src.shape)) for p, j in zip(paths, warm, strict=True)]
+        )
         with torch.no_grad():
             for job, path, dst in zip(warm, paths, views, strict=True):
                 src = job.src
@@ -143,8 +144,9 @@ class ShmTransport:
                 at += n
         parts.sort(key=lambda p: -p[2])
         pool = self.segments.threads()
-        futures: dict[Future[None], int] = {pool.submit(fill, path, n, data): i
-                                            for i, path, n, data in parts}  # fmt: skip
+        futures: dict[Future[None], int] = {
+            pool.submit(fill, path, n, data): i for i, path, n, data in parts
+        }
         try:
             for i, job in enumerate(jobs):
                 if not left[i]:  # no bytes: nothing to write
@@ -168,13 +170,15 @@ class ShmTransport:
         sizes = [j.shard_nbytes for j in jobs]
         cold = [self._first_read(p, j) for p, j in zip(paths, jobs, strict=True)]
         if gate is None and any(cold):  # first reads: preadv in parallel threads
-            self._pread_all([(p, j, n) for p, j, n, c in zip(paths, jobs, sizes, cold,
-                                                             strict=True) if c])  # fmt: skip
+            self._pread_all(
+                [(p, j, n) for p, j, n, c in zip(paths, jobs, sizes, cold, strict=True) if c]
+            )
         views: list[torch.Tensor | None] = [None] * len(jobs)
         if gate is None:  # map (and populate) the others up front, in parallel
             warm = [i for i, c in enumerate(cold) if not c]
-            got = self.segments.typed_all([(paths[i], sizes[i], jobs[i].dtype,
-                                            jobs[i].shard_shape) for i in warm])  # fmt: skip
+            got = self.segments.typed_all(
+                [(paths[i], sizes[i], jobs[i].dtype, jobs[i].shard_shape) for i in warm]
+            )
             for i, view in zip(warm, got, strict=True):
                 views[i] = view
         devices: set[torch.device] = set()  # CUDA devices with copies in flight
@@ -221,8 +225,10 @@ class ShmTransport:
                     pieces.append((path, job, n, start + at, min(_PIECE, size - at)))
                 start += size
         pool = self.segments.threads()
-        futures = [pool.submit(self._pread, path, job, n, start, size)
-                   for path, job, n, start, size in pieces]  # fmt: skip
+        futures = [
+            pool.submit(self._pread, path, job, n, start, size)
+            for path, job, n, start, size in pieces
+        ]
         try:
             for fut in futures:
                 fut.result()

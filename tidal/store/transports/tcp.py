@@ -68,8 +68,15 @@ class TcpTransport:
 
         def send(piece: tuple[int, int, torch.Tensor]) -> None:
             slot, start, buf = piece
-            self._call(vol["address"], ops.VOL_WRITE, payload=buf.numpy().data, slot=slot,
-                       offset=start, nbytes=buf.numel(), grant=grant)  # fmt: skip
+            self._call(
+                vol["address"],
+                ops.VOL_WRITE,
+                payload=buf.numpy().data,
+                slot=slot,
+                offset=start,
+                nbytes=buf.numel(),
+                grant=grant,
+            )
 
         self._fan_out(send, pieces)
         for job in jobs:
@@ -86,11 +93,16 @@ class TcpTransport:
                 step = max(1, PIECE // row)
                 for r in range(0, job.sizes[0], step):
                     k = min(step, job.sizes[0] - r)
-                    pieces.append(ReadJob(
-                        job.slot, job.shard_shape, job.dtype,
-                        (job.src_off[0] + r, *job.src_off[1:]), (k, *job.sizes[1:]),
-                        job.dst.narrow(0, r, k),
-                    ))  # fmt: skip
+                    pieces.append(
+                        ReadJob(
+                            job.slot,
+                            job.shard_shape,
+                            job.dtype,
+                            (job.src_off[0] + r, *job.src_off[1:]),
+                            (k, *job.sizes[1:]),
+                            job.dst.narrow(0, r, k),
+                        )
+                    )
             else:
                 pieces.append(job)
 
@@ -99,9 +111,16 @@ class TcpTransport:
             direct = dst.is_contiguous() and dst.device.type == "cpu" and dst.dtype == job.dtype
             buf = dst if direct else torch.empty(job.sizes, dtype=job.dtype)
             into = buf.reshape(-1).view(torch.uint8).numpy().data
-            self._call(vol["address"], ops.VOL_READ, into=into, slot=job.slot,
-                       shape=list(job.shard_shape), itemsize=job.dtype.itemsize,
-                       offsets=list(job.src_off), sizes=list(job.sizes))  # fmt: skip
+            self._call(
+                vol["address"],
+                ops.VOL_READ,
+                into=into,
+                slot=job.slot,
+                shape=list(job.shard_shape),
+                itemsize=job.dtype.itemsize,
+                offsets=list(job.src_off),
+                sizes=list(job.sizes),
+            )
             if not direct:
                 with torch.no_grad():
                     dst.copy_(buf)

@@ -55,9 +55,13 @@ def plain_tensor(value: Any) -> Any:
     if not isinstance(value, DTensor):
         return inner
     return DTensor.from_local(
-        inner, value.device_mesh, value.placements, run_check=False,
-        shape=value.size(), stride=value.stride(),
-    )  # fmt: skip
+        inner,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.size(),
+        stride=value.stride(),
+    )
 
 
 def first_line(e: BaseException) -> str:

@@ -286,12 +286,16 @@ def _fill_in_chunks(
             done += size
             # Progress of large models; the summary below says when all is read.
             if log is not None and total >= _CHUNK_BYTES and i < len(keys) - 1:
-                log(f"  read {100 * done // total:3d}% ({done / 1e9:.2f} / {total / 1e9:.2f} "
-                    f"GB) of {where}")  # fmt: skip
+                log(
+                    f"  read {100 * done // total:3d}% ({done / 1e9:.2f} / {total / 1e9:.2f} "
+                    f"GB) of {where}"
+                )
             chunk, size = {}, 0
     if log is not None:
-        log(f"read {len(keys)} tensors ({total / 1e6:,.1f} MB) from {where} in "
-            f"{time.perf_counter() - start:.1f}s")  # fmt: skip
+        log(
+            f"read {len(keys)} tensors ({total / 1e6:,.1f} MB) from {where} in "
+            f"{time.perf_counter() - start:.1f}s"
+        )
 
 
 def dcp_to_hf(
@@ -412,8 +416,10 @@ def hf_to_dcp(
         for f in saved.iterdir():  # tmp/step-0/* -> tmp/*: dst is the checkpoint itself
             os.rename(f, tmp / f.name)
         saved.rmdir()
-    log(f"wrote {dst} in {time.perf_counter() - start:.1f}s; start a run from it with "
-        f"--checkpoint.initial_load_path {dst}{note}")  # fmt: skip
+    log(
+        f"wrote {dst} in {time.perf_counter() - start:.1f}s; start a run from it with "
+        f"--checkpoint.initial_load_path {dst}{note}"
+    )
     return dst
 
 
@@ -433,8 +439,9 @@ def _read_hf(
         for key, hf in names.items()
     }
     # strict=False: each chunk is a subset; check_hf has matched the whole folder already.
-    _fill_in_chunks(state_dict, lambda chunk: load_hf_state_dict(src, chunk, strict=False), src,
-                    log)  # fmt: skip
+    _fill_in_chunks(
+        state_dict, lambda chunk: load_hf_state_dict(src, chunk, strict=False), src, log
+    )
     return state_dict
 
 
@@ -449,8 +456,16 @@ def export_last_save(
     """`checkpoint.last_save_in_hf`: the model of the checkpoint just saved, as
     `<folder>/step-N-hf` beside it (an earlier export of the step is replaced)."""
     dst = checkpoint.with_name(f"{checkpoint.name}-hf")
-    return dcp_to_hf(checkpoint, dst, args=args, dtype=dtype, tokenizer=tokenizer,
-                     replace=True, tokenizer_missing_ok=True, log=log)  # fmt: skip
+    return dcp_to_hf(
+        checkpoint,
+        dst,
+        args=args,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        replace=True,
+        tokenizer_missing_ok=True,
+        log=log,
+    )
 
 
 def tokenizer_source(path: str, tokenizer: Any) -> Any:

@@ -144,8 +144,10 @@ def plan_load(
             )
         for name in ("initial_load_path", "initial_load_hf"):
             if getattr(cfg, name):
-                log(f"warning: the weights of checkpoint.{name} are not loaded: resuming from "
-                    f"{folder}")  # fmt: skip
+                log(
+                    f"warning: the weights of checkpoint.{name} are not loaded: resuming from "
+                    f"{folder}"
+                )
         later = [s for s in found.steps if s > step]
         if later:
             log(

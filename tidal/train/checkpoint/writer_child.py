@@ -151,9 +151,13 @@ def write_files(
                     kind, data = WriteItemType.TENSOR, _tensor(mapping, item)
                 wi = WriteItem(index=MetadataIndex(item["fqn"]), type=kind)
                 r = _write_item(
-                    transforms, stream, data, wi, os.path.basename(path),
+                    transforms,
+                    stream,
+                    data,
+                    wi,
+                    os.path.basename(path),
                     SerializationFormat.TORCH_SAVE,
-                )  # fmt: skip
+                )
                 results.append([r.storage_data.offset, r.storage_data.length])
                 if piece:
                     chunks[str(r.storage_data.offset)] = stream.crcs

@@ -138,12 +138,21 @@ class WriterProcess:
             if self.proc is not None and self.proc.poll() is None and self._segment is segment:
                 return
             self._stop()
-            argv = [sys.executable, "-P", str(_CHILD), str(os.getpid()), str(segment.fd),
-                    str(segment.nbytes)]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-P",
+                str(_CHILD),
+                str(os.getpid()),
+                str(segment.fd),
+                str(segment.nbytes),
+            ]
             self.proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(segment.fd,),
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=(segment.fd,),
                 bufsize=0,  # replies are read with os.read after select: nothing buffered
-            )  # fmt: skip
+            )
             self._segment = segment
 
     @property
@@ -268,9 +277,14 @@ class ProcessFileSystemWriter(FileSystemWriter):
             assert isinstance(t, torch.Tensor)
             offset = self.segment.offset_of(t)
             assert offset is not None, f"{wi.index.fqn}: not a staging buffer of the segment"
-            items.append({"fqn": wi.index.fqn, "offset": offset,
-                          "dtype": str(t.dtype).removeprefix("torch."),
-                          "shape": list(t.shape)})  # fmt: skip
+            items.append(
+                {
+                    "fqn": wi.index.fqn,
+                    "offset": offset,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                }
+            )
         start = time.perf_counter()
         placed = self.writer.write(
             [{"path": str(Path(self.path) / name), "items": items}], self.piece
@@ -281,7 +295,7 @@ class ProcessFileSystemWriter(FileSystemWriter):
                 index=wi.index,
                 size_in_bytes=length,
                 storage_data=_StorageInfo(name, offset, length),
-            )  # fmt: skip
+            )
             for wi, (offset, length) in zip([*bytes_w, *tensor_w], placed, strict=True)
         ]
         fut: Future[list[WriteResult]] = Future()

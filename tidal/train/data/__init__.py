@@ -143,8 +143,10 @@ def build_data(
         split = encode_chat_split(samples, encoder, cache, name=name, wheres=wheres, log=log)
         rows, cut = pack_rows(split, seq_len, pad_id=tokenizer.eos_id)
         if cut:
-            log(f"data: {name}: {cut:,} of {len(samples):,} samples are longer than "
-                f"seq_len={seq_len} and were cut to it")  # fmt: skip
+            log(
+                f"data: {name}: {cut:,} of {len(samples):,} samples are longer than "
+                f"seq_len={seq_len} and were cut to it"
+            )
         return rows
 
     def loader(part: Any, name: str, shuffle: bool, rows_per_batch: int) -> PackedLoader:
@@ -317,8 +319,12 @@ def _chat_splits(
             f"{source.path!r} and keep some for training; add samples or set "
             "DataConfig.val_fraction=0"
         )
-    train = ([m for m, v in zip(samples, is_val, strict=True) if not v],
-             [w for w, v in zip(wheres, is_val, strict=True) if not v])  # fmt: skip
-    val = ([m for m, v in zip(samples, is_val, strict=True) if v],
-           [w for w, v in zip(wheres, is_val, strict=True) if v])  # fmt: skip
+    train = (
+        [m for m, v in zip(samples, is_val, strict=True) if not v],
+        [w for w, v in zip(wheres, is_val, strict=True) if not v],
+    )
+    val = (
+        [m for m, v in zip(samples, is_val, strict=True) if v],
+        [w for w, v in zip(wheres, is_val, strict=True) if v],
+    )
     return train, val

@@ -268,9 +268,10 @@ def _add_steps(a: int, b: int, slip: float, rng: random.Random | None) -> tuple[
         carry = 0 if last else total // 10
         so_far = (str(total) if last else str(total % 10)) + so_far
         lines.append(
-            f"{ra} + {rb}: {terms} = {total}" + (f", carry {carry}" if carry else "")
+            f"{ra} + {rb}: {terms} = {total}"
+            + (f", carry {carry}" if carry else "")
             + f", so far {so_far}"
-        )  # fmt: skip
+        )
     return lines, int(so_far)
 
 
@@ -286,9 +287,10 @@ def _sub_steps(a: int, b: int) -> list[str]:
         diff = top - bottom - borrow
         so_far = str(diff) + so_far
         lines.append(
-            f"{ra} - {rb}: {terms} = {diff}" + (", borrow 1" if new_borrow else "")
+            f"{ra} - {rb}: {terms} = {diff}"
+            + (", borrow 1" if new_borrow else "")
             + f", so far {so_far}"
-        )  # fmt: skip
+        )
         borrow = new_borrow
     assert borrow == 0, f"{a} - {b} left a borrow"
     return lines
@@ -305,7 +307,8 @@ def _mul_steps(a: int, d: int) -> list[str]:
         carry = 0 if last else total // 10
         so_far = (str(total) if last else str(total % 10)) + so_far
         lines.append(
-            f"{ra} * {d}: {terms} = {total}" + (f", carry {carry}" if carry else "")
+            f"{ra} * {d}: {terms} = {total}"
+            + (f", carry {carry}" if carry else "")
             + f", so far {so_far}"
-        )  # fmt: skip
+        )
     return lines

@@ -117,8 +117,9 @@ class ChatTemplate:
         ValueError: the template does not compile (syntax error, with its line).
     """
 
-    def __init__(self, source: str, *, name: str = "chat template", bos_token: str = "",
-                 eos_token: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, source: str, *, name: str = "chat template", bos_token: str = "", eos_token: str = ""
+    ) -> None:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -147,8 +148,9 @@ class ChatTemplate:
         self.render(_PROBE, where=where)
         self.render(_PROBE[:1], add_generation_prompt=True, where=where)
 
-    def render(self, messages: Messages, *, add_generation_prompt: bool = False,
-               where: str = "a sample") -> str:  # fmt: skip
+    def render(
+        self, messages: Messages, *, add_generation_prompt: bool = False, where: str = "a sample"
+    ) -> str:
         """The template's text for `messages`; ValueError (naming `where`) if it fails."""
         try:
             return self._template.render(

@@ -487,8 +487,15 @@ class InterleavedLoader:
             ValueError: `state` was taken with other sources or settings.
         """
         mine = self.state_dict()
-        for key in ("seed", "shuffle", "batch_size", "weights", "stopping_strategy",
-                    "num_windows", "dp_world"):  # fmt: skip
+        for key in (
+            "seed",
+            "shuffle",
+            "batch_size",
+            "weights",
+            "stopping_strategy",
+            "num_windows",
+            "dp_world",
+        ):
             if state[key] != mine[key]:
                 raise ValueError(
                     f"{self.name} interleaved loader state has {key}={state[key]}, this loader "

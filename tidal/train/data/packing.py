@@ -219,8 +219,11 @@ def _cached(
     if split.loss_mask is not None:
         mask = split.loss_mask
         publish(mask_path, lambda tmp: _save_npy(tmp, mask))
-    meta = {"format": key.split("|")[0], "documents": len(split.doc_starts),
-            "tokens": len(split.tokens)}  # fmt: skip
+    meta = {
+        "format": key.split("|")[0],
+        "documents": len(split.doc_starts),
+        "tokens": len(split.tokens),
+    }
     publish(folder / "meta.json", lambda tmp: _write_text(tmp, json.dumps(meta) + "\n"))
     publish(tokens_path, lambda tmp: _save_npy(tmp, split.tokens))
     if log is not None:

@@ -13,12 +13,12 @@ loss is a held-out loss. Prints, per recipe against bf16:
 
 and writes one PNG with every curve and the relative gap (`--png`).
 
-    pip install --no-index --no-deps --target /tmp/ao .anchors/wheels/torchao-0.18.0-*.whl
-    PYTHONPATH=/tmp/ao:$PWD python benchmarks/float8_quality.py --png float8_quality.png \\
+    pip install --no-index --no-deps --target .anchors/ao .anchors/wheels/torchao-0.18.0-*.whl
+    PYTHONPATH=.anchors/ao:$PWD python benchmarks/float8_quality.py --png float8_quality.png \\
         --json float8_quality.json             # bf16 and tensorwise: 2 runs of 300 steps
-    PYTHONPATH=/tmp/ao:$PWD python benchmarks/float8_quality.py --recipes tensorwise,rowwise \\
+    PYTHONPATH=.anchors/ao:$PWD python benchmarks/float8_quality.py --recipes tensorwise,rowwise \\
         --png float8_quality_both.png          # bf16, tensorwise, rowwise: 3 runs
-    python benchmarks/float8_quality.py --smoke --out /tmp/f8q  # CPU: tiny model, emulated
+    python benchmarks/float8_quality.py --smoke --out outputs/f8q  # CPU: tiny model, emulated
 
 `--smoke` is the CPU check run by tests/benchmarks/test_float8_quality.py: the tiny flavor for
 8 steps at batch 2 x 64, fp32 against torchao's emulated float8 (figures meaningless, the

@@ -8,8 +8,8 @@ gaps where it waited for the host.
 
     python benchmarks/train_throughput.py --modes compile --steps 24 \\
         --set profiler.enable=true --set profiler.start_step=20 --set profiler.end_step=21 \\
-        --set profiler.folder=/tmp/prof
-    python benchmarks/step_breakdown.py /tmp/prof/rank0_step20-21.json
+        --set profiler.folder=outputs/prof
+    python benchmarks/step_breakdown.py outputs/prof/rank0_step20-21.json
 """
 
 from __future__ import annotations

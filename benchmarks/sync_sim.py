@@ -66,8 +66,8 @@ PATHS: tuple[Path, ...] = ("design, GPU-direct", "design, host-staged", "as buil
 
 # -- calibration: tidal's own single-host figures ---------------------------------------------
 # H200 host, torch 2.11.0+cu130, 2026-12-01, store v2; a Llama-3-1.5B-shaped bf16 state dict
-# of 3.0 GB in 114 tensors, writer and reader in two processes (docs/store.md "Measured",
-# benchmarks/README.md "Store"; hardware rows: /work/shared/DESIGN.md "Measured anchors").
+# of 3.0 GB in 114 tensors, writer and reader in two processes (benchmarks/store.md;
+# hardware rows: the design notes, ../shared/DESIGN.md "Measured anchors").
 CAL_BYTES, CAL_TENSORS = 3.0e9, 114
 MEMCPY_GBPS = 35.9  # store_sync.py baseline: host copy_ of the 3.0 GB into warm memory
 PCIE_GBPS = 55.0  # DESIGN.md anchors: pinned host<->GPU copy, 55 GB/s each way
@@ -334,7 +334,7 @@ ANCHORS = [
     (
         "verl, Qwen3-235B-A22B, full NCCL broadcast (its delta sync: 11-15 s)",
         246.0,
-        "246-266 s, from /work/shared/DESIGN.md 'Published RL anchors'; the verl thread it came "
+        "246-266 s, from ../shared/DESIGN.md 'Published RL anchors'; the verl thread it came "
         "from was not found again (verl issue #7060 has the delta_sharded perf matrix)",
     ),
     (

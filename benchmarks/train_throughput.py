@@ -25,10 +25,10 @@ filter_fqns output` when the output stays bf16). It then prints tidal float8 / t
 float8, tidal float8 / tidal bf16 and torchtitan float8 / torchtitan bf16. torchao 0.18.0 must
 be importable (the wheel that prepare.sh packs into .anchors/wheels):
 
-    pip install --no-index --no-deps --target /tmp/ao .anchors/wheels/torchao-0.18.0-*.whl
-    PYTHONPATH=/tmp/ao:$PWD python benchmarks/train_throughput.py --modes compile \
+    pip install --no-index --no-deps --target .anchors/ao .anchors/wheels/torchao-0.18.0-*.whl
+    PYTHONPATH=.anchors/ao:$PWD python benchmarks/train_throughput.py --modes compile \
         --float8 tensorwise --torchtitan .anchors --json float8.json
-    PYTHONPATH=/tmp/ao:$PWD python benchmarks/train_throughput.py --device cpu --flavor tiny \
+    PYTHONPATH=.anchors/ao:$PWD python benchmarks/train_throughput.py --device cpu --flavor tiny \
         --batch 2 --seq 64 --steps 4 --warmup 1 --log-every 1 --modes eager \
         --float8 tensorwise                                              # smoke test on CPU
 

@@ -1,7 +1,7 @@
 """Predict a weight sync through tidal's store at cluster scale, from measured single-host figures.
 
 No GPU and no store needed: a few lines of arithmetic per phase, calibrated on the H200
-figures of docs/store.md ("Measured") and the design notes' hardware anchors.
+figures of benchmarks/store.md and the design notes' hardware anchors.
 
     python benchmarks/sync_sim.py                     # 1T FP8, 256 trainer GPUs -> 8 x TP 16
     python benchmarks/sync_sim.py --calibrate         # replay the measured single-host cases

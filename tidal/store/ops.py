@@ -96,7 +96,7 @@ s_path = s_list(s_any_of(s_str(1024), s_int(0, 1 << 31)), 256)  # a state-dict p
 s_grant = s_bytes(GRANT_BYTES)
 # A device slot: its GPU, the IPC handle of the allocation it was carved from, its offset
 # there and the allocation's size (``span``), and the IPC handle of the event recorded after
-# each put's copies on that GPU (tidal/store/transports/cuda_ipc.py).
+# each put's copies on that GPU (tidal/store/transports/cuda/ipc.py).
 s_handle = s_map(
     {
         "slot": s_slot,

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import torch
 
-from tidal.store import layout, ops, views
+from tidal.store import boxes, ops, views
+from tidal.store.boxes import Path
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
-from tidal.store.layout import Path
 from tidal.store.plans import (
     PLAIN,
     Copy,
@@ -168,7 +168,7 @@ class Reader:
         if dests is None:
             dests = [(n, torch.empty(s.shape, dtype=s.dtype)) for n, s in stored.items()]
         else:
-            dests = layout.tensors_of(dests)
+            dests = boxes.tensors_of(dests)
         bound = self._bound_read(key, reply, stored, dests, cast, keep=into_given)
         slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
         groups = bound.jobs(slots, vols)
@@ -221,15 +221,15 @@ class Reader:
             check_strided(path, dest)
             s = stored.get(path)
             if s is None:
-                shown = layout.path_str(path) or key
-                missing = [layout.path_str(p) for p, _ in dests if p not in stored]
+                shown = boxes.path_str(path) or key
+                missing = [boxes.path_str(p) for p, _ in dests if p not in stored]
                 raise KeyError(
                     f"version {reply['version']} of key {key!r} has no tensor {shown!r} "
                     f"({len(missing)} missing, e.g. {missing[:5]})"
                 )
-            gshape, offs, sizes, local = layout.window(dest)
+            gshape, offs, sizes, local = boxes.window(dest)
             if gshape != s.shape or (dest.dtype != s.dtype and not cast):
-                shown = layout.path_str(path) or key
+                shown = boxes.path_str(path) or key
                 hint = "; pass cast=True to convert" if gshape == s.shape else ""
                 raise ValueError(
                     f"{shown}: destination has global shape {list(gshape)} {dest.dtype}, "
@@ -272,7 +272,7 @@ class Reader:
         gpu: dict[int, list[tuple[Path, Stored]]] = {}  # by volume index
         for path, s in stored.items():
             if len(s.boxes) > 1:
-                shown = layout.path_str(path) or key
+                shown = boxes.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of version {reply['version']} of key {key!r} is "
                     f"stored in {len(s.boxes)} shards (several writers); a zero-copy view "
@@ -286,7 +286,7 @@ class Reader:
                 gpu.setdefault(vols[s.first], []).append((path, s))
                 continue
             if self.s.transport == "tcp" or not self.s.shm.reaches(vol):
-                shown = layout.path_str(path) or key
+                shown = boxes.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at "
                     f"{vol['address']}, whose shared memory this process cannot map (another "
@@ -299,7 +299,7 @@ class Reader:
             if seg is None:
                 out[path] = torch.empty(s.shape, dtype=s.dtype)
                 continue
-            mapping = self.s.segments.readonly(seg, layout.numel(s.shape) * s.dtype.itemsize)
+            mapping = self.s.segments.readonly(seg, boxes.numel(s.shape) * s.dtype.itemsize)
             out[path] = views.alias(mapping, s.dtype, s.shape, token)
         devices: set[int] = set()
         for v, group in gpu.items():
@@ -394,7 +394,7 @@ class BoundRead:
         groups = {}
         for c in self.plan:
             local = self.windows[c.dest][3]
-            dst = local if c.whole_dst else layout.narrow(local, c.dst_off, c.sizes)
+            dst = local if c.whole_dst else boxes.narrow(local, c.dst_off, c.sizes)
             job = ReadJob(
                 slots[c.shard],
                 c.shard_shape,

@@ -30,7 +30,7 @@ from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
 from tidal.store.segments import Segments
 from tidal.store.transports import Transport
-from tidal.store.transports.cuda_ipc import CudaIpcTransport
+from tidal.store.transports.cuda.ipc import CudaIpcTransport
 from tidal.store.transports.shm import ShmTransport
 from tidal.store.transports.tcp import TcpTransport
 

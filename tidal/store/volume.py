@@ -140,10 +140,10 @@ def part_sizes(nbytes: int) -> list[int]:
 def reserve_for(state_dict: collections.abc.Mapping[str, Any]) -> list[int]:
     """The part files a first put of ``state_dict`` (as it is: shapes and dtypes) needs, for
     a volume's ``reserve``."""
-    from tidal.store import layout
+    from tidal.store import boxes
 
     sizes = []
-    for _, t in layout.tensors_of(layout.flatten(state_dict)):
+    for _, t in boxes.tensors_of(boxes.flatten(state_dict)):
         sizes.extend(part_sizes(t.numel() * t.element_size()))
     return sizes
 

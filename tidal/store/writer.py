@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.store import layout, ops, plans, progress
+from tidal.store import boxes, ops, plans, progress
+from tidal.store.boxes import Path
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
-from tidal.store.layout import Path
 from tidal.store.plans import PutPlan
 from tidal.store.progress import Progress
 from tidal.store.session import Session
@@ -317,11 +317,11 @@ def _plain(path: Path, v: Any) -> Any:
         out = {}
         for k, x in v.items():
             if not isinstance(k, str):
-                raise TypeError(f"state dict entry {layout.path_str(path)!r}: key {k!r} is no str")
+                raise TypeError(f"state dict entry {boxes.path_str(path)!r}: key {k!r} is no str")
             out[k] = _plain((*path, k), x)
         return out
     raise TypeError(
-        f"state dict entry {layout.path_str(path)!r} is a {type(v).__name__}; tidal.store "
+        f"state dict entry {boxes.path_str(path)!r} is a {type(v).__name__}; tidal.store "
         "holds tensors, DTensors and plain values (None, bool, int, float, str, bytes, and "
         "lists or dicts of them)"
     )

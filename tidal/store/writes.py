@@ -19,7 +19,7 @@ import secrets
 import time
 from typing import Any
 
-from tidal.store import layout, ops, wire
+from tidal.store import boxes, ops, wire
 from tidal.store.backends import DeviceBackend
 from tidal.store.catalog import Catalog, RingSlot, Work, _call, _check_kind, _version_sig
 from tidal.store.errors import StoreError, VolumeLostError
@@ -44,7 +44,7 @@ class Writes(Catalog):
 
     def device_volume(self, conn: int, *, volume_id: str, host: str) -> dict[str, Any]:
         """Register ``conn``'s GPU memory as a volume of kind "cuda" that dies with it
-        (see tidal/store/transports/cuda_ipc.py)."""
+        (see tidal/store/transports/cuda/ipc.py)."""
         rec = VolumeRec(volume_id, "cuda", host, "", "", "", DeviceBackend(), owner=conn)
         self.add_volume(rec)
         return {}
@@ -77,12 +77,12 @@ class Writes(Catalog):
         for d in tensors:
             name, shape, dtype = tuple(d["name"]), tuple(d["shape"]), d["dtype"]
             offs, sizes = tuple(d["offsets"]), tuple(d["sizes"])
-            shown = layout.path_str(name) or key
+            shown = boxes.path_str(name) or key
             if len(offs) != len(shape) or len(sizes) != len(shape):
                 raise ValueError(f"{shown}: box {offs}/{sizes} does not match shape {shape}")
             if any(o + s > n for o, s, n in zip(offs, sizes, shape, strict=True)):
                 raise ValueError(f"{shown}: box {offs}/{sizes} lies outside shape {shape}")
-            nbytes = layout.numel(sizes) * wire.DTYPES[dtype].itemsize
+            nbytes = boxes.numel(sizes) * wire.DTYPES[dtype].itemsize
             entries.append(Entry(name, shape, dtype, offs, sizes, nbytes))
         if len({e.name for e in entries}) != len(entries):
             raise ValueError(f"key {key!r}: a tensor name appears twice in one put")
@@ -91,7 +91,7 @@ class Writes(Catalog):
             if krec is not None:
                 _check_kind(key, krec.kind, kind)
             vol = self._pick_volume(conn, host, volume)
-            boxes = {e.name: (e.shape, e.dtype, [(e.offsets, e.sizes)]) for e in entries}
+            declared = {e.name: (e.shape, e.dtype, [(e.offsets, e.sizes)]) for e in entries}
             plan = PlanRec(
                 self._new_id(),
                 key,
@@ -101,7 +101,7 @@ class Writes(Catalog):
                 keep,
                 vol.volume_id,
                 entries,
-                layout_signature(kind, boxes),
+                layout_signature(kind, declared),
             )
             self._plans[plan.plan] = plan
             return {"plan": plan.plan, "volume": vol.info()}
@@ -261,7 +261,7 @@ class Writes(Catalog):
                     trec = vrec.tensors[e.name] = TensorRec(e.shape, e.dtype)
                     made.append(e.name)
                 elif trec.shape != e.shape or trec.dtype != e.dtype:
-                    shown = layout.path_str(e.name) or key
+                    shown = boxes.path_str(e.name) or key
                     raise ValueError(
                         f"{shown} in version {vrec.version} of key {key!r}: this writer has "
                         f"global shape {list(e.shape)} {e.dtype}, another has "
@@ -349,7 +349,7 @@ class Writes(Catalog):
         for o in objects:
             name = tuple(o["name"])
             if name in vrec.objects and vrec.objects[name] != o["value"]:
-                shown = layout.path_str(name)
+                shown = boxes.path_str(name)
                 raise ValueError(
                     f"{shown} in version {vrec.version} of key {key!r}: writers disagree "
                     f"on its value ({vrec.objects[name]!r} and {o['value']!r})"
@@ -455,10 +455,10 @@ class Writes(Catalog):
         sig = self._checked.get(layout_key)
         if sig is None:
             for name, trec in vrec.tensors.items():
-                boxes = [(s.offsets, s.sizes) for s in trec.shards]
-                problem = layout.check_cover(trec.shape, boxes)
+                tiles = [(s.offsets, s.sizes) for s in trec.shards]
+                problem = boxes.check_cover(trec.shape, tiles)
                 if problem is not None:
-                    shown = layout.path_str(name) or key
+                    shown = boxes.path_str(name) or key
                     self._drop(key, krec, vrec, f"aborted: {shown}: {problem}", destroy=False)
                     raise ValueError(
                         f"version {vrec.version} of key {key!r} is incomplete after all "

@@ -5,11 +5,12 @@ per volume, the fastest both sides support:
 
 - ``shm`` (tidal/store/transports/shm.py): the volume's shared-memory segments, mapped into
   this process when the volume is on this host. One copy each way, no system call per byte.
-- ``cuda_ipc`` (tidal/store/transports/cuda_ipc.py): a writer's own GPU memory
+- ``cuda_ipc`` (tidal/store/transports/cuda/ipc.py): a writer's own GPU memory
   (``put(..., memory="cuda")``), opened by readers on the same host with CUDA IPC handles
-  and copied device to device. Its helpers: ``cuda_runtime`` (the CUDA runtime calls through
-  ctypes), ``cuda_copies`` (copy plans kept per layout), ``cuda_gather`` (one Triton kernel
-  for a state dict's copies) and ``cuda_batch`` (the driver's batched copy, without Triton).
+  and copied device to device. Its helpers sit beside it in ``cuda/``: ``runtime`` (the CUDA
+  runtime calls through ctypes), ``memory`` (a writer's device volume and a reader's opened
+  ones), ``copies`` (copy plans kept per layout), ``gather`` (one Triton kernel for a state
+  dict's copies) and ``batch`` (the driver's batched copy, without Triton).
 - ``tcp`` (tidal/store/transports/tcp.py): ``vol_write`` / ``vol_read`` messages to the
   volume's data port, several connections in parallel, bytes received straight into the
   destination. Works between any two hosts.

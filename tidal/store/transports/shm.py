@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tidal.store import layout
+from tidal.store import boxes
 from tidal.store.errors import StoreError
 from tidal.store.progress import Progress
 from tidal.store.segments import Segments
@@ -197,7 +197,7 @@ class ShmTransport:
                     else self.segments.typed_all([(path, n, job.dtype, job.shard_shape)])[0]
                 )
                 asynchronous = job.dst.is_cuda and self.segments.pin(path, self._map(path, n))
-                src = view if job.whole else layout.narrow(view, job.src_off, job.sizes)
+                src = view if job.whole else boxes.narrow(view, job.src_off, job.sizes)
                 job.dst.copy_(src, non_blocking=asynchronous)
                 if asynchronous:
                     devices.add(job.dst.device)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tidal.store import layout, ops
+from tidal.store import boxes, ops
 from tidal.store.conn import Pool
 from tidal.store.progress import Progress
 from tidal.store.transports import Gate, ReadJob, WriteJob
@@ -88,7 +88,7 @@ class TcpTransport:
                 gate(job.slot)
         pieces = []
         for job in jobs:
-            row = layout.numel(job.sizes[1:]) * job.dtype.itemsize
+            row = boxes.numel(job.sizes[1:]) * job.dtype.itemsize
             if job.sizes and row and job.sizes[0] * row > PIECE:
                 step = max(1, PIECE // row)
                 for r in range(0, job.sizes[0], step):

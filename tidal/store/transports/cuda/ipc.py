@@ -10,7 +10,7 @@ Lifecycle:
 - The writer's store handle owns a :class:`DeviceVolume` (registered with the controller as
   a volume of kind ``"cuda"`` owned by its writer connection; :class:`CudaIpcTransport`
   registers it again if that connection is replaced). Slots are carved from a few large
-  ``cudaMalloc`` allocations (tidal/store/transports/cuda_slots.py); each new slot's
+  ``cudaMalloc`` allocations (tidal/store/transports/cuda/memory.py); each new slot's
   allocation handle, offset and the allocation's size go to the controller with
   ``put_handles`` before any byte is written.
 - Slots the controller destroys come back in the next ``put_begin`` / ``put_commit`` reply;
@@ -47,7 +47,7 @@ without reserved slots copies slot by slot and waits, so its reports come after 
 (tidal/store/streams.py).
 
 CUDA runtime calls go through ``ctypes`` to the ``libcudart`` that torch loaded
-(tidal/store/transports/cuda_runtime.py); no extension is compiled.
+(tidal/store/transports/cuda/runtime.py); no extension is compiled.
 """
 
 from __future__ import annotations
@@ -69,11 +69,10 @@ from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
 from tidal.store.progress import Progress
 from tidal.store.transports import Gate, ReadJob, WriteJob
-from tidal.store.transports.cuda_batch import BatchCopier
-from tidal.store.transports.cuda_copies import CopyPlan, CopyPlans
-from tidal.store.transports.cuda_gather import GatherCopier
-from tidal.store.transports.cuda_runtime import device_uuid, runtime
-from tidal.store.transports.cuda_slots import (
+from tidal.store.transports.cuda.batch import BatchCopier
+from tidal.store.transports.cuda.copies import CopyPlan, CopyPlans
+from tidal.store.transports.cuda.gather import GatherCopier
+from tidal.store.transports.cuda.memory import (
     _LOCAL,
     DeviceVolume,
     Imports,
@@ -82,13 +81,14 @@ from tidal.store.transports.cuda_slots import (
     narrow,
     numel,
 )
+from tidal.store.transports.cuda.runtime import device_uuid, runtime
 
 
 @functools.cache
 def copier() -> GatherCopier | BatchCopier:
     """Issues this process's raw device copies: one gather kernel where Triton is installed
-    (tidal/store/transports/cuda_gather.py), else batched through the driver torch loaded
-    (tidal/store/transports/cuda_batch.py), else one runtime call a copy."""
+    (tidal/store/transports/cuda/gather.py), else batched through the driver torch loaded
+    (tidal/store/transports/cuda/batch.py), else one runtime call a copy."""
     rt = runtime()
     with open("/proc/self/maps") as f:
         paths = {ln.split()[-1] for ln in f if "/libcuda.so" in ln}

@@ -20,7 +20,6 @@ import tidal.cli
 import tidal.store
 from tidal.store import StoreError, VolumeLostError, ops, testing
 from tidal.store.standalone import run_volume
-from tidal.store.transports.shm import path_of
 from tidal.store.volume import new_store_id
 
 from .conftest import until
@@ -445,7 +444,7 @@ def test_something_planted_where_a_segment_will_be_created(victim, tmp_path, pla
         volume=None,
         tensors=[_decl(250)],
     )
-    path = path_of(declared["volume"], declared["plan"] + 1)  # the next id is the slot's
+    path = testing.slot_path(declared["volume"], declared["plan"] + 1)  # the next id is the slot's
     if plant == "symlink":
         os.symlink(victim_file, path)
     elif plant == "directory":
@@ -527,9 +526,11 @@ def test_clients_refuse_a_hijacked_segment(victim, tmp_path, plant):
     w_slot = _acquire(conn, "w")["slots"][0]
     conn.close()
     ring = [
-        s for s in range(1, q_slot) if os.path.exists(path_of(vol, s)) and s not in (w_slot, q_slot)
+        s
+        for s in range(1, q_slot)
+        if os.path.exists(testing.slot_path(vol, s)) and s not in (w_slot, q_slot)
     ]
-    with _hijacked(path_of(vol, w_slot), plant, str(victim_file)):
+    with _hijacked(testing.slot_path(vol, w_slot), plant, str(victim_file)):
         with tidal.store.connect(store.address, transport="shm", timeout=20) as fresh:
             with pytest.raises(StoreError, match="segment"):
                 fresh.get("w")
@@ -537,7 +538,7 @@ def test_clients_refuse_a_hijacked_segment(victim, tmp_path, plant):
             assert torch.equal(r.get("w"), W)
     assert victim_file.read_bytes() == b"precious" * 125
     if ring:  # a put into a hijacked ring slot
-        with _hijacked(path_of(vol, ring[-1]), plant, str(victim_file)):
+        with _hijacked(testing.slot_path(vol, ring[-1]), plant, str(victim_file)):
             with tidal.store.connect(store.address, timeout=20) as w:
                 with pytest.raises(StoreError, match="segment"):
                     w.put("q", W * 9, keep=1)
@@ -551,7 +552,7 @@ def test_zero_copy_read_of_a_planted_fifo_does_not_hang(victim, tmp_path):
     store, saved, base = victim
     vol = _acquire_volume(store)
     conn = testing.raw(store.address)
-    path = path_of(vol, _acquire(conn, "w")["slots"][0])
+    path = testing.slot_path(vol, _acquire(conn, "w")["slots"][0])
     conn.close()
     got: dict[str, Any] = {}
 

@@ -91,7 +91,7 @@ class PutPlan:
     """A layout declared on the controller (``put_declare``) by one writer connection."""
 
     plan_id: int
-    volume: dict[str, Any]  # ops.s_volume
+    volume: ops.VolumeInfo
     generation: int  # the writer connection's generation it was declared on
     dtypes: list[torch.dtype]  # stored dtype per tensor
     nbytes: list[int]  # stored bytes per local shard

@@ -75,8 +75,8 @@ class Reader:
         gate = None
         if wait is None:
             conn = self.s.main
-            reply = conn.request(
-                ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=None
+            reply = _decoded(
+                conn.request(ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=None)
             )
         else:
             conn = self.s.waiter()
@@ -106,7 +106,7 @@ class Reader:
             r = conn.request(
                 ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=wait_ms
             )
-            return None if r["waiting"] else r
+            return None if r["waiting"] else _decoded(r)
 
         return until(
             deadline,
@@ -118,7 +118,7 @@ class Reader:
         )
 
     def _release(self, conn: Conn, key: str, reply: dict[str, Any]) -> None:
-        device = any(v["kind"] == "cuda" for v in reply["volumes"])
+        device = any(v.kind == "cuda" for v in reply["volumes"])
         try:
             lost = conn.request(ops.RELEASE, lease=reply["lease"])["lost"]
         except StoreError:
@@ -247,12 +247,14 @@ class Reader:
         while any view is alive (even past ``close()``), so the version stays pinned."""
         conn = self.s.views_conn()
         cached = self._meta.get(key)
-        reply = conn.request(
-            ops.ACQUIRE,
-            key=key,
-            version=version,
-            known_sig=cached[0] if cached else None,
-            wait_ms=None,
+        reply = _decoded(
+            conn.request(
+                ops.ACQUIRE,
+                key=key,
+                version=version,
+                known_sig=cached[0] if cached else None,
+                wait_ms=None,
+            )
         )
         try:
             stored = self._layout(key, kind, reply, cached)
@@ -282,14 +284,14 @@ class Reader:
                 shm.append((path, s, None))
                 continue
             vol = volumes[vols[s.first]]
-            if vol["kind"] == "cuda":
+            if vol.kind == "cuda":
                 gpu.setdefault(vols[s.first], []).append((path, s))
                 continue
             if self.s.transport == "tcp" or not self.s.shm.reaches(vol):
                 shown = boxes.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at "
-                    f"{vol['address']}, whose shared memory this process cannot map (another "
+                    f"{vol.address}, whose shared memory this process cannot map (another "
                     "host, or transport='tcp'); use copy=True"
                 )
             shm.append((path, s, path_of(vol, slots[s.first])))
@@ -421,3 +423,10 @@ def release_quietly(conn: Conn, lease: int) -> None:
 
 def _objects(reply: dict[str, Any]) -> dict[Path, Any]:
     return {tuple(o["name"]): o["value"] for o in reply.get("objects", [])}
+
+
+def _decoded(reply: dict[str, Any]) -> dict[str, Any]:
+    """An ``acquire`` reply with its volume records decoded, once, where it arrives."""
+    if "volumes" in reply:
+        reply["volumes"] = [ops.VolumeInfo.decode(v) for v in reply["volumes"]]
+    return reply

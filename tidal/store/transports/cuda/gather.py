@@ -68,11 +68,14 @@ class Gather:
     whole: list[Any] = field(default_factory=list)  # BatchCopier.prepare's of every pair
 
 
-def _aligned(pair: tuple[int, int, int]) -> bool:
+def word_aligned(pair: tuple[int, int, int]) -> bool:
+    """Whether a (dst, src, bytes) copy can go through the kernel: all multiples of 4."""
     return pair[0] % 4 == 0 and pair[1] % 4 == 0 and pair[2] % 4 == 0
 
 
-def _rows(pairs: Pairs) -> list[tuple[int, int, int]]:
+def chunk_rows(pairs: Pairs) -> list[tuple[int, int, int]]:
+    """The kernel's table: each (dst, src, bytes) copy cut into rows of at most
+    ``CHUNK_BYTES``, each ``(dst address, src address, 4-byte words)``."""
     out = []
     for dst, src, n in pairs:
         for off in range(0, n, CHUNK_BYTES):
@@ -120,12 +123,12 @@ class GatherCopier:
     def prepare(self, pairs: Pairs, device: int) -> Gather | Any:
         if self.failed or len(pairs) < 2:
             return self.fallback.prepare(pairs, device)
-        fits = [p for p in pairs if _aligned(p)]
-        others = [p for p in pairs if not _aligned(p)]
+        fits = [p for p in pairs if word_aligned(p)]
+        others = [p for p in pairs if not word_aligned(p)]
         if not fits:
             return self.fallback.prepare(pairs, device)
         self.build(device)
-        rows = _rows(fits)
+        rows = chunk_rows(fits)
         table = torch.tensor(rows, dtype=torch.int64).to(f"cuda:{device}")
         rest = self.fallback.prepare(others, device) if others else None
         return Gather(table, len(rows), rest, pairs)

@@ -56,8 +56,9 @@ WRITE_OPS = frozenset(
 
 
 class Controller:
-    """Metadata service. Public methods take the caller's connection id first; the server
-    calls the one named after each controller op in tidal/store/ops.py.
+    """Metadata service, made of a catalog and a writes part (see the module docstring).
+    The op methods take the caller's connection id first; the server finds the one for each
+    controller op of tidal/store/ops.py with :meth:`op_handler`.
 
     Args:
         store_id: the store's id (shared-memory segment names start with it).

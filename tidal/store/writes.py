@@ -11,6 +11,12 @@ one round trip per put (benchmarks/store_sync.py, the cached-put row).
 
 Replicated shards (identical boxes from several writers) are stored once: the first writer
 to begin keeps it, the others get no slot for it and reserve none next time.
+
+Lifecycle: one :class:`Writes` per controller (tidal/store/controller.py), over the
+controller's :class:`~tidal.store.catalog.Catalog`. The server's connection threads call
+its op methods (``Controller.op_handler``) with the calling connection's id; the controller
+calls :meth:`Writes.connection_closed` when a connection ends. What it keeps (plans,
+reservations, pending writes, quarantined slots) is the catalog's lock's to guard.
 """
 
 from __future__ import annotations

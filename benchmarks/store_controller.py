@@ -13,13 +13,14 @@ from tidal.store.controller import Controller
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 114
 c = Controller("s1", keep=1)
+w = c.writes  # the put lifecycle is the controller's writes part
 W, R = 1, 2
-c.device_volume(W, volume_id="cuda.1.x", host="h")
+w.device_volume(W, volume_id="cuda.1.x", host="h")
 decl = [
     {"name": [f"layers.{i}.w"], "shape": [16], "dtype": "bfloat16", "offsets": [0], "sizes": [16]}
     for i in range(N)
 ]
-plan = c.put_declare(
+plan = w.put_declare(
     W, key="p", kind="state_dict", writers=1, keep=None, host="h", volume="cuda.1.x", tensors=decl
 )["plan"]
 res = None
@@ -34,7 +35,7 @@ def handles(slots: list[int]) -> list[dict]:
 tb, tc, ta, tr = [], [], [], []
 for v in range(400):
     t0 = time.perf_counter()
-    b = c.put_begin(
+    b = w.put_begin(
         W,
         key="p",
         plan=plan,
@@ -45,17 +46,17 @@ for v in range(400):
     )
     t1 = time.perf_counter()
     if b["fresh"]:
-        c.put_handles(
+        w.put_handles(
             W,
             volume_id="cuda.1.x",
             handles=handles(b["fresh"]),
         )
     t2 = time.perf_counter()
-    d = c.put_commit(W, key="p", version=v, writer="w", reserve=v >= 1)
+    d = w.put_commit(W, key="p", version=v, writer="w", reserve=v >= 1)
     t3 = time.perf_counter()
     res = d["next"]
     if res and res["fresh"]:
-        c.put_handles(
+        w.put_handles(
             W,
             volume_id="cuda.1.x",
             handles=handles(res["fresh"]),

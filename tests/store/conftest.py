@@ -58,8 +58,8 @@ def victim(capfd):
     from . import hostile  # it imports this module
 
     store = tidal.store.connect(keep=2)
-    saved = hostile._saved(store)
-    yield store, saved, hostile._baseline(store)
+    saved = hostile.saved_data(store)
+    yield store, saved, hostile.baseline_of(store)
     store.close()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "failed:" not in err, err

@@ -44,41 +44,41 @@ SD = {"a": torch.full((3, 4), 7, dtype=torch.int64), "b": [torch.ones(5)], "step
 # ------------------------------------------------------------------------------ helpers
 
 
-def _fds(pid: int | str = "self") -> int:
+def open_fds(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _server_threads() -> int:
+def server_threads() -> int:
     """Threads serving a connection in this process's servers (one per connection)."""
     names = [t.name.removeprefix(f"{SERVER_THREAD}-") for t in threading.enumerate()]
     return sum(n.isdigit() for n in names)
 
 
-def _frame(header_len: int, payload_len: int = 0, magic: bytes = wire.MAGIC) -> bytes:
+def frame_bytes(header_len: int, payload_len: int = 0, magic: bytes = wire.MAGIC) -> bytes:
     return wire.PREFIX.pack(magic, header_len, payload_len)
 
 
-def _msg(obj: Any, payload_len: int = 0) -> bytes:
+def msg_bytes(obj: Any, payload_len: int = 0) -> bytes:
     """A well-framed message whose header is any msgpack value."""
     body = msgpack.packb(obj, use_bin_type=True)
-    return _frame(len(body), payload_len) + body
+    return frame_bytes(len(body), payload_len) + body
 
 
-def _sock(address: str, hello: bool = True, token: str | None = None) -> socket.socket:
+def raw_sock(address: str, hello: bool = True, token: str | None = None) -> socket.socket:
     sock = socket.create_connection(wire.parse_address(address), timeout=10)
     if hello:
-        sock.sendall(_msg({**HELLO, "token": token}))
-        assert _reply(sock)["ok"]
+        sock.sendall(msg_bytes({**HELLO, "token": token}))
+        assert read_reply(sock)["ok"]
     return sock
 
 
-def _reply(sock: socket.socket) -> dict[str, Any]:
+def read_reply(sock: socket.socket) -> dict[str, Any]:
     reply, plen = wire.recv_header(sock)
     assert plen == 0
     return reply
 
 
-def _send_all(sock: socket.socket, data: bytes) -> None:
+def send_all(sock: socket.socket, data: bytes) -> None:
     """Send ``data`` and end our side; the server may have closed first (it refuses bad
     input as soon as it sees it), which is no failure here."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -87,7 +87,7 @@ def _send_all(sock: socket.socket, data: bytes) -> None:
         sock.shutdown(socket.SHUT_WR)
 
 
-def _said_then_closed(sock: socket.socket, timeout: float = 10.0) -> dict[str, Any] | None:
+def said_then_closed(sock: socket.socket, timeout: float = 10.0) -> dict[str, Any] | None:
     """What the server said before it closed ``sock`` (None: nothing); fails if the server
     keeps it open past ``timeout``."""
     sock.settimeout(timeout)
@@ -107,7 +107,7 @@ def _said_then_closed(sock: socket.socket, timeout: float = 10.0) -> dict[str, A
     return msgpack.unpackb(data[wire.PREFIX.size : wire.PREFIX.size + header_len])
 
 
-def _closed_soon(sock: socket.socket, timeout: float) -> bool:
+def closed_soon(sock: socket.socket, timeout: float) -> bool:
     """Whether the server closes ``sock`` within ``timeout`` seconds (reading what it says)."""
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
@@ -120,11 +120,11 @@ def _closed_soon(sock: socket.socket, timeout: float) -> bool:
     return False
 
 
-def _decl(n: int) -> dict[str, Any]:
+def declaration(n: int) -> dict[str, Any]:
     return {"name": [], "shape": [n], "dtype": "float32", "offsets": [0], "sizes": [n]}
 
 
-def _begin(conn, store, key: str, n: int = 250, writer: str = "evil", **declare):
+def begin_raw(conn, store, key: str, n: int = 250, writer: str = "evil", **declare):
     """Declare and begin a one-tensor put of ``key`` on ``conn``: (declared, begun)."""
     fields = {
         "kind": "tensor",
@@ -132,7 +132,7 @@ def _begin(conn, store, key: str, n: int = 250, writer: str = "evil", **declare)
         "keep": None,
         "host": testing.host(store),
         "volume": None,
-        "tensors": [_decl(n)],
+        "tensors": [declaration(n)],
         **declare,
     }
     declared = conn.request(ops.PUT_DECLARE, key=key, **fields)
@@ -148,18 +148,18 @@ def _begin(conn, store, key: str, n: int = 250, writer: str = "evil", **declare)
     return declared, begun
 
 
-def _acquire(conn, key: str) -> dict[str, Any]:
+def acquire_raw(conn, key: str) -> dict[str, Any]:
     return conn.request(ops.ACQUIRE, key=key, version="latest", known_sig=None, wait_ms=None)
 
 
-def _read(store, key: str, **kw: Any) -> torch.Tensor:
+def read_key(store, key: str, **kw: Any) -> torch.Tensor:
     """``key`` read by a fresh client (whose closing unmaps what it read: the attacked
     handle's mappings would hold file descriptors of deleted segments until swept)."""
     with tidal.store.connect(store.address, timeout=20) as fresh:
         return fresh.get(key, **kw)
 
 
-def _vol_write(slot: int, grant: bytes, nbytes: int, offset: int = 0) -> dict[str, Any]:
+def vol_write_request(slot: int, grant: bytes, nbytes: int, offset: int = 0) -> dict[str, Any]:
     return {"op": "vol_write", "slot": slot, "offset": offset, "nbytes": nbytes, "grant": grant}
 
 
@@ -174,13 +174,13 @@ class Baseline:
     counts_of: Callable[[], dict[str, int]]
 
 
-def _baseline(store, counts_of: Callable[[], dict[str, int]] | None = None) -> Baseline:
+def baseline_of(store, counts_of: Callable[[], dict[str, int]] | None = None) -> Baseline:
     counts_of = counts_of or testing.controller(store).counts
     listed = {(e["key"], e["version"]) for e in store.ls()["entries"]}
-    return Baseline(_fds(), _server_threads(), counts_of(), listed, counts_of)
+    return Baseline(open_fds(), server_threads(), counts_of(), listed, counts_of)
 
 
-def _saved(store) -> dict[str, Any]:
+def saved_data(store) -> dict[str, Any]:
     """Committed data every attack must leave as it is."""
     store.put("w", W)
     store.put_state_dict(SD, "sd")
@@ -194,10 +194,12 @@ def healthy(
     """The store after an attack: the server holds no more fds or threads than before,
     leases / slots / plans are back, committed data keeps its bytes and listing, and fresh
     clients of every transport are served."""
-    until(lambda: _fds() <= base.fds, f"fds stay above the baseline {base.fds}: {_fds()}", 20)
     until(
-        lambda: _server_threads() <= base.threads,
-        f"server threads stay above {base.threads}: {_server_threads()}",
+        lambda: open_fds() <= base.fds, f"fds stay above the baseline {base.fds}: {open_fds()}", 20
+    )
+    until(
+        lambda: server_threads() <= base.threads,
+        f"server threads stay above {base.threads}: {server_threads()}",
         20,
     )
     until(
@@ -292,5 +294,5 @@ class FakeVolume:
         self.vol.close()
 
 
-def _alive_volumes(store) -> dict[str, bool]:
+def alive_volumes(store) -> dict[str, bool]:
     return {v["volume"]: v["alive"] for v in store.ls()["volumes"]}

@@ -8,7 +8,7 @@ import torch
 
 import tidal.store
 from tidal.store import KeyNotFoundError, VersionNotFoundError, ops, testing
-from tidal.store.layout import check_cover, flatten, intersect, unflatten
+from tidal.store.boxes import check_cover, flatten, intersect, unflatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 if hasattr(torch, "float8_e4m3fn"):

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from tidal.store.transports.cuda_batch import Batch, BatchCopier
+from tidal.store.transports.cuda.batch import Batch, BatchCopier
 
 
 def test_without_a_batched_call_every_pair_goes_through_the_loop():
@@ -65,20 +65,20 @@ def test_a_batch_prepared_before_a_failure_goes_through_the_loop_without_a_secon
 
 
 def test_gather_rows_cut_copies_into_chunks_of_words():
-    from tidal.store.transports.cuda_gather import CHUNK_BYTES, _aligned, _rows
+    from tidal.store.transports.cuda.gather import CHUNK_BYTES, chunk_rows, word_aligned
 
-    rows = _rows([(1 << 32, 1 << 33, 2 * CHUNK_BYTES + 8), (4096, 8192, 12)])
+    rows = chunk_rows([(1 << 32, 1 << 33, 2 * CHUNK_BYTES + 8), (4096, 8192, 12)])
     assert rows == [
         (1 << 32, 1 << 33, CHUNK_BYTES // 4),
         ((1 << 32) + CHUNK_BYTES, (1 << 33) + CHUNK_BYTES, CHUNK_BYTES // 4),
         ((1 << 32) + 2 * CHUNK_BYTES, (1 << 33) + 2 * CHUNK_BYTES, 2),
         (4096, 8192, 3),
     ]
-    assert not _aligned((4096, 8194, 8)) and not _aligned((4096, 8192, 6))
+    assert not word_aligned((4096, 8194, 8)) and not word_aligned((4096, 8192, 6))
 
 
 def test_gather_copier_leaves_single_pairs_and_a_failed_kernel_to_the_batch_copier():
-    from tidal.store.transports.cuda_gather import GatherCopier
+    from tidal.store.transports.cuda.gather import GatherCopier
 
     calls = []
     gather = GatherCopier(BatchCopier(None, lambda pairs, stream: calls.append(pairs)))

@@ -163,7 +163,7 @@ def test_warm_up_cuda_needs_cuda():
 def test_a_slot_outside_its_allocation_is_refused_before_anything_is_opened(offset, span):
     """A reader opens a slot only if its bytes lie inside the allocation the writer named:
     a wrong offset or span must not become an out-of-bounds view of GPU memory."""
-    from tidal.store.transports.cuda_slots import Imports
+    from tidal.store.transports.cuda.memory import Imports
 
     imports = Imports()
     h = {**_handle(3), "offset": offset, "span": span}

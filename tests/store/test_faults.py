@@ -254,11 +254,11 @@ def test_cli_serve_and_ls():
 
 
 def test_segments_of_killed_processes_are_reaped():
-    from tidal.store.volume import _pid_namespace
+    from tidal.store.volume import pid_namespace
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # a pid that no longer runs
-    ns = _pid_namespace()
+    ns = pid_namespace()
     dead = f"/dev/shm/tidal-{ns}.{proc.pid}xabc123-v0-1"
     live = f"/dev/shm/tidal-{ns}.{os.getpid()}xabc123-v0-1"
     other_ns = f"/dev/shm/tidal-{ns + 1}.{proc.pid}xabc123-v0-1"

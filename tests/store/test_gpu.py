@@ -120,7 +120,7 @@ def test_device_memory_across_processes(monkeypatch):
 
 def test_a_put_of_gpu_memory_is_ordered_on_the_callers_stream():
     """A put of GPU memory returns once its copies are queued: they run after the caller's
-    queued work and before its later work (tidal/store/transports/cuda_ipc.py, Ordering)."""
+    queued work and before its later work (tidal/store/transports/cuda/ipc.py, Ordering)."""
     with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
         src = torch.zeros(64 << 20, device="cuda")  # 256 MB
         for v in range(3):
@@ -198,10 +198,10 @@ def test_async_copies_wait_for_the_callers_queued_work(memory):
 
 
 def _copiers():
-    from tidal.store.transports import cuda_ipc
-    from tidal.store.transports.cuda_gather import GatherCopier
+    from tidal.store.transports.cuda import ipc
+    from tidal.store.transports.cuda.gather import GatherCopier
 
-    chosen = cuda_ipc.copier()
+    chosen = ipc.copier()
     if isinstance(chosen, GatherCopier):
         return {"kernel": chosen, "batch": chosen.fallback}
     return {"batch": chosen}
@@ -210,18 +210,18 @@ def _copiers():
 @pytest.mark.parametrize("path", ["kernel", "batch"])
 def test_state_dict_copies_go_as_one_call(path, monkeypatch):
     """A put and a get of a state dict in GPU memory issue one gather kernel
-    (tidal/store/transports/cuda_gather.py: Triton) or one cuMemcpyBatchAsync
-    (cuda_batch.py) per device, with the same bytes as copies one at a time, also when
+    (tidal/store/transports/cuda/gather.py: Triton) or one cuMemcpyBatchAsync
+    (cuda/batch.py) per device, with the same bytes as copies one at a time, also when
     plans are replayed and slots change; pairs the kernel does not take (2-byte sizes) and
     tensors of several chunks included."""
-    from tidal.store.transports import cuda_ipc
+    from tidal.store.transports.cuda import ipc
 
     copier = _copiers().get(path)
     if copier is None:
         pytest.skip("Triton is not installed: no gather kernel")
     if path == "batch" and not copier.supported:
         pytest.skip("this CUDA driver has no cuMemcpyBatchAsync (12.8 and later)")
-    monkeypatch.setattr(cuda_ipc, "copier", lambda: copier)
+    monkeypatch.setattr(ipc, "copier", lambda: copier)
     sd = {f"w{i}": torch.randn(64 + i, 96, device="cuda") for i in range(24)}
     sd["odd"] = torch.randn(3, 5, device="cuda", dtype=torch.bfloat16)  # 30 bytes
     sd["big"] = torch.randn(3 * 262144 + 3, device="cuda")  # 3 MB and 12 bytes: 4 chunks
@@ -247,10 +247,10 @@ def test_state_dict_copies_go_as_one_call(path, monkeypatch):
 def test_warm_up_builds_the_copy_kernel_before_the_first_get():
     """tidal.store.warm_up_cuda: the kernel is built when it returns, so a process's first
     state-dict copies already go as one launch."""
-    from tidal.store.transports import cuda_ipc
-    from tidal.store.transports.cuda_gather import GatherCopier
+    from tidal.store.transports.cuda import ipc
+    from tidal.store.transports.cuda.gather import GatherCopier
 
-    copier = cuda_ipc.copier()
+    copier = ipc.copier()
     if not isinstance(copier, GatherCopier):
         pytest.skip("Triton is not installed: no gather kernel")
     assert tidal.store.warm_up_cuda(timeout=120) and copier.ready(0)

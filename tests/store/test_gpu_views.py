@@ -95,11 +95,11 @@ def test_gpu_views_in_another_process():
 
 
 def test_a_versions_slots_share_a_few_allocations():
-    """Slots are carved from large allocations (tidal/store/transports/cuda_slots.py), so the
+    """Slots are carved from large allocations (tidal/store/transports/cuda/memory.py), so the
     views of one read share one storage per allocation; a big tensor gets its own."""
-    from tidal.store.transports import cuda_slots
+    from tidal.store.transports.cuda import memory
 
-    big = cuda_slots.ARENA_BYTES // 4 // 4  # float32 elements: an allocation of its own
+    big = memory.ARENA_BYTES // 4 // 4  # float32 elements: an allocation of its own
     sd = {f"w{i}": torch.full((1000 + i,), float(i), device="cuda") for i in range(20)}
     sd["big"] = torch.ones(big, device="cuda")
     with tidal.store.connect(keep=1) as writer, tidal.store.connect(writer.address) as reader:
@@ -110,6 +110,6 @@ def test_a_versions_slots_share_a_few_allocations():
         assert len(storages) == 1, "small slots of one version were not carved together"
         assert got["big"].untyped_storage().data_ptr() not in storages
         ptrs = sorted(got[k].data_ptr() for k in sd if k != "big")
-        assert all(p % cuda_slots.ALIGN == 0 for p in ptrs)
+        assert all(p % memory.ALIGN == 0 for p in ptrs)
         del got
         _until_released(writer)

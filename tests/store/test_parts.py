@@ -231,11 +231,11 @@ def test_part_names_are_built_from_checked_ids(tmp_path):
 
 
 def test_reap_stale_removes_parts_of_dead_stores(tmp_path):
-    from tidal.store.volume import _pid_namespace
+    from tidal.store.volume import pid_namespace
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()  # a pid that no longer runs
-    ns = _pid_namespace()
+    ns = pid_namespace()
     dead = f"tidal-{ns}.{proc.pid}xabc123-v0-7"
     live = f"tidal-{ns}.{os.getpid()}xabc123-v0-7"
     reaped = [dead, f"{dead}.1", f"{dead}.12"]
@@ -250,6 +250,7 @@ def test_reap_stale_removes_parts_of_dead_stores(tmp_path):
 def test_first_reads_of_boxes_that_start_inside_a_part(tmp_path, streaming):
     """Row boxes of a stored shard (a resharded read), read with preadv by a process that has
     not mapped the slot: each starts and ends wherever the rows do, not at a part's start."""
+    from tidal.store.ops import VolumeInfo
     from tidal.store.segments import Segments
     from tidal.store.transports import ReadJob
     from tidal.store.transports.shm import ShmTransport
@@ -257,14 +258,7 @@ def test_first_reads_of_boxes_that_start_inside_a_part(tmp_path, streaming):
     shape = (40, 1000)  # float32: 160000 bytes, 14 parts
     full = torch.randn(shape)
     vol = Volume("v0", new_store_id(), shm_dir=str(tmp_path))
-    record = {
-        "id": "v0",
-        "kind": "shm",
-        "host": "h",
-        "address": "",
-        "shm_dir": vol.shm_dir,
-        "store_id": vol.store_id,
-    }
+    record = VolumeInfo("v0", "shm", "h", "", vol.shm_dir, vol.store_id)
     try:
         vol.create(1, full.numel() * 4)
         vol.segment(1).copy_(full.view(-1).view(torch.uint8))

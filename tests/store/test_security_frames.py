@@ -28,22 +28,22 @@ from .conftest import until
 from .hostile import (
     HELLO,
     W,
-    _acquire,
-    _baseline,
-    _begin,
-    _closed_soon,
-    _fds,
-    _frame,
-    _msg,
-    _reply,
-    _said_then_closed,
-    _saved,
-    _send_all,
-    _server_threads,
-    _sock,
-    _vol_write,
+    acquire_raw,
+    baseline_of,
+    begin_raw,
+    closed_soon,
+    frame_bytes,
     healthy,
+    msg_bytes,
+    open_fds,
+    raw_sock,
+    read_reply,
+    said_then_closed,
+    saved_data,
+    send_all,
+    server_threads,
     serving,
+    vol_write_request,
 )
 
 # ------------------------------------------------------------------ frames of every kind
@@ -51,20 +51,20 @@ from .hostile import (
 # (name, bytes, what the error reply says) for a connection that has not said hello yet.
 BEFORE_HELLO = [
     ("prefix cut", b"TDS1\x10\x00", "inside a message prefix"),
-    ("header cut", _frame(100) + b"\x81" * 10, "after 10 of 100 bytes"),
-    ("payload in hello", _msg(HELLO, 10) + b"x" * 10, "exceeds the limit of 0"),
-    ("header over 64 KiB", _frame(1 << 17), "exceeds the limit"),
+    ("header cut", frame_bytes(100) + b"\x81" * 10, "after 10 of 100 bytes"),
+    ("payload in hello", msg_bytes(HELLO, 10) + b"x" * 10, "exceeds the limit of 0"),
+    ("header over 64 KiB", frame_bytes(1 << 17), "exceeds the limit"),
     ("bad magic", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "bad magic"),
-    ("undecodable header", _frame(4) + b"\xc1" * 4, "undecodable"),
-    ("header not a map", _msg([1, 2, 3]), "must be a map"),
-    ("op a list", _msg({"op": [1]}), "unknown op"),
-    ("op a map", _msg({"op": {"a": 1}}), "unknown op"),
-    ("op missing", _msg({"token": None}), "unknown op"),
-    ("keys first", _msg({"op": "keys", "prefix": ""}), "first message must be 'hello'"),
-    ("vol_destroy first", _msg({"op": "vol_destroy", "slots": [1]}), "must be 'hello'"),
-    ("old protocol", _msg({**HELLO, "proto": 1}), "protocol version 1"),
-    ("hello extra field", _msg({**HELLO, "evil": 1}), "unknown fields"),
-    ("hello token not str", _msg({**HELLO, "token": 5}), "field 'token'"),
+    ("undecodable header", frame_bytes(4) + b"\xc1" * 4, "undecodable"),
+    ("header not a map", msg_bytes([1, 2, 3]), "must be a map"),
+    ("op a list", msg_bytes({"op": [1]}), "unknown op"),
+    ("op a map", msg_bytes({"op": {"a": 1}}), "unknown op"),
+    ("op missing", msg_bytes({"token": None}), "unknown op"),
+    ("keys first", msg_bytes({"op": "keys", "prefix": ""}), "first message must be 'hello'"),
+    ("vol_destroy first", msg_bytes({"op": "vol_destroy", "slots": [1]}), "must be 'hello'"),
+    ("old protocol", msg_bytes({**HELLO, "proto": 1}), "protocol version 1"),
+    ("hello extra field", msg_bytes({**HELLO, "evil": 1}), "unknown fields"),
+    ("hello token not str", msg_bytes({**HELLO, "token": 5}), "field 'token'"),
 ]
 
 
@@ -74,9 +74,9 @@ def test_bad_frames_before_hello(victim, name, data, said):
     holds nothing of the connection afterwards."""
     store, saved, base = victim
     for _ in range(20):  # a leak of one fd per connection would show as 20
-        sock = _sock(store.address, hello=False)
-        _send_all(sock, data)
-        reply = _said_then_closed(sock)
+        sock = raw_sock(store.address, hello=False)
+        send_all(sock, data)
+        reply = said_then_closed(sock)
         assert reply is not None and not reply["ok"] and said in reply["error"], reply
     healthy(store, saved, base)
 
@@ -84,8 +84,8 @@ def test_bad_frames_before_hello(victim, name, data, said):
 def _holding(store) -> tuple[Any, dict[str, Any]]:
     """A raw connection holding a lease on "w" and a pending write of key "hostile"."""
     conn = testing.raw(store.address)
-    lease = _acquire(conn, "w")["lease"]
-    declared, begun = _begin(conn, store, "hostile")
+    lease = acquire_raw(conn, "w")["lease"]
+    declared, begun = begin_raw(conn, store, "hostile")
     assert not store.exists("hostile")  # pending
     return conn, {
         "lease": lease,
@@ -98,29 +98,29 @@ def _holding(store) -> tuple[Any, dict[str, Any]]:
 # (name, bytes for a connection holding a lease and a pending write, error reply).
 AFTER_HELLO: list[tuple[str, Callable[[dict[str, Any]], bytes], str | None]] = [
     ("prefix cut", lambda h: b"TDS1\x00", "inside a message prefix"),
-    ("header cut", lambda h: _frame(100) + b"\x81" * 10, "after 10 of 100 bytes"),
+    ("header cut", lambda h: frame_bytes(100) + b"\x81" * 10, "after 10 of 100 bytes"),
     (
         "payload cut",
-        lambda h: _msg(_vol_write(h["slot"], h["grant"], 1000), 1000) + b"x" * 10,
+        lambda h: msg_bytes(vol_write_request(h["slot"], h["grant"], 1000), 1000) + b"x" * 10,
         "after 10 of 1000 bytes",
     ),
     (
         "payload cut, wrong grant",
-        lambda h: _msg(_vol_write(h["slot"], bytes(16), 1000), 1000) + b"x" * 10,
+        lambda h: msg_bytes(vol_write_request(h["slot"], bytes(16), 1000), 1000) + b"x" * 10,
         None,
     ),
     (
         "payload on an op without",
-        lambda h: _msg({"op": "keys", "prefix": ""}, 100),
+        lambda h: msg_bytes({"op": "keys", "prefix": ""}, 100),
         "takes no payload",
     ),
-    ("payload over the limit", lambda h: _frame(10, (1 << 40) + 1), "exceeds the limit"),
-    ("header over 32 MiB", lambda h: _frame(wire.MAX_HEADER_BYTES + 1), "exceeds the limit"),
+    ("payload over the limit", lambda h: frame_bytes(10, (1 << 40) + 1), "exceeds the limit"),
+    ("header over 32 MiB", lambda h: frame_bytes(wire.MAX_HEADER_BYTES + 1), "exceeds the limit"),
     ("bad magic", lambda h: b"\x00" * 16, "bad magic"),
-    ("undecodable header", lambda h: _frame(3) + b"\xc1\xc1\xc1", "undecodable"),
+    ("undecodable header", lambda h: frame_bytes(3) + b"\xc1\xc1\xc1", "undecodable"),
     (
         "nbytes not the payload",
-        lambda h: _msg(_vol_write(h["slot"], h["grant"], 10), 20) + b"x" * 15,
+        lambda h: msg_bytes(vol_write_request(h["slot"], h["grant"], 10), 20) + b"x" * 15,
         None,
     ),
 ]
@@ -134,8 +134,8 @@ def test_bad_frames_after_hello_release_what_the_connection_held(victim, name, d
     for _ in range(5):
         conn, held = _holding(store)
         sock = conn.sock
-        _send_all(sock, data(held))
-        reply = _said_then_closed(sock)
+        send_all(sock, data(held))
+        reply = said_then_closed(sock)
         if said is not None:
             assert reply is not None and said in reply["error"], reply
         conn.close()
@@ -165,11 +165,11 @@ def test_well_framed_off_schema_messages_keep_the_connection(victim):
     store, saved, base = victim
     conn, held = _holding(store)
     for bad, said in OFF_SCHEMA:
-        conn.sock.sendall(_msg(bad))
-        reply = _reply(conn.sock)
+        conn.sock.sendall(msg_bytes(bad))
+        reply = read_reply(conn.sock)
         assert not reply["ok"] and said in reply["error"], (bad, reply)
-    conn.sock.sendall(_msg({"op": "keys", "prefix": ""}))
-    assert _reply(conn.sock)["keys"] == ["sd", "w"]
+    conn.sock.sendall(msg_bytes({"op": "keys", "prefix": ""}))
+    assert read_reply(conn.sock)["keys"] == ["sd", "w"]
     assert conn.request(ops.RELEASE, lease=held["lease"])["lost"] is False
     conn.close()
     healthy(store, saved, base)
@@ -261,8 +261,8 @@ def test_fuzzed_fields_of_every_op_get_protocol_errors(victim):
                 continue  # a valid request: nothing hostile to send
             except wire.ProtocolError:
                 pass
-            conn.sock.sendall(_msg(header))
-            reply = _reply(conn.sock)
+            conn.sock.sendall(msg_bytes(header))
+            reply = read_reply(conn.sock)
             assert not reply["ok"] and reply["etype"] == "ProtocolError", (header, reply)
             sent += 1
     assert sent > 500
@@ -277,13 +277,15 @@ def test_random_bytes_before_and_after_hello(victim):
     store, saved, base = victim
     rng = random.Random(90)
     for i in range(120):
-        sock = _sock(store.address, hello=i % 2 == 1)
+        sock = raw_sock(store.address, hello=i % 2 == 1)
         n = rng.randrange(0, 300)
         junk = bytes(rng.randrange(256) for _ in range(n))
         if i % 3 == 0:
-            junk = _frame(rng.choice([0, 1, 7, n, 1 << 20]), rng.choice([0, 1, 1 << 45])) + junk
-        _send_all(sock, junk)
-        _said_then_closed(sock)
+            junk = (
+                frame_bytes(rng.choice([0, 1, 7, n, 1 << 20]), rng.choice([0, 1, 1 << 45])) + junk
+            )
+        send_all(sock, junk)
+        said_then_closed(sock)
     healthy(store, saved, base)
 
 
@@ -292,22 +294,24 @@ def test_stalled_messages_are_dropped():
     ``io_timeout``; an idle connection between messages is not."""
     with serving(io_timeout=0.3, hello_timeout=5.0) as (server, _):
         with tidal.store.connect(server.address) as store:
-            saved = _saved(store)
-            base = _baseline(store, server.controller.counts)
-            idle = _sock(store.address)
-            for data in (_frame(100) + b"\x81" * 10, b"TDS1"):
+            saved = saved_data(store)
+            base = baseline_of(store, server.controller.counts)
+            idle = raw_sock(store.address)
+            for data in (frame_bytes(100) + b"\x81" * 10, b"TDS1"):
                 conn = testing.raw(store.address)
-                _acquire(conn, "w")
+                acquire_raw(conn, "w")
                 conn.sock.sendall(data)  # and then nothing
-                assert _closed_soon(conn.sock, 10), data
+                assert closed_soon(conn.sock, 10), data
                 conn.close()
             conn, held = _holding(store)
-            conn.sock.sendall(_msg(_vol_write(held["slot"], held["grant"], 1000), 1000) + b"x")
-            assert _closed_soon(conn.sock, 10)
+            conn.sock.sendall(
+                msg_bytes(vol_write_request(held["slot"], held["grant"], 1000), 1000) + b"x"
+            )
+            assert closed_soon(conn.sock, 10)
             conn.close()
-            assert not _closed_soon(idle, 0.6)  # idle between messages: kept
-            idle.sendall(_msg({"op": "keys", "prefix": ""}))
-            assert _reply(idle)["keys"] == ["sd", "w"]
+            assert not closed_soon(idle, 0.6)  # idle between messages: kept
+            idle.sendall(msg_bytes({"op": "keys", "prefix": ""}))
+            assert read_reply(idle)["keys"] == ["sd", "w"]
             idle.close()
             healthy(store, saved, base, embedded=False)
 
@@ -318,14 +322,14 @@ def test_a_peer_that_never_reads_its_replies_is_dropped():
     stream), and what it held is released."""
     with serving(io_timeout=0.3) as (server, _):
         with tidal.store.connect(server.address) as store:
-            saved = _saved(store)
-            base = _baseline(store, server.controller.counts)
+            saved = saved_data(store)
+            base = baseline_of(store, server.controller.counts)
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
             s.connect(wire.parse_address(server.address))
             s.sendall(
-                _msg(HELLO)
-                + _msg(
+                msg_bytes(HELLO)
+                + msg_bytes(
                     {
                         "op": "acquire",
                         "key": "w",
@@ -339,7 +343,7 @@ def test_a_peer_that_never_reads_its_replies_is_dropped():
                 lambda: server.controller.counts()["leases"] > base.counts["leases"],
                 "the unread acquire never arrived",
             )
-            flood = _msg({"op": "keys", "prefix": "", "evil": "x" * 200}) * 1000
+            flood = msg_bytes({"op": "keys", "prefix": "", "evil": "x" * 200}) * 1000
             s.settimeout(0.2)
             deadline = time.monotonic() + 20
             dropped = False
@@ -364,12 +368,12 @@ def test_idle_unauthenticated_connections_are_capped_and_expire():
     clients with the token connect again once they are gone."""
     with serving(token="s3cret", max_pending=4, hello_timeout=0.5) as (server, logs):
         with tidal.store.connect(server.address, token="s3cret") as store:
-            saved = _saved(store)
-            base = _baseline(store, server.controller.counts)
-            idle = [_sock(server.address, hello=False) for _ in range(4)]
-            until(lambda: _server_threads() >= base.threads + 4, "idle connections not taken")
-            refused = _sock(server.address, hello=False)
-            said = _said_then_closed(refused)
+            saved = saved_data(store)
+            base = baseline_of(store, server.controller.counts)
+            idle = [raw_sock(server.address, hello=False) for _ in range(4)]
+            until(lambda: server_threads() >= base.threads + 4, "idle connections not taken")
+            refused = raw_sock(server.address, hello=False)
+            said = said_then_closed(refused)
             assert said is not None and "4 connections are waiting to say hello" in said["error"]
             with pytest.raises(StoreError, match="refused the connection"):
                 tidal.store.connect(server.address, token="s3cret")
@@ -377,24 +381,24 @@ def test_idle_unauthenticated_connections_are_capped_and_expire():
                 s.close()
             healthy(store, saved, base, embedded=False, token="s3cret")
             # Left open, they are dropped at the hello deadline, with a reason.
-            idle = [_sock(server.address, hello=False) for _ in range(4)]
+            idle = [raw_sock(server.address, hello=False) for _ in range(4)]
             for s in idle:
-                said = _said_then_closed(s)
+                said = said_then_closed(s)
                 assert said is not None and "no hello within 0.5 s" in said["error"]
             # A peer trickling its hello a byte at a time does not stretch the deadline.
-            slow = _sock(server.address, hello=False)
-            hello = _msg({**HELLO, "token": "s3cret"})
+            slow = raw_sock(server.address, hello=False)
+            hello = msg_bytes({**HELLO, "token": "s3cret"})
             sent = 0
-            while sent < len(hello) and not _closed_soon(slow, 0.05):  # > 2 s for all of it
+            while sent < len(hello) and not closed_soon(slow, 0.05):  # > 2 s for all of it
                 slow.sendall(hello[sent : sent + 1])
                 sent += 1
             assert sent < len(hello), "the trickled hello was served"
             slow.close()
             # Wrong and missing tokens: refused and closed.
             for token in (None, "nope", "s3cre", "s3cret" * 100):
-                s = _sock(server.address, hello=False)
-                s.sendall(_msg({**HELLO, "token": token}))
-                said = _said_then_closed(s)
+                s = raw_sock(server.address, hello=False)
+                s.sendall(msg_bytes({**HELLO, "token": token}))
+                said = said_then_closed(s)
                 assert said is not None and said["etype"] == "AuthError", said
             healthy(store, saved, base, embedded=False, token="s3cret")
             assert any("refused a connection" in m for m in logs)
@@ -405,16 +409,16 @@ def test_open_connections_are_capped():
     why, while open ones are still served; once some close, clients get in again."""
     with serving(max_connections=6) as (server, _):
         with tidal.store.connect(server.address) as store:  # main and (after a put) writer
-            saved = _saved(store)
-            base = _baseline(store, server.controller.counts)
-            others = [_sock(server.address) for _ in range(4)]
+            saved = saved_data(store)
+            base = baseline_of(store, server.controller.counts)
+            others = [raw_sock(server.address) for _ in range(4)]
             with pytest.raises(StoreError, match="6 connections are open"):
                 tidal.store.connect(server.address)
-            said = _said_then_closed(_sock(server.address, hello=False))
+            said = said_then_closed(raw_sock(server.address, hello=False))
             assert said is not None and "6 connections are open" in said["error"]
             assert torch.equal(store.get("w"), W)  # open connections are still served
             others.pop().close()
-            until(lambda: _server_threads() <= base.threads + 3, "closed connection lingers")
+            until(lambda: server_threads() <= base.threads + 3, "closed connection lingers")
             conn = testing.raw(server.address)
             assert conn.request(ops.KEYS, prefix="")["keys"] == ["sd", "w"]
             conn.close()
@@ -468,7 +472,7 @@ def test_running_out_of_fds_is_survived(tmp_path):
         line = _first_line(proc)
         assert line.startswith("tidal store serving at tcp://"), line
         address = line.split()[4]
-        fds = lambda: _fds(proc.pid)  # noqa: E731
+        fds = lambda: open_fds(proc.pid)  # noqa: E731
         base = fds()
         with tidal.store.connect(address, token="s3cret") as store:
             store.put("x", W)
@@ -477,13 +481,15 @@ def test_running_out_of_fds_is_survived(tmp_path):
         # The issue's attack: frames announcing more bytes than they send (before hello,
         # and after it for a client that has the token), then gone.
         for i in range(300):
-            s = _sock(address, hello=i % 2 == 1, token="s3cret")
-            s.sendall(_msg({"op": "keys", "prefix": ""})[:-3] if i % 2 else _frame(1000) + b"x")
+            s = raw_sock(address, hello=i % 2 == 1, token="s3cret")
+            s.sendall(
+                msg_bytes({"op": "keys", "prefix": ""})[:-3] if i % 2 else frame_bytes(1000) + b"x"
+            )
             s.close()
         until(lambda: fds() <= base, f"server fds stay above {base} after cut frames")
         # Exhaust: connections that never say hello, more than the server has fds for.
         for _ in range(limit + 8):
-            held.append(_sock(address, hello=False))
+            held.append(raw_sock(address, hello=False))
         until(lambda: fds() >= limit, "the server never ran out of fds")
         with pytest.raises(StoreError, match="did not answer 'hello'"):
             tidal.store.connect(address, token="s3cret", timeout=0.5)

@@ -26,11 +26,11 @@ from .hostile import (
     SD,
     FakeVolume,
     W,
-    _acquire,
-    _alive_volumes,
-    _begin,
-    _read,
+    acquire_raw,
+    alive_volumes,
+    begin_raw,
     healthy,
+    read_key,
     serving,
 )
 
@@ -58,7 +58,7 @@ def test_a_stopped_volume_does_not_stall_the_controller(victim, tmp_path):
     stopped.vol.go.set()
     until(lambda: not os.listdir(tmp_path), "the destroyed segment stays")
     stopped.close()
-    until(lambda: "stop" not in _alive_volumes(store), "the volume that left stays listed")
+    until(lambda: "stop" not in alive_volumes(store), "the volume that left stays listed")
     healthy(store, saved, base)
 
 
@@ -98,11 +98,11 @@ def test_a_handle_reconnects_after_a_timeout(victim, tmp_path):
         assert torch.equal(h.get("k"), W * 4)
         assert h.versions("k") == [1]
     slow.close()
-    until(lambda: not _alive_volumes(store).get("slow", False), "the volume stays alive")
+    until(lambda: not alive_volumes(store).get("slow", False), "the volume stays alive")
     with pytest.raises(VolumeLostError, match="slow"):
-        _read(store, "k")
+        read_key(store, "k")
     store.delete("k")
-    until(lambda: "slow" not in _alive_volumes(store), "the dead volume stays listed")
+    until(lambda: "slow" not in alive_volumes(store), "the dead volume stays listed")
     healthy(store, saved, base)
 
 
@@ -112,8 +112,8 @@ def test_a_bound_request_is_never_resent_on_a_new_connection(victim):
     so the client says the connection was lost instead."""
     store, saved, base = victim
     conn = testing.raw(store.address)
-    lease = _acquire(conn, "w")["lease"]
-    _, begun = _begin(conn, store, "b", writer="w1")
+    lease = acquire_raw(conn, "w")["lease"]
+    _, begun = begin_raw(conn, store, "b", writer="w1")
     server_side = testing.leases(store)
     # The connection dies under the client's feet (as in a restart of the server).
     killer = socket.fromfd(conn.sock.fileno(), socket.AF_INET, socket.SOCK_STREAM)

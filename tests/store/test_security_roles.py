@@ -20,25 +20,24 @@ import tidal.cli
 import tidal.store
 from tidal.store import StoreError, VolumeLostError, ops, testing
 from tidal.store.standalone import run_volume
-from tidal.store.transports.shm import path_of
 from tidal.store.volume import new_store_id
 
 from .conftest import until
 from .hostile import (
     FakeVolume,
     W,
-    _acquire,
-    _alive_volumes,
-    _baseline,
-    _begin,
-    _decl,
-    _fds,
-    _msg,
-    _read,
-    _reply,
-    _sock,
-    _vol_write,
+    acquire_raw,
+    alive_volumes,
+    baseline_of,
+    begin_raw,
+    declaration,
     healthy,
+    msg_bytes,
+    open_fds,
+    raw_sock,
+    read_key,
+    read_reply,
+    vol_write_request,
 )
 
 # ------------------------------------------------------------------------ ops out of role
@@ -49,7 +48,7 @@ def test_only_the_writer_connection_reports_commits_or_aborts_its_write(victim):
     pending write; the writer's own commit then publishes its bytes."""
     store, saved, base = victim
     writer = testing.raw(store.address)
-    declared, begun = _begin(writer, store, "k", writer="w1")
+    declared, begun = begin_raw(writer, store, "k", writer="w1")
     slot, version = begun["slots"][0], begun["version"]
     testing.write_slot(declared["volume"], slot, W * 2)
     other = testing.raw(store.address)
@@ -72,7 +71,7 @@ def test_only_the_writer_connection_reports_commits_or_aborts_its_write(victim):
         keep=None,
         host=testing.host(store),
         volume=None,
-        tensors=[_decl(250)],
+        tensors=[declaration(250)],
     )["plan"]
     with pytest.raises(ValueError, match="already has its 1 writers"):
         other.request(
@@ -96,12 +95,12 @@ def test_only_the_writer_connection_reports_commits_or_aborts_its_write(victim):
         )
     assert not store.exists("k")
     assert writer.request(ops.PUT_COMMIT, **fields, reserve=False)["visible"]
-    assert torch.equal(_read(store, "k"), W * 2)
+    assert torch.equal(read_key(store, "k"), W * 2)
     with pytest.raises(ValueError, match="no pending write"):
         other.request(ops.PUT_ABORT, **fields)
     other.close()
     writer.close()
-    assert torch.equal(_read(store, "k"), W * 2)
+    assert torch.equal(read_key(store, "k"), W * 2)
     store.delete("k")
     healthy(store, saved, base)
 
@@ -112,7 +111,7 @@ def test_reservations_and_leases_of_another_connection(victim):
     owner, thief = testing.raw(store.address), testing.raw(store.address)
     declared = None
     for v in range(2):  # the second commit reserves slots for the third put
-        declared, begun = _begin(owner, store, "r", writer="w1")
+        declared, begun = begin_raw(owner, store, "r", writer="w1")
         done = owner.request(
             ops.PUT_COMMIT, key="r", version=begun["version"], writer="w1", reserve=v == 1
         )
@@ -126,7 +125,7 @@ def test_reservations_and_leases_of_another_connection(victim):
         keep=None,
         host=testing.host(store),
         volume=None,
-        tensors=[_decl(250)],
+        tensors=[declaration(250)],
     )["plan"]
     with pytest.raises(ValueError, match="not held by this connection"):
         thief.request(
@@ -150,7 +149,7 @@ def test_reservations_and_leases_of_another_connection(victim):
     )
     assert begun["slots"] == reservation["slots"]
     owner.request(ops.PUT_ABORT, key="r", version=begun["version"], writer="w1")
-    lease = _acquire(owner, "w")["lease"]
+    lease = acquire_raw(owner, "w")["lease"]
     held = testing.leases(store)
     with pytest.raises(ValueError, match="not held by this connection"):
         thief.request(ops.RELEASE, lease=lease)
@@ -179,7 +178,7 @@ def test_volume_ops_are_served_on_no_port(victim, tmp_path):
     )
     t.start()
     assert ready.wait(30), "the volume process never registered"
-    base = _baseline(store)  # with the volume process's server and registration
+    base = baseline_of(store)  # with the volume process's server and registration
     with tidal.store.connect(store.address, volume="vp") as w:
         w.put("remote", W * 3)
     slots = list(range(1, 64))
@@ -214,19 +213,19 @@ def test_volume_ops_are_served_on_no_port(victim, tmp_path):
     vconn.close()
     # A grant guessed for the remote volume's committed slot is refused on its port too.
     reader = testing.raw(store.address)
-    slot = _acquire(reader, "remote")["slots"][0]
-    s = _sock(where["a"])
-    s.sendall(_msg(_vol_write(slot, bytes(16), 8), 8) + b"\xff" * 8)
-    assert "not open for writing" in _reply(s)["error"]
+    slot = acquire_raw(reader, "remote")["slots"][0]
+    s = raw_sock(where["a"])
+    s.sendall(msg_bytes(vol_write_request(slot, bytes(16), 8), 8) + b"\xff" * 8)
+    assert "not open for writing" in read_reply(s)["error"]
     s.close()
     reader.close()
     assert sorted(os.listdir(tmp_path)) == segments
-    assert torch.equal(_read(store, "remote"), W * 3)
+    assert torch.equal(read_key(store, "remote"), W * 3)
     with tidal.store.connect(store.address, transport="tcp") as r:
         assert torch.equal(r.get("remote"), W * 3)
         assert torch.equal(r.get("w"), W)
     store.delete("remote")
-    assert _alive_volumes(store) == {"v0": True, "vp": True}
+    assert alive_volumes(store) == {"v0": True, "vp": True}
     healthy(store, saved, base)
 
 
@@ -239,35 +238,37 @@ def test_committed_slots_are_never_written_over_tcp(victim):
     writer = testing.raw(store.address)
     grants = []
     for v in range(2):
-        declared, begun = _begin(writer, store, "imm", writer="w1")
+        declared, begun = begin_raw(writer, store, "imm", writer="w1")
         testing.write_slot(declared["volume"], begun["slots"][0], W + v)
         grants.append((begun["slots"][0], begun["grant"]))
         done = writer.request(ops.PUT_COMMIT, key="imm", version=v, writer="w1", reserve=v == 1)
     reserved = done["next"]
     committed = [slot for slot, _ in grants]
-    s = _sock(store.address)
+    s = raw_sock(store.address)
     tries = [
         (slot, g)
         for slot in committed
         for g in [bytes(16), b"\xff" * 16, grants[0][1], grants[1][1], reserved["grant"]]
     ]
     for slot, grant in tries:
-        s.sendall(_msg(_vol_write(slot, grant, 1000), 1000) + b"\xee" * 1000)
-        reply = _reply(s)
+        s.sendall(msg_bytes(vol_write_request(slot, grant, 1000), 1000) + b"\xee" * 1000)
+        reply = read_reply(s)
         assert not reply["ok"] and "not open for writing" in reply["error"], (slot, reply)
     # Right grant, wrong place: outside the slot.
     s.sendall(
-        _msg(_vol_write(reserved["slots"][0], reserved["grant"], 8, offset=996), 8) + b"x" * 8
+        msg_bytes(vol_write_request(reserved["slots"][0], reserved["grant"], 8, offset=996), 8)
+        + b"x" * 8
     )
-    assert "exceeds slot" in _reply(s)["error"]
+    assert "exceeds slot" in read_reply(s)["error"]
     # The reserved slot of the next put takes its grant: the refusals above were real.
     s.sendall(
-        _msg(_vol_write(reserved["slots"][0], reserved["grant"], 1000), 1000) + b"\x01" * 1000
+        msg_bytes(vol_write_request(reserved["slots"][0], reserved["grant"], 1000), 1000)
+        + b"\x01" * 1000
     )
-    assert _reply(s)["ok"]
+    assert read_reply(s)["ok"]
     s.close()
     for v in range(2):
-        assert torch.equal(_read(store, "imm", version=v), W + v)
+        assert torch.equal(read_key(store, "imm", version=v), W + v)
     assert {(e["key"], e["version"]) for e in store.ls("imm")["entries"]} == {
         ("imm", 0),
         ("imm", 1),
@@ -296,7 +297,7 @@ def test_device_volumes_of_another_writer(victim):
             keep=None,
             host=testing.host(store),
             volume="cuda.1.aa",
-            tensors=[_decl(4)],
+            tensors=[declaration(4)],
         )
     handle = {
         "slot": 1,
@@ -309,13 +310,13 @@ def test_device_volumes_of_another_writer(victim):
     with pytest.raises(ValueError, match="GPU memory of another writer"):
         thief.request(ops.PUT_HANDLES, volume_id="cuda.1.aa", handles=[handle])
     # The owner may not hand out handles for slots that are not its volume's either.
-    w_slot = _acquire(owner, "w")["slots"][0]
+    w_slot = acquire_raw(owner, "w")["slots"][0]
     with pytest.raises(ValueError, match="not a slot of volume"):
         owner.request(ops.PUT_HANDLES, volume_id="cuda.1.aa", handles=[{**handle, "slot": w_slot}])
-    assert _alive_volumes(store) == {"v0": True, "cuda.1.aa": True}
+    assert alive_volumes(store) == {"v0": True, "cuda.1.aa": True}
     thief.close()
     owner.close()
-    until(lambda: _alive_volumes(store) == {"v0": True}, "a closed writer's device volume stays")
+    until(lambda: alive_volumes(store) == {"v0": True}, "a closed writer's device volume stays")
     healthy(store, saved, base)
 
 
@@ -361,13 +362,13 @@ def test_register_volume_with_hostile_paths_is_refused(victim, bad, said):
     conn = testing.raw(store.address)
     if said is None:  # accepted: the paths are ones a volume could make
         conn.request(ops.REGISTER_VOLUME, **fields)
-        assert _alive_volumes(store)["evil"]
+        assert alive_volumes(store)["evil"]
     else:
         with pytest.raises((ValueError, tidal.store.ProtocolError), match=said):
             conn.request(ops.REGISTER_VOLUME, **fields)
-        assert "evil" not in _alive_volumes(store)
+        assert "evil" not in alive_volumes(store)
     conn.close()
-    until(lambda: "evil" not in _alive_volumes(store), "a closed registration stays listed")
+    until(lambda: "evil" not in alive_volumes(store), "a closed registration stays listed")
     assert ours() == before
     healthy(store, saved, base)
 
@@ -391,16 +392,16 @@ def test_a_volume_that_leaves_makes_the_server_unlink_nothing(victim, tmp_path):
         with tidal.store.connect(store.address, volume="vis") as w:
             w.put("on-vis", W * 5)  # slot ids above 5: no canary is in its way
         reader = testing.raw(store.address)
-        lease = _acquire(reader, "on-vis")["lease"]
-        assert _read(store, "on-vis").equal(W * 5)
+        lease = acquire_raw(reader, "on-vis")["lease"]
+        assert read_key(store, "on-vis").equal(W * 5)
         visitor.close()  # the volume process goes away
-        until(lambda: not _alive_volumes(store).get("vis", True), "the dead volume stays alive")
+        until(lambda: not alive_volumes(store).get("vis", True), "the dead volume stays alive")
         with pytest.raises(VolumeLostError, match="vis"):
-            _read(store, "on-vis")
+            read_key(store, "on-vis")
         assert not [e for e in store.ls()["entries"] if e["key"] == "on-vis"]
-        assert _alive_volumes(store) == {"v0": True, "vis": False}  # a lease holds it
+        assert alive_volumes(store) == {"v0": True, "vis": False}  # a lease holds it
         assert reader.request(ops.RELEASE, lease=lease)["lost"] is True
-        assert _alive_volumes(store) == {"v0": True}  # then it is forgotten
+        assert alive_volumes(store) == {"v0": True}  # then it is forgotten
         reader.close()
         for c in canaries:
             assert open(c).read() == "canary", c
@@ -417,7 +418,7 @@ def test_a_volume_that_leaves_makes_the_server_unlink_nothing(victim, tmp_path):
 def _acquire_volume(store) -> dict[str, Any]:
     conn = testing.raw(store.address)
     try:
-        reply = _acquire(conn, "w")
+        reply = acquire_raw(conn, "w")
         conn.request(ops.RELEASE, lease=reply["lease"])
         return reply["volumes"][0]
     finally:
@@ -443,9 +444,9 @@ def test_something_planted_where_a_segment_will_be_created(victim, tmp_path, pla
         keep=None,
         host=testing.host(store),
         volume=None,
-        tensors=[_decl(250)],
+        tensors=[declaration(250)],
     )
-    path = path_of(declared["volume"], declared["plan"] + 1)  # the next id is the slot's
+    path = testing.slot_path(declared["volume"], declared["plan"] + 1)  # the next id is the slot's
     if plant == "symlink":
         os.symlink(victim_file, path)
     elif plant == "directory":
@@ -471,7 +472,7 @@ def test_something_planted_where_a_segment_will_be_created(victim, tmp_path, pla
         conn.close()
         with tidal.store.connect(store.address) as w:
             w.put("p", W * 7)  # the next slot id: works
-        assert _read(store, "p").equal(W * 7)
+        assert read_key(store, "p").equal(W * 7)
         store.delete("p")
         healthy(store, saved, base)
         store.close()  # the volume unlinks its own segments only
@@ -523,13 +524,15 @@ def test_clients_refuse_a_hijacked_segment(victim, tmp_path, plant):
         with tidal.store.connect(store.address) as w:
             w.put("q", W + v, keep=1)
     conn = testing.raw(store.address)
-    q_slot = _acquire(conn, "q")["slots"][0]
-    w_slot = _acquire(conn, "w")["slots"][0]
+    q_slot = acquire_raw(conn, "q")["slots"][0]
+    w_slot = acquire_raw(conn, "w")["slots"][0]
     conn.close()
     ring = [
-        s for s in range(1, q_slot) if os.path.exists(path_of(vol, s)) and s not in (w_slot, q_slot)
+        s
+        for s in range(1, q_slot)
+        if os.path.exists(testing.slot_path(vol, s)) and s not in (w_slot, q_slot)
     ]
-    with _hijacked(path_of(vol, w_slot), plant, str(victim_file)):
+    with _hijacked(testing.slot_path(vol, w_slot), plant, str(victim_file)):
         with tidal.store.connect(store.address, transport="shm", timeout=20) as fresh:
             with pytest.raises(StoreError, match="segment"):
                 fresh.get("w")
@@ -537,12 +540,12 @@ def test_clients_refuse_a_hijacked_segment(victim, tmp_path, plant):
             assert torch.equal(r.get("w"), W)
     assert victim_file.read_bytes() == b"precious" * 125
     if ring:  # a put into a hijacked ring slot
-        with _hijacked(path_of(vol, ring[-1]), plant, str(victim_file)):
+        with _hijacked(testing.slot_path(vol, ring[-1]), plant, str(victim_file)):
             with tidal.store.connect(store.address, timeout=20) as w:
                 with pytest.raises(StoreError, match="segment"):
                     w.put("q", W * 9, keep=1)
         assert victim_file.read_bytes() == b"precious" * 125
-    assert _read(store, "q").equal(W + 1)
+    assert read_key(store, "q").equal(W + 1)
     store.delete("q")
     healthy(store, saved, base)
 
@@ -551,7 +554,7 @@ def test_zero_copy_read_of_a_planted_fifo_does_not_hang(victim, tmp_path):
     store, saved, base = victim
     vol = _acquire_volume(store)
     conn = testing.raw(store.address)
-    path = path_of(vol, _acquire(conn, "w")["slots"][0])
+    path = testing.slot_path(vol, acquire_raw(conn, "w")["slots"][0])
     conn.close()
     got: dict[str, Any] = {}
 
@@ -581,11 +584,11 @@ def test_a_write_in_flight_cannot_change_a_version_after_its_commit(victim):
     version is visible must never change afterwards."""
     store, saved, base = victim
     writer = testing.raw(store.address)
-    declared, begun = _begin(writer, store, "late", writer="w1")
+    declared, begun = begin_raw(writer, store, "late", writer="w1")
     slot, grant = begun["slots"][0], begun["grant"]
     testing.write_slot(declared["volume"], slot, W)
-    s = _sock(store.address)
-    s.sendall(_msg(_vol_write(slot, grant, 1000), 1000) + b"\x11" * 500)
+    s = raw_sock(store.address)
+    s.sendall(msg_bytes(vol_write_request(slot, grant, 1000), 1000) + b"\x11" * 500)
     seen = torch.empty(250)
     until(
         lambda: (
@@ -601,11 +604,11 @@ def test_a_write_in_flight_cannot_change_a_version_after_its_commit(victim):
     deadline = time.monotonic() + 1.0  # a commit that waits for the write stays invisible
     while not store.exists("late") and time.monotonic() < deadline:
         select.select([], [], [], 0.01)
-    visible = _read(store, "late") if store.exists("late") else None
+    visible = read_key(store, "late") if store.exists("late") else None
     s.sendall(b"\x22" * 500)
-    assert _reply(s)["ok"] in (True, False)
+    assert read_reply(s)["ok"] in (True, False)
     writer.receive(ops.PUT_COMMIT)
-    final = _read(store, "late")
+    final = read_key(store, "late")
     changed = visible is not None and not torch.equal(visible, final)
     assert not changed, "the bytes of a committed version changed"
     s.close()
@@ -617,11 +620,11 @@ def test_a_write_in_flight_cannot_change_a_version_after_its_commit(victim):
 def test_segments_do_not_each_hold_a_file_descriptor(victim):
     store, saved, base = victim
     many = {f"t{i}": torch.full((4,), float(i)) for i in range(64)}
-    fds = _fds()
+    fds = open_fds()
     with tidal.store.connect(store.address) as w:
         w.put_state_dict(many, "many")
         got = w.get_state_dict("many")
         assert all(torch.equal(got[k], v) for k, v in many.items())
-        grown = _fds() - fds
+        grown = open_fds() - fds
     store.delete("many")
     assert grown < 16, f"64 segments took {grown} file descriptors"

@@ -22,7 +22,7 @@ from tidal.store.errors import (
     VolumeLostError,
     WaitExpiredError,
 )
-from tidal.store.transports.cuda_ipc import warm_up as warm_up_cuda
+from tidal.store.transports.cuda.ipc import warm_up as warm_up_cuda
 
 __all__ = [
     "AuthError",

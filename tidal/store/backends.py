@@ -54,7 +54,7 @@ class LocalBackend:
 
 class DeviceBackend:
     """A writer's GPU memory: nothing to call; destroyed slots wait in ``freed`` for the
-    owner's next put (see tidal/store/transports/cuda_ipc.py)."""
+    owner's next put (see tidal/store/transports/cuda/ipc.py)."""
 
     def __init__(self) -> None:
         self.freed: list[int] = []

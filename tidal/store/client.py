@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-from tidal.store import embedded, layout, ops, streams
+from tidal.store import boxes, embedded, ops, streams
 from tidal.store import volume as volume_mod
-from tidal.store.layout import Path
+from tidal.store.boxes import Path
 from tidal.store.reader import Reader
 from tidal.store.server import Server
 from tidal.store.session import Session, TransportChoice
@@ -123,7 +123,7 @@ class Store:
             memory: where the stored copy lives: ``"host"`` (shared memory of a volume,
                 readable from any host) or ``"cuda"`` (this process's GPU memory, read by
                 processes on this host through CUDA IPC, device to device; it lives as long
-                as this store handle). See ``tidal/store/transports/cuda_ipc.py``.
+                as this store handle). See ``tidal/store/transports/cuda/ipc.py``.
             dtype: store a floating point value as this dtype (cast while copying, no
                 temporary copy), e.g. ``torch.bfloat16`` from an fp32 trainer.
 
@@ -192,7 +192,7 @@ class Store:
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        items = layout.flatten(state_dict)
+        items = boxes.flatten(state_dict)
         return self._put(key, "state_dict", items, version, writers, keep, memory, dtype)
 
     def _put(
@@ -336,12 +336,12 @@ class Store:
         """
         if into is not None and not isinstance(into, Mapping):
             raise TypeError(f"into must be a mapping, got {type(into).__name__}")
-        dests = None if into is None else layout.flatten(into)
+        dests = None if into is None else boxes.flatten(into)
         tensors, objects = self._get(key, "state_dict", dests, version, wait, copy, cast)
         leaves = dict(dests) if dests is not None else {}
         leaves.update(tensors)
         leaves.update(objects)
-        return layout.unflatten(list(leaves.items()))
+        return boxes.unflatten(list(leaves.items()))
 
     def _get(
         self,

@@ -1,8 +1,15 @@
 """Controller: the store's metadata service, and nothing else.
 
-It never touches tensor bytes. The state and its rules are in tidal/store/catalog.py, the
-write ops in tidal/store/writes.py; this file has the read ops (leases, streaming waits),
-the queries and what a closed connection leaves behind.
+It never touches tensor bytes. A :class:`Controller` is built from two parts it owns:
+
+- ``catalog`` (:class:`~tidal.store.catalog.Catalog`, tidal/store/catalog.py): the metadata,
+  key -> version -> tensors -> shards, the volumes and their slots, and the rules every op
+  shares (claiming, dropping, retention);
+- ``writes`` (:class:`~tidal.store.writes.Writes`, tidal/store/writes.py): the put lifecycle,
+  declare, begin, report, commit or abort, with the plans, reservations and pending writes.
+
+This file has the read ops (leases, acquire replies, streaming waits), the queries, and
+what a closed connection leaves behind; the write ops are the ``writes`` part's.
 
 Lifecycle: one controller per store, inside the process that runs ``tidal store serve`` or
 the embedded store. The server's connection threads call the methods named after the ops in
@@ -26,16 +33,65 @@ only (see the slot rules in catalog.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from tidal.store.catalog import _version_sig
+from tidal.store.catalog import Catalog, version_sig
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError, VolumeLostError
-from tidal.store.records import KeyRec, Lease, ReadLayout, VersionRec, name_order
+from tidal.store.records import KeyRec, Lease, ReadLayout, VersionRec, VolumeRec, name_order
 from tidal.store.writes import Writes
 
+# The ops the writes part serves (the put lifecycle); the other controller ops are served here.
+WRITE_OPS = frozenset(
+    {
+        "device_volume",
+        "put_handles",
+        "put_declare",
+        "put_begin",
+        "put_progress",
+        "put_commit",
+        "put_abort",
+    }
+)
 
-class Controller(Writes):
-    """Metadata service. Public methods take the caller's connection id first."""
+
+class Controller:
+    """Metadata service, made of a catalog and a writes part (see the module docstring).
+    The op methods take the caller's connection id first; the server finds the one for each
+    controller op of tidal/store/ops.py with :meth:`op_handler`.
+
+    Args:
+        store_id: the store's id (shared-memory segment names start with it).
+        keep: committed versions each key keeps unless a put sets its own.
+    """
+
+    def __init__(self, store_id: str, keep: int = 2) -> None:
+        self.catalog = Catalog(store_id, keep)
+        self.writes = Writes(self.catalog)
+        self._leases: dict[int, Lease] = {}
+        # A committed layout's acquire reply, by the writers' (plan, replicas) set
+        # (VersionRec.layout): the same for every version of a steady writer.
+        self._read_layouts: dict[tuple[Any, ...], ReadLayout] = {}
+
+    @property
+    def store_id(self) -> str:
+        return self.catalog.store_id
+
+    def add_volume(self, rec: VolumeRec) -> None:
+        """Add a volume (see :meth:`Catalog.add_volume`)."""
+        self.catalog.add_volume(rec)
+
+    def op_handler(self, name: str) -> Callable[..., dict[str, Any]]:
+        """The method serving controller op ``name`` (tidal/store/ops.py), called with the
+        connection id and the request's fields: the writes part's for a write op, else this
+        class's."""
+        part: object = self.writes if name in WRITE_OPS else self
+        method = getattr(part, name, None)
+        if method is None:
+            raise KeyError(f"the controller serves no op named {name!r}")
+        return method
+
+    # The read ops and queries.
 
     def acquire(
         self,
@@ -51,21 +107,24 @@ class Controller(Writes):
         With ``wait_ms`` (an int version only), wait up to that long for the version to exist
         and have all its writers begun, and pin it even before its commit: the reply then
         says "pending" and the reader gates each slot on ``wait`` (streaming read)."""
-        with self._changed:
+        with self.catalog.changed:
             vrec = self._await_begun(key, version, wait_ms) if wait_ms is not None else None
             if vrec is None and wait_ms is not None:
-                krec = self._keys.get(key)
+                krec = self.catalog.keys.get(key)
                 if krec is None or version not in krec.gone:
                     return {"waiting": True}  # not begun yet: the client asks again
             if vrec is None:
-                krec = self._keys.get(key)
+                krec = self.catalog.keys.get(key)
                 if krec is None:
-                    raise KeyNotFoundError(f"key {key!r} not found{self._suggest(key)}")
+                    raise KeyNotFoundError(f"key {key!r} not found{self.catalog.suggest(key)}")
                 vrec = self._resolve(key, krec, version)
-            self._check_volumes(vrec)
+            known = self._read_layouts.get(vrec.layout) if vrec.layout is not None else None
+            self.catalog.check_volumes(
+                known.volume_ids if known is not None else {s.volume for _, s in vrec.shards()}
+            )
             if vrec.dropped:  # the probe found a dead volume
                 raise VolumeLostError(f"version {vrec.version} of key {key!r} is {vrec.dropped}")
-            lease = self._new_id()
+            lease = self.catalog.new_id()
             self._leases[lease] = Lease(key, vrec, conn)
             vrec.leases += 1
             rl = self._read_layout(vrec)
@@ -79,7 +138,7 @@ class Controller(Writes):
                 "pending": not vrec.committed,
                 "slots": [by_plan[i] for i in rl.order],
                 "vols": rl.vols,
-                "volumes": [self._volumes[v].info() for v in rl.volume_ids],
+                "volumes": [self.catalog.volumes[v].info() for v in rl.volume_ids],
                 "objects": [{"name": list(n), "value": v} for n, v in vrec.objects.items()],
             }
             if known_sig != rl.sig:
@@ -105,7 +164,7 @@ class Controller(Writes):
         volume_ids = sorted({s.volume for s in flat})
         index = {v: i for i, v in enumerate(volume_ids)}
         rl = ReadLayout(
-            sig=vrec.sig or _version_sig(vrec),  # a pending version has no cached one
+            sig=vrec.sig or version_sig(vrec),  # a pending version has no cached one
             order=[where[s.slot] for s in flat],
             vols=[index[s.volume] for s in flat],
             volume_ids=volume_ids,
@@ -122,6 +181,8 @@ class Controller(Writes):
             ],
         )
         if vrec.layout is not None:
+            if len(self._read_layouts) > 4096:
+                self._read_layouts.clear()
             self._read_layouts[vrec.layout] = rl
         return rl
 
@@ -132,12 +193,9 @@ class Controller(Writes):
             raise ValueError("waiting for a version needs a version number, not 'latest'")
         deadline = time.monotonic() + wait_ms / 1000
         # The reader asks again after `wait_ms`: keep its interest a little longer than that.
-        if len(self._wanted) > 4096:
-            now = time.monotonic()
-            self._wanted = {k: t for k, t in self._wanted.items() if t > now}
-        self._wanted[(key, version)] = max(self._wanted.get((key, version), 0.0), deadline + 5)
+        self.catalog.want(key, version, deadline + 5)
         while True:
-            krec = self._keys.get(key)
+            krec = self.catalog.keys.get(key)
             vrec = krec.versions.get(version) if krec else None
             if vrec is not None and (vrec.committed or len(vrec.seen) == vrec.writers):
                 return vrec
@@ -146,7 +204,7 @@ class Controller(Writes):
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            self._changed.wait(left)
+            self.catalog.changed.wait(left)
 
     def _resolve(self, key: str, krec: KeyRec, version: int | str) -> VersionRec:
         committed = sorted(v for v, r in krec.versions.items() if r.committed)
@@ -186,9 +244,9 @@ class Controller(Writes):
         written by then, so a streaming reader asks once per progress report, not per slot.
         Raises if the version was aborted, evicted or deleted meanwhile."""
         deadline = time.monotonic() + wait_ms / 1000
-        with self._changed:
+        with self.catalog.changed:
             while True:
-                krec = self._keys.get(key)
+                krec = self.catalog.keys.get(key)
                 vrec = krec.versions.get(version) if krec else None
                 if vrec is None:
                     why = krec.gone.get(version) if krec else None
@@ -203,23 +261,23 @@ class Controller(Writes):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return {"done": False, "committed": False, "written": []}
-                self._changed.wait(left)
+                self.catalog.changed.wait(left)
 
     def release(self, conn: int, *, lease: int) -> dict[str, Any]:
-        with self._lock:
+        with self.catalog.lock:
             rec = self._leases.get(lease)
             if rec is None or rec.conn != conn:
                 raise ValueError(f"lease {lease} is not held by this connection")
             del self._leases[lease]
-            self._unlease(rec)
+            self.catalog.unlease(rec.key, rec.vrec)
             # Whether the version's volume died while it was leased (readers of GPU memory
             # then know their copy may hold freed bytes).
             return {"lost": (rec.vrec.dropped or "").startswith("lost")}
 
     def slot_handles(self, conn: int, *, volume_id: str, slots: list[int]) -> dict[str, Any]:
         """IPC handles of a device volume's slots, for a reader opening them."""
-        with self._lock:
-            vol = self._live_device_volume(volume_id)
+        with self.catalog.lock:
+            vol = self.catalog.live_device_volume(volume_id)
             if vol is None:
                 raise VolumeLostError(f"device volume {volume_id!r} is gone")
             out = []
@@ -232,45 +290,34 @@ class Controller(Writes):
     def connection_closed(self, conn: int) -> None:
         """Release what a closed connection held: leases, pending writes, plans,
         reservations, and the device volume or registered volume it was."""
-        with self._lock:
+        with self.catalog.lock:
             for lease in [k for k, r in self._leases.items() if r.conn == conn]:
-                self._unlease(self._leases.pop(lease))
-            for rid in [r for r, res in self._reservations.items() if res.conn == conn]:
-                self._destroy_slots([s for s in self._reservations.pop(rid).slots if s])
-            for (c, key, _, writer), vrec in list(self._writing.items()):
-                if c != conn:
-                    continue
-                krec = self._keys.get(key)
-                if vrec.dropped is None and krec is not None:
-                    self._drop(key, krec, vrec, "aborted: a writer disconnected")
-                self._end_write(conn, key, vrec, writer)
-            self._flush_quarantine(conn)
-            for vol in list(self._volumes.values()):
-                if vol.owner == conn:
-                    self.volume_gone(vol.volume_id)  # a writer's GPU memory, a volume process
-            for pid in [p for p, rec in self._plans.items() if rec.conn == conn]:
-                del self._plans[pid]
+                rec = self._leases.pop(lease)
+                self.catalog.unlease(rec.key, rec.vrec)
+            self.writes.connection_closed(conn)
+            for volume_id in self.catalog.volumes_of(conn):
+                self.catalog.volume_gone(volume_id)  # a writer's GPU memory, a volume process
 
     def keys(self, conn: int, *, prefix: str) -> dict[str, Any]:
-        with self._lock:
+        with self.catalog.lock:
             return {
                 "keys": sorted(
                     k
-                    for k, r in self._keys.items()
+                    for k, r in self.catalog.keys.items()
                     if k.startswith(prefix) and any(v.committed for v in r.versions.values())
                 )
             }
 
     def versions(self, conn: int, *, key: str) -> dict[str, Any]:
-        with self._lock:
-            krec = self._keys.get(key)
+        with self.catalog.lock:
+            krec = self.catalog.keys.get(key)
             if krec is None:
-                raise KeyNotFoundError(f"key {key!r} not found{self._suggest(key)}")
+                raise KeyNotFoundError(f"key {key!r} not found{self.catalog.suggest(key)}")
             return {"versions": sorted(v for v, r in krec.versions.items() if r.committed)}
 
     def exists(self, conn: int, *, key: str, version: int | None) -> dict[str, Any]:
-        with self._lock:
-            krec = self._keys.get(key)
+        with self.catalog.lock:
+            krec = self.catalog.keys.get(key)
             if krec is None:
                 return {"exists": False}
             if version is None:
@@ -280,34 +327,34 @@ class Controller(Writes):
 
     def delete(self, conn: int, *, key: str, version: int | None) -> dict[str, Any]:
         """Drop one version or the whole key; returns how many committed versions went."""
-        with self._lock:
-            krec = self._keys.get(key)
+        with self.catalog.lock:
+            krec = self.catalog.keys.get(key)
             if krec is None:
-                raise KeyNotFoundError(f"key {key!r} not found{self._suggest(key)}")
+                raise KeyNotFoundError(f"key {key!r} not found{self.catalog.suggest(key)}")
             if version is not None:
                 vrec = krec.versions.get(version)
                 if vrec is None or not vrec.committed:
                     self._resolve(key, krec, version)  # raises the precise error
                     raise VersionNotFoundError(f"version {version} of key {key!r} not found")
-                self._drop(key, krec, vrec, "deleted", destroy=True)
+                self.catalog.drop(key, krec, vrec, "deleted", destroy=True)
                 return {"deleted": 1}
             n = sum(1 for r in krec.versions.values() if r.committed)
             for vrec in list(krec.versions.values()):
-                self._drop(key, krec, vrec, "deleted", destroy=True)
+                self.catalog.drop(key, krec, vrec, "deleted", destroy=True)
             for pool in krec.free.values():
-                self._destroy_slots(pool)
+                self.catalog.destroy_slots(pool)
             krec.free.clear()
-            del self._keys[key]
+            del self.catalog.keys[key]
             return {"deleted": n}
 
     def ls(self, conn: int, *, prefix: str) -> dict[str, Any]:
         """Keys with their committed versions, bytes, tensor count and volumes."""
-        with self._lock:
+        with self.catalog.lock:
             out = []
-            for key in sorted(self._keys):
+            for key in sorted(self.catalog.keys):
                 if not key.startswith(prefix):
                     continue
-                krec = self._keys[key]
+                krec = self.catalog.keys[key]
                 for v in sorted(krec.versions):
                     vrec = krec.versions[v]
                     if not vrec.committed:
@@ -324,35 +371,22 @@ class Controller(Writes):
                             "volumes": sorted({s.volume for s in shards}),
                         }
                     )
-            return {"entries": out, "volumes": self._volume_states()}
+            return {"entries": out, "volumes": self.catalog.volume_states()}
 
     def volumes(self, conn: int) -> dict[str, Any]:
-        with self._lock:
-            return {"volumes": self._volume_states()}
-
-    def _volume_states(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "volume": v.volume_id,
-                "kind": v.kind,
-                "host": v.host,
-                "address": v.address,
-                "alive": v.alive,
-            }
-            for v in self._volumes.values()
-        ]
+        with self.catalog.lock:
+            return {"volumes": self.catalog.volume_states()}
 
     def readers_waiting(self, key: str, version: int) -> bool:
         """Whether a streaming reader waits for ``version`` of ``key`` (tidal.store.testing)."""
-        with self._lock:
-            return self._wanted.get((key, version), 0.0) > time.monotonic()
+        with self.catalog.lock:
+            return self.catalog.wanted(key, version)
 
     def counts(self) -> dict[str, int]:
         """Live leases, slots, plans and reservations (tidal.store.testing)."""
-        with self._lock:
+        with self.catalog.lock:
             return {
                 "leases": len(self._leases),
-                "slots": len(self._slot_owner),
-                "plans": len(self._plans),
-                "reservations": len(self._reservations),
+                "slots": self.catalog.slot_count(),
+                **self.writes.counts(),
             }

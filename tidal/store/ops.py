@@ -2,8 +2,8 @@
 
 An :class:`Op` names its request fields and its reply fields (named maps, never positional
 lists), which process serves it and whether it carries bulk bytes. Servers dispatch by op
-name from tables built against it (``Server._build_handlers``: the controller's method of the
-same name, or the volume's data ops; ``standalone._REGISTRATION_OPS`` on a volume's
+name from tables built against it (``Server._build_handlers``: the controller's method for
+the op, or the volume's data ops; ``standalone._REGISTRATION_OPS`` on a volume's
 registration connection), the
 client builds every request with :func:`request` and both check what they receive against it
 (:func:`check_request`, :func:`check_reply`). Nothing else in the store spells out a message.
@@ -96,7 +96,7 @@ s_path = s_list(s_any_of(s_str(1024), s_int(0, 1 << 31)), 256)  # a state-dict p
 s_grant = s_bytes(GRANT_BYTES)
 # A device slot: its GPU, the IPC handle of the allocation it was carved from, its offset
 # there and the allocation's size (``span``), and the IPC handle of the event recorded after
-# each put's copies on that GPU (tidal/store/transports/cuda_ipc.py).
+# each put's copies on that GPU (tidal/store/transports/cuda/ipc.py).
 s_handle = s_map(
     {
         "slot": s_slot,
@@ -120,6 +120,33 @@ s_volume = s_map(
         "store_id": s_str(96),
     }
 )
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeInfo:
+    """A volume as a client sees it: an ``s_volume`` record, decoded once from the reply
+    that carried it (``put_declare``, ``acquire``) and passed to the transports as is."""
+
+    id: str
+    kind: Literal["shm", "cuda"]  # host shared memory, or a writer's GPU memory
+    host: str  # hostname + boot id of the machine holding the bytes
+    address: str  # tcp://host:port of a shm volume's data path ("" for cuda)
+    shm_dir: str  # where a shm volume's segments are, on ``host``
+    store_id: str  # the store the segment names belong to
+
+    @classmethod
+    def decode(cls, record: dict[str, Any]) -> VolumeInfo:
+        """The record of a reply field checked against ``s_volume``."""
+        return cls(
+            record["id"],
+            record["kind"],
+            record["host"],
+            record["address"],
+            record["shm_dir"],
+            record["store_id"],
+        )
+
+
 s_decl = s_map(
     {
         "name": s_path,

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from tidal.store import layout, ops, wire
-from tidal.store.layout import Dims, Path
+from tidal.store import boxes, ops, wire
+from tidal.store.boxes import Dims, Path
 from tidal.store.transports import WriteJob
 
 
@@ -62,10 +62,10 @@ def describe(
     for path, value in items:
         if value.dim() > ops.MAX_DIMS:
             raise ValueError(
-                f"{layout.path_str(path) or 'the tensor'} has {value.dim()} dimensions; "
+                f"{boxes.path_str(path) or 'the tensor'} has {value.dim()} dimensions; "
                 f"tidal.store carries at most {ops.MAX_DIMS}"
             )
-        shape, offs, sizes, local = layout.window(value)
+        shape, offs, sizes, local = boxes.window(value)
         if isinstance(value, DTensor):
             meshes = max(meshes, value.device_mesh.size())
         decls.append(
@@ -91,7 +91,7 @@ class PutPlan:
     """A layout declared on the controller (``put_declare``) by one writer connection."""
 
     plan_id: int
-    volume: dict[str, Any]  # ops.s_volume
+    volume: ops.VolumeInfo
     generation: int  # the writer connection's generation it was declared on
     dtypes: list[torch.dtype]  # stored dtype per tensor
     nbytes: list[int]  # stored bytes per local shard
@@ -124,7 +124,7 @@ def check_strided(path: Path, t: torch.Tensor) -> None:
     """TypeError unless ``t`` is a dense (strided) tensor, the only kind the store holds."""
     if t.layout != torch.strided:
         raise TypeError(
-            f"{layout.path_str(path) or 'the tensor'} is a {t.layout} tensor; tidal.store "
+            f"{boxes.path_str(path) or 'the tensor'} is a {t.layout} tensor; tidal.store "
             "holds dense tensors (convert it with .to_dense())"
         )
 
@@ -143,9 +143,9 @@ def decode_layout(meta: list[dict[str, Any]]) -> dict[Path, Stored]:
     stored: dict[Path, Stored] = {}
     first = 0
     for m in meta:
-        boxes = [(tuple(b["offsets"]), tuple(b["sizes"])) for b in m["boxes"]]
-        stored[tuple(m["name"])] = Stored(tuple(m["shape"]), wire.DTYPES[m["dtype"]], boxes, first)
-        first += len(boxes)
+        found = [(tuple(b["offsets"]), tuple(b["sizes"])) for b in m["boxes"]]
+        stored[tuple(m["name"])] = Stored(tuple(m["shape"]), wire.DTYPES[m["dtype"]], found, first)
+        first += len(found)
     return stored
 
 
@@ -171,13 +171,13 @@ def read_plan(stored: dict[Path, Stored], windows: list[Window]) -> list[Copy]:
     out = []
     for d, (path, offs, sizes, _) in enumerate(windows):
         s = stored[path]
-        if layout.numel(sizes) == 0:
+        if boxes.numel(sizes) == 0:
             continue
         for k, (b_off, b_size) in enumerate(s.boxes):
             if len(s.shape) == 0:
                 out.append(Copy(d, s.first + k, (), (), (), (), True, True))
                 continue
-            hit = layout.intersect(offs, sizes, b_off, b_size)
+            hit = boxes.intersect(offs, sizes, b_off, b_size)
             if hit is None:
                 continue
             h_off, h_size = hit

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import torch
 
-from tidal.store import layout, ops, views
+from tidal.store import boxes, ops, views
+from tidal.store.boxes import Path
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError, VersionNotFoundError, VolumeLostError
-from tidal.store.layout import Path
 from tidal.store.plans import (
     PLAIN,
     Copy,
@@ -75,8 +75,8 @@ class Reader:
         gate = None
         if wait is None:
             conn = self.s.main
-            reply = conn.request(
-                ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=None
+            reply = _decoded(
+                conn.request(ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=None)
             )
         else:
             conn = self.s.waiter()
@@ -106,7 +106,7 @@ class Reader:
             r = conn.request(
                 ops.ACQUIRE, key=key, version=version, known_sig=known, wait_ms=wait_ms
             )
-            return None if r["waiting"] else r
+            return None if r["waiting"] else _decoded(r)
 
         return until(
             deadline,
@@ -118,7 +118,7 @@ class Reader:
         )
 
     def _release(self, conn: Conn, key: str, reply: dict[str, Any]) -> None:
-        device = any(v["kind"] == "cuda" for v in reply["volumes"])
+        device = any(v.kind == "cuda" for v in reply["volumes"])
         try:
             lost = conn.request(ops.RELEASE, lease=reply["lease"])["lost"]
         except StoreError:
@@ -168,7 +168,7 @@ class Reader:
         if dests is None:
             dests = [(n, torch.empty(s.shape, dtype=s.dtype)) for n, s in stored.items()]
         else:
-            dests = layout.tensors_of(dests)
+            dests = boxes.tensors_of(dests)
         bound = self._bound_read(key, reply, stored, dests, cast, keep=into_given)
         slots, vols, volumes = reply["slots"], reply["vols"], reply["volumes"]
         groups = bound.jobs(slots, vols)
@@ -221,15 +221,15 @@ class Reader:
             check_strided(path, dest)
             s = stored.get(path)
             if s is None:
-                shown = layout.path_str(path) or key
-                missing = [layout.path_str(p) for p, _ in dests if p not in stored]
+                shown = boxes.path_str(path) or key
+                missing = [boxes.path_str(p) for p, _ in dests if p not in stored]
                 raise KeyError(
                     f"version {reply['version']} of key {key!r} has no tensor {shown!r} "
                     f"({len(missing)} missing, e.g. {missing[:5]})"
                 )
-            gshape, offs, sizes, local = layout.window(dest)
+            gshape, offs, sizes, local = boxes.window(dest)
             if gshape != s.shape or (dest.dtype != s.dtype and not cast):
-                shown = layout.path_str(path) or key
+                shown = boxes.path_str(path) or key
                 hint = "; pass cast=True to convert" if gshape == s.shape else ""
                 raise ValueError(
                     f"{shown}: destination has global shape {list(gshape)} {dest.dtype}, "
@@ -247,12 +247,14 @@ class Reader:
         while any view is alive (even past ``close()``), so the version stays pinned."""
         conn = self.s.views_conn()
         cached = self._meta.get(key)
-        reply = conn.request(
-            ops.ACQUIRE,
-            key=key,
-            version=version,
-            known_sig=cached[0] if cached else None,
-            wait_ms=None,
+        reply = _decoded(
+            conn.request(
+                ops.ACQUIRE,
+                key=key,
+                version=version,
+                known_sig=cached[0] if cached else None,
+                wait_ms=None,
+            )
         )
         try:
             stored = self._layout(key, kind, reply, cached)
@@ -272,7 +274,7 @@ class Reader:
         gpu: dict[int, list[tuple[Path, Stored]]] = {}  # by volume index
         for path, s in stored.items():
             if len(s.boxes) > 1:
-                shown = layout.path_str(path) or key
+                shown = boxes.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of version {reply['version']} of key {key!r} is "
                     f"stored in {len(s.boxes)} shards (several writers); a zero-copy view "
@@ -282,14 +284,14 @@ class Reader:
                 shm.append((path, s, None))
                 continue
             vol = volumes[vols[s.first]]
-            if vol["kind"] == "cuda":
+            if vol.kind == "cuda":
                 gpu.setdefault(vols[s.first], []).append((path, s))
                 continue
             if self.s.transport == "tcp" or not self.s.shm.reaches(vol):
-                shown = layout.path_str(path) or key
+                shown = boxes.path_str(path) or key
                 raise ValueError(
                     f"copy=False: {shown!r} of key {key!r} lives in the volume at "
-                    f"{vol['address']}, whose shared memory this process cannot map (another "
+                    f"{vol.address}, whose shared memory this process cannot map (another "
                     "host, or transport='tcp'); use copy=True"
                 )
             shm.append((path, s, path_of(vol, slots[s.first])))
@@ -299,7 +301,7 @@ class Reader:
             if seg is None:
                 out[path] = torch.empty(s.shape, dtype=s.dtype)
                 continue
-            mapping = self.s.segments.readonly(seg, layout.numel(s.shape) * s.dtype.itemsize)
+            mapping = self.s.segments.readonly(seg, boxes.numel(s.shape) * s.dtype.itemsize)
             out[path] = views.alias(mapping, s.dtype, s.shape, token)
         devices: set[int] = set()
         for v, group in gpu.items():
@@ -394,7 +396,7 @@ class BoundRead:
         groups = {}
         for c in self.plan:
             local = self.windows[c.dest][3]
-            dst = local if c.whole_dst else layout.narrow(local, c.dst_off, c.sizes)
+            dst = local if c.whole_dst else boxes.narrow(local, c.dst_off, c.sizes)
             job = ReadJob(
                 slots[c.shard],
                 c.shard_shape,
@@ -421,3 +423,10 @@ def release_quietly(conn: Conn, lease: int) -> None:
 
 def _objects(reply: dict[str, Any]) -> dict[Path, Any]:
     return {tuple(o["name"]): o["value"] for o in reply.get("objects", [])}
+
+
+def _decoded(reply: dict[str, Any]) -> dict[str, Any]:
+    """An ``acquire`` reply with its volume records decoded, once, where it arrives."""
+    if "volumes" in reply:
+        reply["volumes"] = [ops.VolumeInfo.decode(v) for v in reply["volumes"]]
+    return reply

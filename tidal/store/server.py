@@ -25,8 +25,8 @@ closed and the controller releases what it held (leases, pending writes, plans).
 disturbs other connections or stored data.
 
 Ops are dispatched from their declaration in tidal/store/ops.py: a ``controller`` op calls
-the controller's method of the same name with the connection id, a ``volume`` op the
-volume's data path; ``registration`` ops are never served on a port.
+the controller's method for it (``Controller.op_handler``) with the connection id, a
+``volume`` op the volume's data path; ``registration`` ops are never served on a port.
 """
 
 from __future__ import annotations
@@ -187,8 +187,9 @@ class Server:
 
     def _build_handlers(self) -> dict[str, Handler]:
         """op name -> handler, for every op this server answers on its port (tidal/store/ops.py
-        says who serves what): its controller's ops call the controller's method of the same
-        name, a volume's data ops the volume, and ``bye`` / ``hello`` end or refuse here.
+        says who serves what): its controller's ops call the controller's method for that op
+        (``Controller.op_handler``), a volume's data ops the volume, and ``bye`` / ``hello``
+        end or refuse here.
         ``register_volume`` takes the connection over and is served before dispatch."""
         out: dict[str, Handler] = {"bye": self._bye, "hello": self._hello_again}
         if self.volume is not None:
@@ -200,7 +201,7 @@ class Server:
                     and name not in out
                     and op is not ops.REGISTER_VOLUME
                 ):
-                    out[name] = _controller_op(getattr(self.controller, name))
+                    out[name] = _controller_op(self.controller.op_handler(name))
         return out
 
     def _bye(self, cid: int, fields: dict[str, Any], plen: int, sock: socket.socket) -> Reply:

@@ -28,9 +28,10 @@ from typing import Any, Literal
 from tidal.store import ops, wire
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
+from tidal.store.ops import VolumeInfo
 from tidal.store.segments import Segments
 from tidal.store.transports import Transport
-from tidal.store.transports.cuda_ipc import CudaIpcTransport
+from tidal.store.transports.cuda.ipc import CudaIpcTransport
 from tidal.store.transports.shm import ShmTransport
 from tidal.store.transports.tcp import TcpTransport
 
@@ -127,10 +128,15 @@ class Session:
                 self._cuda = CudaIpcTransport(self.host, self.writer_conn, self.main, self.timeout)
             return self._cuda
 
-    def transport_for(self, vol: dict[str, Any], slot: int | None = None) -> Transport:
+    def put_volume(self, memory: str) -> str | None:
+        """The volume a put with ``memory=`` names: this handle's device volume for
+        "cuda", else the one ``connect(volume=)`` chose (None: the controller picks)."""
+        return self.cuda().volume_id() if memory == "cuda" else self.volume
+
+    def transport_for(self, vol: VolumeInfo, slot: int | None = None) -> Transport:
         """The transport to ``vol``: CUDA IPC for device memory, shared memory when the
         volume is on this host (unless ``transport='tcp'``), else TCP."""
-        if vol["kind"] == "cuda":
+        if vol.kind == "cuda":
             return self.cuda()
         if self.transport == "tcp":
             return self.tcp
@@ -140,7 +146,7 @@ class Session:
             return self.shm
         if self.transport == "shm":
             raise StoreError(
-                f"transport='shm' but the segments of volume {vol['id']!r} are not on this host"
+                f"transport='shm' but the segments of volume {vol.id!r} are not on this host"
             )
         return self.tcp
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tidal.store import layout
+from tidal.store import boxes
 
 T = TypeVar("T")
 
@@ -32,10 +32,10 @@ def cuda_tensors(obj: Any) -> list[torch.Tensor]:
     """The local CUDA tensors of a tensor, DTensor or nested state dict. Input the call
     itself will refuse yields none here: the call reports it."""
     try:
-        items: list[tuple[layout.Path, Any]] = (
-            layout.flatten(obj) if isinstance(obj, Mapping) else [((), obj)]
+        items: list[tuple[boxes.Path, Any]] = (
+            boxes.flatten(obj) if isinstance(obj, Mapping) else [((), obj)]
         )
-        locals_ = [layout.window(t)[3] for _, t in layout.tensors_of(items)]
+        locals_ = [boxes.window(t)[3] for _, t in boxes.tensors_of(items)]
     except (TypeError, ValueError):
         return []
     return [t for t in locals_ if t.is_cuda]

@@ -8,8 +8,8 @@ goes through these functions, so the internals can change without touching the t
 - :func:`raw`: a fresh authenticated connection, to send ops by hand as another client or a
   hostile one would;
 - :func:`on_request`: watch (or hold up) the requests a handle sends;
-- :func:`write_slot` / :func:`read_slot`: a shared-memory slot's bytes, as a same-host
-  writer or reader sees them;
+- :func:`write_slot` / :func:`read_slot` / :func:`slot_path`: a shared-memory slot's bytes
+  and file, as a same-host writer or reader sees them;
 - :func:`mapped_segments`, :func:`pinned_segments`, :func:`device_allocations`,
   :func:`connection_open`: what a handle holds.
 """
@@ -83,11 +83,17 @@ def on_request(store: Store, hook: Callable[[str, ops.Op, dict[str, Any]], None]
     store._s.set_hook(hook)
 
 
+def slot_path(volume: dict[str, Any], slot: int) -> str:
+    """The segment file of ``slot`` in the shared-memory volume ``volume`` (an
+    ``ops.s_volume`` record of a raw reply, as ``put_declare`` or ``acquire`` returns it)."""
+    return path_of(ops.VolumeInfo.decode(volume), slot)
+
+
 def write_slot(volume: dict[str, Any], slot: int, data: torch.Tensor) -> None:
     """Copy ``data``'s bytes into ``slot`` of the shared-memory volume ``volume`` (an
     ``ops.s_volume`` record, as ``put_declare`` returns it)."""
     flat = data.contiguous().reshape(-1).view(torch.uint8)
-    seg = as_bytes(map_segment(path_of(volume, slot), flat.numel()))
+    seg = as_bytes(map_segment(slot_path(volume, slot), flat.numel()))
     seg.copy_(flat)
 
 
@@ -122,5 +128,5 @@ def connection_open(store: Store, name: str) -> bool:
 def read_slot(volume: dict[str, Any], slot: int, out: torch.Tensor) -> torch.Tensor:
     """Fill ``out`` with the bytes ``slot`` of the shared-memory volume holds."""
     flat = out.view(-1).view(torch.uint8)
-    flat.copy_(as_bytes(map_segment(path_of(volume, slot), flat.numel())))
+    flat.copy_(as_bytes(map_segment(slot_path(volume, slot), flat.numel())))
     return out

@@ -24,7 +24,7 @@ corrupting the version other readers see. ``clone()`` a view to modify it.
 GPU views differ in three ways. CUDA IPC has no read-only mapping, so an in-place write
 changes the version every reader sees: never write to one (``clone()`` it). Each tensor is
 its own storage over the slot (holding the token, and the slot's IPC mapping open), made by
-``torch.as_tensor`` (tidal/store/transports/cuda_runtime.py). And kernels reading a view may
+``torch.as_tensor`` (tidal/store/transports/cuda/runtime.py). And kernels reading a view may
 still be queued when it is dropped: the drop records an event on each view device's current
 stream, and the lease is released only once those events have completed (by the releaser
 thread if they have not yet), so the writer never reuses a slot under a queued read. Work

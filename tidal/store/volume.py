@@ -71,7 +71,9 @@ _PART0 = re.compile(r"tidal-(\d+\.\d+x[0-9a-f]{6})-([A-Za-z0-9_.-]{1,96})-([1-9]
 PART_BYTES = 64 << 20
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
+    """This process's pid namespace (0 where /proc does not say): store ids name it, so
+    :func:`reap_stale` judges only pids of its own namespace."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
@@ -81,7 +83,7 @@ def _pid_namespace() -> int:
 def new_store_id() -> str:
     """A store id naming the owning process: ``<pid namespace>.<pid>x<random>``, so segments
     left by a killed process can be recognised and removed (:func:`reap_stale`)."""
-    return f"{_pid_namespace()}.{os.getpid()}x{secrets.token_hex(3)}"
+    return f"{pid_namespace()}.{os.getpid()}x{secrets.token_hex(3)}"
 
 
 def check_volume_id(volume_id: str) -> str:
@@ -140,10 +142,10 @@ def part_sizes(nbytes: int) -> list[int]:
 def reserve_for(state_dict: collections.abc.Mapping[str, Any]) -> list[int]:
     """The part files a first put of ``state_dict`` (as it is: shapes and dtypes) needs, for
     a volume's ``reserve``."""
-    from tidal.store import layout
+    from tidal.store import boxes
 
     sizes = []
-    for _, t in layout.tensors_of(layout.flatten(state_dict)):
+    for _, t in boxes.tensors_of(boxes.flatten(state_dict)):
         sizes.extend(part_sizes(t.numel() * t.element_size()))
     return sizes
 
@@ -173,7 +175,7 @@ def reap_stale(shm_dir: str = "/dev/shm") -> int:
     namespace are considered (another container sharing ``/dev/shm`` has other pids), and a
     live or reused pid keeps its segments.
     """
-    ns = _pid_namespace()
+    ns = pid_namespace()
     n = 0
     try:
         names = os.listdir(shm_dir)

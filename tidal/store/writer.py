@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidal.store import layout, ops, plans, progress
+from tidal.store import boxes, ops, plans, progress
+from tidal.store.boxes import Path
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
-from tidal.store.layout import Path
 from tidal.store.plans import PutPlan
 from tidal.store.progress import Progress
 from tidal.store.session import Session
@@ -68,7 +68,7 @@ class Writer:
         conn = self.s.writer_conn()
         with conn.lock:
             conn.ensure()
-            volume = self.s.cuda().volume_id() if memory == "cuda" else self.s.volume
+            volume = self.s.put_volume(memory)
             how = (key, kind, memory, volume, writers, keep, dtype)
             same = _tensors_key(tensors)
             last = self._last.get(how)
@@ -134,7 +134,8 @@ class Writer:
         )
         dtypes = [plans.stored_dtype(t, dtype) for _, t in tensors]
         nbytes = [t.numel() * d.itemsize for t, d in zip(locals_, dtypes, strict=True)]
-        plan = PutPlan(reply["plan"], reply["volume"], conn.generation, dtypes, nbytes)
+        where = ops.VolumeInfo.decode(reply["volume"])
+        plan = PutPlan(reply["plan"], where, conn.generation, dtypes, nbytes)
         with self._lock:
             self.declared += 1
             if len(self._plans) >= MAX_PLANS:
@@ -153,7 +154,6 @@ class Writer:
     ) -> int:
         vol = plan.volume
         transport = self.s.transport_for(vol)
-        cuda = self.s.cuda() if vol["kind"] == "cuda" else None
         res, plan.reservation = plan.reservation, None
         begin: dict[str, Any] = {
             "key": key,
@@ -183,16 +183,11 @@ class Writer:
                     if len(plan.jobs) >= 8:  # a key's ring holds a few slot sets
                         plan.jobs.clear()
                     plan.jobs[at] = todo
-                if cuda is not None:  # allocate new slots, send their handles first
-                    cuda.prepare(todo)
+                transport.prepare_write(todo)  # before readers may hear of the slots
                 # The reservation names slots of this connection: never resend it on another.
                 conn.send(ops.PUT_BEGIN, reconnect=False, reservation=res["id"], **begin)
                 started = True
-                rest: list[WriteJob] = []
-                if vol["kind"] == "cuda":  # device copies are asynchronous: launch them all
-                    first = todo
-                else:  # host copies: the first chunk, then the reply says who streams
-                    first, rest = _split_jobs(todo, progress.PROGRESS_BYTES)
+                first, rest = transport.split_early(todo)  # the reply says who streams
                 try:
                     transport.write(vol, first, Progress(None), res["grant"])
                 finally:
@@ -213,9 +208,8 @@ class Writer:
                 prog, send = self._progress(conn, key, version, reply["report"], todo)
                 if reply["report"] and first:
                     send([j.slot for j in first])
-                if cuda is not None:
-                    cuda.released(reply["freed"])
-                    cuda.prepare(extra)
+                transport.slots_freed(reply["freed"])
+                transport.prepare_write(extra)
                 transport.write(vol, rest + extra, prog, res["grant"])
             else:
                 reply = conn.request(ops.PUT_BEGIN, reservation=None, **begin)
@@ -223,9 +217,8 @@ class Writer:
                 version = reply["version"]
                 fresh.update(reply["fresh"])
                 todo = jobs(reply["slots"])
-                if cuda is not None:
-                    cuda.released(reply["freed"])
-                    cuda.prepare(todo)
+                transport.slots_freed(reply["freed"])
+                transport.prepare_write(todo)
                 prog, _ = self._progress(conn, key, version, reply["report"], todo)
                 transport.write(vol, todo, prog, reply["grant"])
         except BaseException:
@@ -241,8 +234,7 @@ class Writer:
         )
         if done["next"] is not None and conn.generation == plan.generation:
             plan.reservation = done["next"]
-        if cuda is not None:
-            cuda.released(done["freed"])
+        transport.slots_freed(done["freed"])
         return version
 
     def _progress(
@@ -283,16 +275,6 @@ def _abort(conn: Conn, key: str, version: int, writer: str) -> None:
         pass
 
 
-def _split_jobs(jobs: list[WriteJob], nbytes: int) -> tuple[list[WriteJob], list[WriteJob]]:
-    """The first jobs holding about ``nbytes`` (at least one), and the rest."""
-    total = 0
-    for i, job in enumerate(jobs):
-        total += job.nbytes
-        if total >= nbytes:
-            return jobs[: i + 1], jobs[i + 1 :]
-    return jobs, []
-
-
 def _split(items: list[tuple[Path, Any]], kind: str) -> tuple[list, list[dict[str, Any]]]:
     """Tensors (and DTensors) apart from the plain values of a state dict."""
     tensors, objects = [], []
@@ -317,11 +299,11 @@ def _plain(path: Path, v: Any) -> Any:
         out = {}
         for k, x in v.items():
             if not isinstance(k, str):
-                raise TypeError(f"state dict entry {layout.path_str(path)!r}: key {k!r} is no str")
+                raise TypeError(f"state dict entry {boxes.path_str(path)!r}: key {k!r} is no str")
             out[k] = _plain((*path, k), x)
         return out
     raise TypeError(
-        f"state dict entry {layout.path_str(path)!r} is a {type(v).__name__}; tidal.store "
+        f"state dict entry {boxes.path_str(path)!r} is a {type(v).__name__}; tidal.store "
         "holds tensors, DTensors and plain values (None, bool, int, float, str, bytes, and "
         "lists or dicts of them)"
     )

@@ -11,17 +11,22 @@ one round trip per put (benchmarks/store_sync.py, the cached-put row).
 
 Replicated shards (identical boxes from several writers) are stored once: the first writer
 to begin keeps it, the others get no slot for it and reserve none next time.
+
+Lifecycle: one :class:`Writes` per controller (tidal/store/controller.py), over the
+controller's :class:`~tidal.store.catalog.Catalog`. The server's connection threads call
+its op methods (``Controller.op_handler``) with the calling connection's id; the controller
+calls :meth:`Writes.connection_closed` when a connection ends. What it keeps (plans,
+reservations, pending writes, quarantined slots) is the catalog's lock's to guard.
 """
 
 from __future__ import annotations
 
 import secrets
-import time
 from typing import Any
 
-from tidal.store import layout, ops, wire
+from tidal.store import boxes, ops, wire
 from tidal.store.backends import DeviceBackend
-from tidal.store.catalog import Catalog, RingSlot, Work, _call, _check_kind, _version_sig
+from tidal.store.catalog import Catalog, RingSlot, Work, call, check_kind, run_work, version_sig
 from tidal.store.errors import StoreError, VolumeLostError
 from tidal.store.records import (
     Entry,
@@ -39,22 +44,76 @@ from tidal.store.records import (
 MAX_OBJECT_BYTES = 1 << 20  # non-tensor leaves of one version
 
 
-class Writes(Catalog):
-    """Handlers of the write ops (see the module docstring)."""
+class Writes:
+    """Handlers of the write ops (see the module docstring), over the controller's catalog.
+
+    Owns what only writes use: put plans, reservations, the pending writes and the
+    quarantine. The catalog's lock guards it all; the controller holds one and serves the
+    write ops through it.
+    """
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self._plans: dict[int, PlanRec] = {}
+        self._reservations: dict[int, Reservation] = {}
+        # Pending writes by (connection, key, version, writer), found even once dropped.
+        self._writing: dict[tuple[int, str, int, str], VersionRec] = {}
+        # Slots a connection may still be copying into, by connection: (key, slots).
+        self._quarantine: dict[int, list[tuple[str, list[RingSlot]]]] = {}
+        # Layouts whose shards were found to tile every tensor: writers' (plan, replicas)
+        # -> signature (``_publish``).
+        self._checked: dict[tuple[Any, ...], str] = {}
+
+    def connection_closed(self, conn: int) -> None:
+        """Release the reservations, pending writes, quarantined slots and plans of a closed
+        connection (the caller holds the lock)."""
+        catalog = self.catalog
+        for rid in [r for r, res in self._reservations.items() if res.conn == conn]:
+            catalog.destroy_slots([s for s in self._reservations.pop(rid).slots if s])
+        for (c, key, _, writer), vrec in list(self._writing.items()):
+            if c != conn:
+                continue
+            krec = catalog.keys.get(key)
+            if vrec.dropped is None and krec is not None:
+                catalog.drop(key, krec, vrec, "aborted: a writer disconnected")
+            self._end_write(conn, key, vrec, writer)
+        self._flush_quarantine(conn)
+        for pid in [p for p, rec in self._plans.items() if rec.conn == conn]:
+            del self._plans[pid]
+
+    def counts(self) -> dict[str, int]:
+        """Live plans and reservations."""
+        return {"plans": len(self._plans), "reservations": len(self._reservations)}
+
+    def _end_write(self, conn: int, key: str, vrec: VersionRec, writer: str) -> None:
+        """``writer`` stopped writing ``vrec`` (committed, aborted, or left)."""
+        if self._writing.pop((conn, key, vrec.version, writer), None) is None:
+            return
+        self.catalog.writer_done(key, vrec)
+
+    def _flush_quarantine(self, conn: int) -> None:
+        """``conn`` sent its next write (or closed): the slots it may have been copying
+        into are free for others."""
+        for key, items in self._quarantine.pop(conn, []):
+            krec = self.catalog.keys.get(key)
+            if krec is None:
+                self.catalog.destroy_slots([slot for *_, slot in items])
+            else:
+                self.catalog.to_ring(krec, items)
 
     def device_volume(self, conn: int, *, volume_id: str, host: str) -> dict[str, Any]:
         """Register ``conn``'s GPU memory as a volume of kind "cuda" that dies with it
-        (see tidal/store/transports/cuda_ipc.py)."""
+        (see tidal/store/transports/cuda/ipc.py)."""
         rec = VolumeRec(volume_id, "cuda", host, "", "", "", DeviceBackend(), owner=conn)
-        self.add_volume(rec)
+        self.catalog.add_volume(rec)
         return {}
 
     def put_handles(self, conn: int, *, volume_id: str, handles: list[dict]) -> dict[str, Any]:
         """The owner of a device volume sends the IPC handles of slots it allocated."""
-        with self._lock:
-            vol = self._own_device_volume(conn, volume_id)
+        with self.catalog.lock:
+            vol = self.catalog.own_device_volume(conn, volume_id)
             for h in handles:  # all or nothing
-                if self._slot_owner.get(h["slot"], ("",))[0] != volume_id:
+                if self.catalog.slot_volume(h["slot"]) != volume_id:
                     raise ValueError(f"slot {h['slot']} is not a slot of volume {volume_id!r}")
             for h in handles:
                 vol.handles[h["slot"]] = h
@@ -77,23 +136,23 @@ class Writes(Catalog):
         for d in tensors:
             name, shape, dtype = tuple(d["name"]), tuple(d["shape"]), d["dtype"]
             offs, sizes = tuple(d["offsets"]), tuple(d["sizes"])
-            shown = layout.path_str(name) or key
+            shown = boxes.path_str(name) or key
             if len(offs) != len(shape) or len(sizes) != len(shape):
                 raise ValueError(f"{shown}: box {offs}/{sizes} does not match shape {shape}")
             if any(o + s > n for o, s, n in zip(offs, sizes, shape, strict=True)):
                 raise ValueError(f"{shown}: box {offs}/{sizes} lies outside shape {shape}")
-            nbytes = layout.numel(sizes) * wire.DTYPES[dtype].itemsize
+            nbytes = boxes.numel(sizes) * wire.DTYPES[dtype].itemsize
             entries.append(Entry(name, shape, dtype, offs, sizes, nbytes))
         if len({e.name for e in entries}) != len(entries):
             raise ValueError(f"key {key!r}: a tensor name appears twice in one put")
-        with self._lock:
-            krec = self._keys.get(key)
+        with self.catalog.lock:
+            krec = self.catalog.keys.get(key)
             if krec is not None:
-                _check_kind(key, krec.kind, kind)
+                check_kind(key, krec.kind, kind)
             vol = self._pick_volume(conn, host, volume)
-            boxes = {e.name: (e.shape, e.dtype, [(e.offsets, e.sizes)]) for e in entries}
+            declared = {e.name: (e.shape, e.dtype, [(e.offsets, e.sizes)]) for e in entries}
             plan = PlanRec(
-                self._new_id(),
+                self.catalog.new_id(),
                 key,
                 kind,
                 conn,
@@ -101,18 +160,18 @@ class Writes(Catalog):
                 keep,
                 vol.volume_id,
                 entries,
-                layout_signature(kind, boxes),
+                layout_signature(kind, declared),
             )
             self._plans[plan.plan] = plan
             return {"plan": plan.plan, "volume": vol.info()}
 
     def _pick_volume(self, conn: int, host: str, wanted: str | None) -> VolumeRec:
-        alive = [v for v in self._volumes.values() if v.alive]
+        alive = [v for v in self.catalog.volumes.values() if v.alive]
         if wanted is not None:
             for v in alive:
                 if v.volume_id == wanted:
                     if v.kind == "cuda":
-                        self._own_device_volume(conn, wanted)  # raises for another's memory
+                        self.catalog.own_device_volume(conn, wanted)  # raises for another's memory
                     return v
             raise ValueError(
                 f"volume {wanted!r} is not registered (alive: {[v.volume_id for v in alive]})"
@@ -127,7 +186,7 @@ class Writes(Catalog):
         plan = self._plans.get(plan_id)
         if plan is None or plan.conn != conn or plan.key != key:
             raise ValueError(f"put plan {plan_id} of key {key!r} is not one of this connection")
-        vol = self._volumes.get(plan.volume)
+        vol = self.catalog.volumes.get(plan.volume)
         if vol is None or not vol.alive:
             raise VolumeLostError(f"volume {plan.volume!r} of this put plan is gone; put again")
         return plan
@@ -145,17 +204,17 @@ class Writes(Catalog):
     ) -> dict[str, Any]:
         """Start writing a version with a plan's layout: claim a slot per shard (or take the
         writer's reservation) and grant them for writing."""
-        with self._lock:
+        with self.catalog.lock:
             self._flush_quarantine(conn)
             p = self._plan_of(conn, key, plan)
             res = self._take_reservation(conn, p, reservation)
             try:
-                krec = self._keys.get(key)
+                krec = self.catalog.keys.get(key)
                 if krec is None:
-                    krec = self._keys[key] = KeyRec(kind=p.kind)
-                _check_kind(key, krec.kind, p.kind)
+                    krec = self.catalog.keys[key] = KeyRec(kind=p.kind)
+                check_kind(key, krec.kind, p.kind)
                 vrec, created = self._version_for(key, krec, p, version, writer)
-                vol = self._volumes[p.volume]
+                vol = self.catalog.volumes[p.volume]
                 try:
                     slots, fresh, granted = self._claim_all(key, krec, vrec, p, vol, res, conn)
                     self._add_objects(key, vrec, objects)
@@ -172,17 +231,17 @@ class Writes(Catalog):
             vrec.mine[writer] = [s for s in slots if s is not None]
             vrec.writing += 1
             self._writing[(conn, key, vrec.version, writer)] = vrec
-            report = self._wanted.get((key, vrec.version), 0.0) > time.monotonic()
+            report = self.catalog.wanted(key, vrec.version)
             grant = res.grant if res is not None else secrets.token_bytes(ops.GRANT_BYTES)
             work: Work = []
             if fresh:
-                sizes = [(s, self._slot_owner[s][1]) for s in fresh]
-                work.append((vol, _call(vol.backend.create, sizes)))
+                sizes = self.catalog.slot_sizes(fresh)
+                work.append((vol, call(vol.backend.create, sizes)))
             if granted:
-                work.append((vol, _call(vol.backend.grant, granted, grant)))
-            self._changed.notify_all()
-            freed = self._freed(vol)
-        self._run(work, lambda e: self._abort_write(conn, key, vrec, vol, writer, e))
+                work.append((vol, call(vol.backend.grant, granted, grant)))
+            self.catalog.changed.notify_all()
+            freed = self.catalog.freed(vol)
+        run_work(work, lambda e: self._abort_write(conn, key, vrec, vol, writer, e))
         return {
             "version": vrec.version,
             "slots": slots,
@@ -213,7 +272,7 @@ class Writes(Catalog):
                 )
             if p.keep is not None:
                 krec.keep = p.keep
-            keep = krec.keep if krec.keep is not None else self.keep
+            keep = krec.keep if krec.keep is not None else self.catalog.keep
             vrec = krec.versions[version] = VersionRec(version, p.kind, p.writers, keep)
             krec.next_version = max(krec.next_version, version + 1)
         elif vrec.committed:
@@ -261,7 +320,7 @@ class Writes(Catalog):
                     trec = vrec.tensors[e.name] = TensorRec(e.shape, e.dtype)
                     made.append(e.name)
                 elif trec.shape != e.shape or trec.dtype != e.dtype:
-                    shown = layout.path_str(e.name) or key
+                    shown = boxes.path_str(e.name) or key
                     raise ValueError(
                         f"{shown} in version {vrec.version} of key {key!r}: this writer has "
                         f"global shape {list(e.shape)} {e.dtype}, another has "
@@ -279,7 +338,7 @@ class Writes(Catalog):
                 p.replicas.discard(i)
                 slot = reserved
                 if slot is None:
-                    slot = self._claim(krec, vol, p.rings[i], fresh)
+                    slot = self.catalog.claim(krec, vol, p.rings[i], fresh)
                     claimed.append((vol.volume_id, e.name, e.nbytes, slot))
                 shard = ShardRec(e.offsets, e.sizes, slot, vol.volume_id, e.nbytes)
                 trec.shards.append(shard)
@@ -292,9 +351,8 @@ class Writes(Catalog):
                 vrec.tensors.pop(name, None)
             for _, _, nbytes, slot in claimed:
                 if slot in fresh:  # never created on the volume: forget it
-                    self._slot_owner.pop(slot, None)
-                    vol.used -= nbytes
-            self._to_ring(krec, [c for c in claimed if c[3] not in fresh])
+                    self.catalog.unclaim_fresh(vol, slot, nbytes)
+            self.catalog.to_ring(krec, [c for c in claimed if c[3] not in fresh])
             raise
         if spare:  # the writer may be copying into them: free once it is done
             self._quarantine.setdefault(conn, []).append((key, spare))
@@ -319,7 +377,7 @@ class Writes(Catalog):
                 slots.append(None)
                 continue
             if slot is None:  # a shard that was a replica last time
-                slot = self._claim(krec, vol, ring, fresh)
+                slot = self.catalog.claim(krec, vol, ring, fresh)
                 claimed.append(slot)
             shard = ShardRec(e.offsets, e.sizes, slot, vid, e.nbytes)
             tensors[e.name] = TensorRec(e.shape, e.dtype, [shard])
@@ -349,7 +407,7 @@ class Writes(Catalog):
         for o in objects:
             name = tuple(o["name"])
             if name in vrec.objects and vrec.objects[name] != o["value"]:
-                shown = layout.path_str(name)
+                shown = boxes.path_str(name)
                 raise ValueError(
                     f"{shown} in version {vrec.version} of key {key!r}: writers disagree "
                     f"on its value ({vrec.objects[name]!r} and {o['value']!r})"
@@ -376,11 +434,11 @@ class Writes(Catalog):
         end this writer's part in it, so its slots are destroyed now, not when the
         connection closes (a writer may have copied into reserved ones: destroyed slots are
         never handed to anyone else)."""
-        with self._lock:
-            krec = self._keys.get(key)
+        with self.catalog.lock:
+            krec = self.catalog.keys.get(key)
             if krec is not None and vrec.dropped is None:
                 reason = f"aborted: volume {vol.volume_id!r} could not take the write: {e}"
-                self._drop(key, krec, vrec, reason, destroy=True)
+                self.catalog.drop(key, krec, vrec, reason, destroy=True)
             vrec.destroy = True
             self._end_write(conn, key, vrec, writer)
 
@@ -389,47 +447,47 @@ class Writes(Catalog):
     ) -> dict[str, Any]:
         """A writer's bytes for ``slots`` of a pending version are in place (for readers that
         stream a version while it is written; it stays invisible to others until commit)."""
-        with self._lock:
+        with self.catalog.lock:
             vrec = self._pending(conn, key, version, writer)
             if not set(slots) <= set(vrec.mine[writer]):
                 raise ValueError(f"slots {slots} are not this writer's in version {version}")
             vrec.written.update(slots)
-            self._changed.notify_all()
+            self.catalog.changed.notify_all()
             return {}
 
     def put_commit(
         self, conn: int, *, key: str, version: int, writer: str, reserve: bool
     ) -> dict[str, Any]:
-        with self._lock:
+        with self.catalog.lock:
             self._flush_quarantine(conn)
             vrec = self._pending(conn, key, version, writer)
             p = self._plans.get(vrec.plans[writer])
-            vol = self._volumes.get(p.volume) if p is not None else None
+            vol = self.catalog.volumes.get(p.volume) if p is not None else None
             mine = vrec.mine[writer]
         if vol is not None and vol.alive:
             vol.backend.seal(mine)  # no network write lands after this
-        with self._lock:
+        with self.catalog.lock:
             vrec = self._pending(conn, key, version, writer)
             self._end_write(conn, key, vrec, writer)
             vrec.done.add(writer)
-            krec = self._keys[key]
+            krec = self.catalog.keys[key]
             visible = len(vrec.done) == vrec.writers
             if visible:
                 self._publish(key, krec, vrec)
             res = None
             if reserve and p is not None and vol is not None and vol.alive:
                 res = self._reserve(krec, p, vol)
-            freed = self._freed(vol) if vol is not None else []
+            freed = self.catalog.freed(vol) if vol is not None else []
         out: dict[str, Any] = {"visible": visible, "next": None, "freed": freed}
         if res is not None and vol is not None:
             work: Work = []
             if res.fresh:
-                sizes = [(s, self._slot_owner[s][1]) for s in res.fresh]
-                work.append((vol, _call(vol.backend.create, sizes)))
+                sizes = self.catalog.slot_sizes(res.fresh)
+                work.append((vol, call(vol.backend.create, sizes)))
             held = [s for s in res.slots if s is not None]
             if held:
-                work.append((vol, _call(vol.backend.grant, held, res.grant)))
-            self._run(work, lambda e: self._drop_reservation(res))
+                work.append((vol, call(vol.backend.grant, held, res.grant)))
+            run_work(work, lambda e: self._drop_reservation(res))
             out["next"] = {
                 "id": res.rid,
                 "slots": res.slots,
@@ -455,25 +513,26 @@ class Writes(Catalog):
         sig = self._checked.get(layout_key)
         if sig is None:
             for name, trec in vrec.tensors.items():
-                boxes = [(s.offsets, s.sizes) for s in trec.shards]
-                problem = layout.check_cover(trec.shape, boxes)
+                tiles = [(s.offsets, s.sizes) for s in trec.shards]
+                problem = boxes.check_cover(trec.shape, tiles)
                 if problem is not None:
-                    shown = layout.path_str(name) or key
-                    self._drop(key, krec, vrec, f"aborted: {shown}: {problem}", destroy=False)
+                    shown = boxes.path_str(name) or key
+                    self.catalog.drop(
+                        key, krec, vrec, f"aborted: {shown}: {problem}", destroy=False
+                    )
                     raise ValueError(
                         f"version {vrec.version} of key {key!r} is incomplete after all "
                         f"{vrec.writers} writers committed: {shown}: {problem}"
                     )
-            sig = _version_sig(vrec)
+            sig = version_sig(vrec)
             if len(self._checked) > 4096:
                 self._checked.clear()
-                self._read_layouts.clear()
             self._checked[layout_key] = sig
         vrec.committed = True
         vrec.sig = sig
         vrec.layout = layout_key
-        self._retain(key, krec, vrec.keep)
-        self._changed.notify_all()
+        self.catalog.retain(key, krec, vrec.keep)
+        self.catalog.changed.notify_all()
 
     def _reserve(self, krec: KeyRec, p: PlanRec, vol: VolumeRec) -> Reservation | None:
         """Claim slots for the writer's next put of ``p`` (its shards that were no replica)."""
@@ -481,27 +540,32 @@ class Writes(Catalog):
             return None
         fresh: list[int] = []
         slots: list[int | None] = [
-            None if e.nbytes == 0 or i in p.replicas else self._claim(krec, vol, ring, fresh)
+            None if e.nbytes == 0 or i in p.replicas else self.catalog.claim(krec, vol, ring, fresh)
             for i, (e, ring) in enumerate(zip(p.entries, p.rings, strict=True))
         ]
         res = Reservation(
-            self._new_id(), p.plan, p.conn, slots, secrets.token_bytes(ops.GRANT_BYTES), fresh
+            self.catalog.new_id(),
+            p.plan,
+            p.conn,
+            slots,
+            secrets.token_bytes(ops.GRANT_BYTES),
+            fresh,
         )
         self._reservations[res.rid] = res
         return res
 
     def _drop_reservation(self, res: Reservation) -> None:
-        with self._lock:
+        with self.catalog.lock:
             if self._reservations.pop(res.rid, None) is None:
                 return
-            self._destroy_slots([s for s in res.slots if s is not None])
+            self.catalog.destroy_slots([s for s in res.slots if s is not None])
 
     def put_abort(self, conn: int, *, key: str, version: int, writer: str) -> dict[str, Any]:
-        with self._lock:
+        with self.catalog.lock:
             self._flush_quarantine(conn)
             vrec = self._pending(conn, key, version, writer)
             self._end_write(conn, key, vrec, writer)
-            self._drop(key, self._keys[key], vrec, f"aborted by writer {writer}")
+            self.catalog.drop(key, self.catalog.keys[key], vrec, f"aborted by writer {writer}")
             return {}
 
     def _pending(self, conn: int, key: str, version: int, writer: str) -> VersionRec:
@@ -509,7 +573,7 @@ class Writes(Catalog):
         write of another connection, or one that ended: the reason is named)."""
         vrec = self._writing.get((conn, key, version, writer))
         if vrec is None:
-            krec = self._keys.get(key)
+            krec = self.catalog.keys.get(key)
             other = krec.versions.get(version) if krec else None
             if other is not None and writer in other.seen and not other.committed:
                 raise ValueError(

@@ -5,11 +5,12 @@ per volume, the fastest both sides support:
 
 - ``shm`` (tidal/store/transports/shm.py): the volume's shared-memory segments, mapped into
   this process when the volume is on this host. One copy each way, no system call per byte.
-- ``cuda_ipc`` (tidal/store/transports/cuda_ipc.py): a writer's own GPU memory
+- ``cuda_ipc`` (tidal/store/transports/cuda/ipc.py): a writer's own GPU memory
   (``put(..., memory="cuda")``), opened by readers on the same host with CUDA IPC handles
-  and copied device to device. Its helpers: ``cuda_runtime`` (the CUDA runtime calls through
-  ctypes), ``cuda_copies`` (copy plans kept per layout), ``cuda_gather`` (one Triton kernel
-  for a state dict's copies) and ``cuda_batch`` (the driver's batched copy, without Triton).
+  and copied device to device. Its helpers sit beside it in ``cuda/``: ``runtime`` (the CUDA
+  runtime calls through ctypes), ``memory`` (a writer's device volume and a reader's opened
+  ones), ``copies`` (copy plans kept per layout), ``gather`` (one Triton kernel for a state
+  dict's copies) and ``batch`` (the driver's batched copy, without Triton).
 - ``tcp`` (tidal/store/transports/tcp.py): ``vol_write`` / ``vol_read`` messages to the
   volume's data port, several connections in parallel, bytes received straight into the
   destination. Works between any two hosts.
@@ -30,10 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
+from tidal.store import progress as progress_
+from tidal.store.ops import VolumeInfo
 from tidal.store.progress import Progress
 
 Dims = tuple[int, ...]
@@ -78,20 +80,60 @@ class ReadJob:
         return n
 
 
-class Transport(Protocol):
+class Transport:
     """Moves bytes of one kind of volume (``vol`` is the controller's record of it,
-    tidal/store/ops.py ``s_volume``)."""
+    tidal/store/ops.py ``s_volume``).
+
+    Put lifecycle, in the thread running the put (tidal/store/writer.py ``Writer._write``):
+
+    1. ``prepare_write(jobs)`` before any byte of ``jobs`` is written or its slots are
+       announced: with a reservation, before ``put_begin`` goes out; then for the slots its
+       reply adds. Default: nothing (a volume's slots exist once the controller made them).
+    2. With a reservation, ``split_early(jobs)`` picks the copies to start before the
+       ``put_begin`` reply arrives; the rest wait for it (it says whether a reader streams
+       the version, and then they are reported as they land). Default: the first
+       ``PROGRESS_BYTES``.
+    3. ``write`` the copies.
+    4. ``slots_freed(slots)`` with the slots of this transport's memory that the controller
+       destroyed (the ``freed`` of ``put_begin`` and ``put_commit`` replies). Default:
+       nothing (a volume frees its own segments).
+
+    Get lifecycle: ``read``, in the thread running the get. ``close`` when the store handle
+    closes. A new transport implements ``write``, ``read`` and ``close`` and overrides a
+    hook only where its memory needs one; the put path has no branch per transport.
+    """
+
+    def prepare_write(self, jobs: list[WriteJob]) -> None:
+        """Make the slots of ``jobs`` ready to be written and opened by readers."""
+
+    def split_early(self, jobs: list[WriteJob]) -> tuple[list[WriteJob], list[WriteJob]]:
+        """The jobs to copy before ``put_begin``'s reply, and the rest."""
+        return split_jobs(jobs, progress_.PROGRESS_BYTES)  # read per put: tests lower it
+
+    def slots_freed(self, slots: list[int]) -> None:
+        """The controller destroyed ``slots`` of this transport's memory."""
 
     def write(
-        self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
+        self, vol: VolumeInfo, jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
         """Copy every job's bytes into its slot; report each slot to ``progress``. On
         return the bytes are in place (device copies synchronized)."""
-        ...
+        raise NotImplementedError
 
-    def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
+    def read(self, vol: VolumeInfo, jobs: list[ReadJob], gate: Gate | None) -> None:
         """Copy every job into its destination (after ``gate(slot)`` when streaming); on
         return the copies are done."""
-        ...
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def split_jobs(jobs: list[WriteJob], nbytes: int) -> tuple[list[WriteJob], list[WriteJob]]:
+    """The first jobs holding about ``nbytes`` (at least one), and the rest."""
+    total = 0
+    for i, job in enumerate(jobs):
+        total += job.nbytes
+        if total >= nbytes:
+            return jobs[: i + 1], jobs[i + 1 :]
+    return jobs, []

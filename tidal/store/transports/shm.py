@@ -28,15 +28,15 @@ from __future__ import annotations
 import functools
 import os
 from concurrent.futures import Future, as_completed
-from typing import Any
 
 import torch
 
-from tidal.store import layout
+from tidal.store import boxes
 from tidal.store.errors import StoreError
+from tidal.store.ops import VolumeInfo
 from tidal.store.progress import Progress
 from tidal.store.segments import Segments
-from tidal.store.transports import Gate, ReadJob, WriteJob
+from tidal.store.transports import Gate, ReadJob, Transport, WriteJob
 from tidal.store.volume import open_segment, part_path, part_sizes, part_spans, segment_path
 
 _MAX_IO = 1 << 30  # bytes per pwrite/preadv call (Linux caps one call near 2 GiB)
@@ -49,10 +49,10 @@ def _prefix(shm_dir: str, store_id: str, volume_id: str) -> str:
     return segment_path(shm_dir, store_id, volume_id, 1)[:-1]
 
 
-def path_of(vol: dict[str, Any], slot: int) -> str:
+def path_of(vol: VolumeInfo, slot: int) -> str:
     """The segment file of ``slot`` in the shm volume ``vol`` (its components checked once
     per volume; the slot id is an int the wire schema checked)."""
-    return _prefix(vol["shm_dir"], vol["store_id"], vol["id"]) + str(slot)
+    return _prefix(vol.shm_dir, vol.store_id, vol.id) + str(slot)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -70,20 +70,20 @@ def _contiguous_box(shape: tuple[int, ...], offs: tuple[int, ...], sizes: tuple[
     return True
 
 
-class ShmTransport:
+class ShmTransport(Transport):
     def __init__(self, host: str, segments: Segments) -> None:
         self.host = host
         self.segments = segments
         self._reachable: dict[str, bool] = {}
         self._read_before: set[str] = set()  # segments this process read with preadv
 
-    def reaches(self, vol: dict[str, Any]) -> bool:
+    def reaches(self, vol: VolumeInfo) -> bool:
         """Whether ``vol``'s segments are on this host and accessible to this process."""
-        key = f"{vol['host']}|{vol['shm_dir']}|{vol['store_id']}|{vol['id']}"
+        key = f"{vol.host}|{vol.shm_dir}|{vol.store_id}|{vol.id}"
         ok = self._reachable.get(key)
         if ok is None:
-            ok = vol["kind"] == "shm" and vol["host"] == self.host
-            ok = ok and os.access(vol["shm_dir"], os.R_OK | os.X_OK)
+            ok = vol.kind == "shm" and vol.host == self.host
+            ok = ok and os.access(vol.shm_dir, os.R_OK | os.X_OK)
             self._reachable[key] = ok
         return ok
 
@@ -93,7 +93,7 @@ class ShmTransport:
     # ---------------------------------------------------------------- writes
 
     def write(
-        self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
+        self, vol: VolumeInfo, jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
         cold = [j.fresh and _plain_host(j.src, j.dtype) for j in jobs]
         if any(cold):
@@ -111,7 +111,7 @@ class ShmTransport:
                 progress.add(job.slot, job.nbytes, src.device if pinned else None)
         progress.synchronize()
 
-    def _pwrite(self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress) -> None:
+    def _pwrite(self, vol: VolumeInfo, jobs: list[WriteJob], progress: Progress) -> None:
         """Fill fresh slots with pwrite, one job per part file, the parts of every slot at
         once in parallel threads, biggest first (the longest start first); report each slot
         from this thread once its parts are written (the report goes out on a connection
@@ -165,7 +165,7 @@ class ShmTransport:
 
     # ---------------------------------------------------------------- reads
 
-    def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
+    def read(self, vol: VolumeInfo, jobs: list[ReadJob], gate: Gate | None) -> None:
         paths = [path_of(vol, j.slot) for j in jobs]
         sizes = [j.shard_nbytes for j in jobs]
         cold = [self._first_read(p, j) for p, j in zip(paths, jobs, strict=True)]
@@ -197,7 +197,7 @@ class ShmTransport:
                     else self.segments.typed_all([(path, n, job.dtype, job.shard_shape)])[0]
                 )
                 asynchronous = job.dst.is_cuda and self.segments.pin(path, self._map(path, n))
-                src = view if job.whole else layout.narrow(view, job.src_off, job.sizes)
+                src = view if job.whole else boxes.narrow(view, job.src_off, job.sizes)
                 job.dst.copy_(src, non_blocking=asynchronous)
                 if asynchronous:
                     devices.add(job.dst.device)
@@ -261,11 +261,11 @@ class ShmTransport:
             self._read_before.clear()
         self._read_before.add(path)
 
-    def check(self, vol: dict[str, Any], slot: int) -> None:
+    def check(self, vol: VolumeInfo, slot: int) -> None:
         """Raise StoreError if the segment of ``slot`` is not there (forced transport)."""
         if not os.path.exists(path_of(vol, slot)):
             raise StoreError(
-                f"transport='shm' but the segments of volume {vol['id']!r} are not on this host"
+                f"transport='shm' but the segments of volume {vol.id!r} are not on this host"
             )
 
     def close(self) -> None:

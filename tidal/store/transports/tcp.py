@@ -20,16 +20,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from tidal.store import layout, ops
+from tidal.store import boxes, ops
 from tidal.store.conn import Pool
+from tidal.store.ops import VolumeInfo
 from tidal.store.progress import Progress
-from tidal.store.transports import Gate, ReadJob, WriteJob
+from tidal.store.transports import Gate, ReadJob, Transport, WriteJob
 
 PIECE = 16 << 20  # bytes per message: split so that pieces spread over the connections
 T = TypeVar("T")
 
 
-class TcpTransport:
+class TcpTransport(Transport):
     def __init__(self, token: str | None, timeout: float, connections: int) -> None:
         self._token, self._timeout, self._connections = token, timeout, connections
         self._pools: dict[str, Pool] = {}
@@ -55,7 +56,7 @@ class TcpTransport:
             pool.give_back(conn, ok)
 
     def write(
-        self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
+        self, vol: VolumeInfo, jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
         pieces = []
         for job in jobs:
@@ -69,7 +70,7 @@ class TcpTransport:
         def send(piece: tuple[int, int, torch.Tensor]) -> None:
             slot, start, buf = piece
             self._call(
-                vol["address"],
+                vol.address,
                 ops.VOL_WRITE,
                 payload=buf.numpy().data,
                 slot=slot,
@@ -82,13 +83,13 @@ class TcpTransport:
         for job in jobs:
             progress.add(job.slot, job.nbytes)
 
-    def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
+    def read(self, vol: VolumeInfo, jobs: list[ReadJob], gate: Gate | None) -> None:
         if gate is not None:
             for job in jobs:
                 gate(job.slot)
         pieces = []
         for job in jobs:
-            row = layout.numel(job.sizes[1:]) * job.dtype.itemsize
+            row = boxes.numel(job.sizes[1:]) * job.dtype.itemsize
             if job.sizes and row and job.sizes[0] * row > PIECE:
                 step = max(1, PIECE // row)
                 for r in range(0, job.sizes[0], step):
@@ -112,7 +113,7 @@ class TcpTransport:
             buf = dst if direct else torch.empty(job.sizes, dtype=job.dtype)
             into = buf.reshape(-1).view(torch.uint8).numpy().data
             self._call(
-                vol["address"],
+                vol.address,
                 ops.VOL_READ,
                 into=into,
                 slot=job.slot,

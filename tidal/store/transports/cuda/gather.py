@@ -1,7 +1,7 @@
 """One kernel for a state dict's device copies: a Triton gather over a table of chunks.
 
 A put or get of GPU memory copies every tensor of a state dict (tidal/store/transports/
-cuda_copies.py). On the H200 the host cost of issuing those copies is the largest term left
+copies.py). On the H200 the host cost of issuing those copies is the largest term left
 of a ``memory="cuda"`` sync: 114 ``cudaMemcpyAsync`` calls took 0.85 ms of host time, and
 one ``cuMemcpyBatchAsync`` of the same copies still 0.6 ms (the driver checks every pointer
 of the batch). This module issues them as one kernel launch: the copies are cut into chunks
@@ -10,11 +10,11 @@ of up to ``CHUNK_BYTES`` and listed, once per copy plan, in a table on the devic
 
 Only pairs whose addresses and sizes are multiples of 4 bytes go through the kernel (every
 tensor the caching allocator or ``cudaMalloc`` hands out is; a slice may not be); the others
-go to the batched or one-by-one copies (:class:`~tidal.store.transports.cuda_batch.
+go to the batched or one-by-one copies (:class:`~tidal.store.transports.cuda.batch.
 BatchCopier`), which is also the whole path when Triton is not installed or the kernel
 fails to build (said once, in a warning).
 
-Lifecycle: one :class:`GatherCopier` per process (``cuda_ipc.copier()``); ``prepare`` runs
+Lifecycle: one :class:`GatherCopier` per process (``ipc.copier()``); ``prepare`` runs
 once per copy plan and device (it builds the table: one small host-to-device copy), ``run``
 at every put or get, from the thread doing it. The first ``prepare`` starts compiling the
 kernel in a thread of its own (0.7 s on the H200 host; Triton caches it on disk): until it is
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tidal.store.transports.cuda_batch import BatchCopier, Pairs
+from tidal.store.transports.cuda.batch import BatchCopier, Pairs
 
 CHUNK_BYTES = 1 << 20  # bytes a kernel program copies (one table row)
 _WORDS = CHUNK_BYTES // 4
@@ -68,11 +68,14 @@ class Gather:
     whole: list[Any] = field(default_factory=list)  # BatchCopier.prepare's of every pair
 
 
-def _aligned(pair: tuple[int, int, int]) -> bool:
+def word_aligned(pair: tuple[int, int, int]) -> bool:
+    """Whether a (dst, src, bytes) copy can go through the kernel: all multiples of 4."""
     return pair[0] % 4 == 0 and pair[1] % 4 == 0 and pair[2] % 4 == 0
 
 
-def _rows(pairs: Pairs) -> list[tuple[int, int, int]]:
+def chunk_rows(pairs: Pairs) -> list[tuple[int, int, int]]:
+    """The kernel's table: each (dst, src, bytes) copy cut into rows of at most
+    ``CHUNK_BYTES``, each ``(dst address, src address, 4-byte words)``."""
     out = []
     for dst, src, n in pairs:
         for off in range(0, n, CHUNK_BYTES):
@@ -120,12 +123,12 @@ class GatherCopier:
     def prepare(self, pairs: Pairs, device: int) -> Gather | Any:
         if self.failed or len(pairs) < 2:
             return self.fallback.prepare(pairs, device)
-        fits = [p for p in pairs if _aligned(p)]
-        others = [p for p in pairs if not _aligned(p)]
+        fits = [p for p in pairs if word_aligned(p)]
+        others = [p for p in pairs if not word_aligned(p)]
         if not fits:
             return self.fallback.prepare(pairs, device)
         self.build(device)
-        rows = _rows(fits)
+        rows = chunk_rows(fits)
         table = torch.tensor(rows, dtype=torch.int64).to(f"cuda:{device}")
         rest = self.fallback.prepare(others, device) if others else None
         return Gather(table, len(rows), rest, pairs)

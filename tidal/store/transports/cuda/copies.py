@@ -1,6 +1,6 @@
 """Device-to-device copies of whole state dicts, planned once and replayed.
 
-A put or get of GPU memory (tidal/store/transports/cuda_ipc.py) copies every tensor of a
+A put or get of GPU memory (tidal/store/transports/cuda/ipc.py) copies every tensor of a
 state dict between the caller's tensors and the stored slots. Deciding how to copy each pair
 (same device, same dtype, both contiguous: one raw ``cudaMemcpyAsync``; else ``copy_``) costs
 several microseconds of Python a tensor, as long as the copy of a small tensor itself. A
@@ -26,7 +26,7 @@ import torch
 
 
 class Copier(Protocol):
-    """Issues raw device copies on a stream (tidal/store/transports/cuda_batch.py): ``prepare``
+    """Issues raw device copies on a stream (tidal/store/transports/cuda/batch.py): ``prepare``
     once per plan and device, ``run`` at every replay."""
 
     @property

@@ -1,6 +1,6 @@
 """The CUDA runtime calls the store makes, through ``ctypes`` to the ``libcudart`` that torch
 loaded (no extension is compiled), and raw device memory seen as tensors: slot allocation,
-IPC handles and their opening (tidal/store/transports/cuda_ipc.py), and the tensors over an
+IPC handles and their opening (tidal/store/transports/cuda/ipc.py), and the tensors over an
 opened slot that zero-copy reads return (:func:`alias`).
 """
 

@@ -1,7 +1,7 @@
 """One driver call for a state dict's device copies: ``cuMemcpyBatchAsync``.
 
 A put or get of GPU memory copies every tensor of a state dict (tidal/store/transports/
-cuda_copies.py). Issued one ``cudaMemcpyAsync`` at a time, the launches cost about 8.8 us of
+copies.py). Issued one ``cudaMemcpyAsync`` at a time, the launches cost about 8.8 us of
 host time each on the H200 (1 ms for 114 tensors, as long as the copies of a small model
 themselves). CUDA 12.8 added a batched copy: one call, an array of (dst, src, size), copies
 in stream order with no order among themselves. :class:`BatchCopier` builds the arrays once
@@ -17,7 +17,7 @@ in both APIs, and the runtime makes the device's primary context current
 
 The call refuses the legacy default stream (handle 0: torch's default stream) with
 ``CUDA_ERROR_INVALID_VALUE``, so callers on that stream issue the batch on a side stream
-ordered after and before it (:class:`~tidal.store.transports.cuda_copies.CopyPlan`); the
+ordered after and before it (:class:`~tidal.store.transports.cuda.copies.CopyPlan`); the
 first H200 run, which passed stream 0, fell back to the loop with that error.
 tests/store/test_gpu.py checks the bytes against the one-at-a-time copies and that the batch
 was the path taken.

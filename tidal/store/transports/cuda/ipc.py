@@ -10,7 +10,7 @@ Lifecycle:
 - The writer's store handle owns a :class:`DeviceVolume` (registered with the controller as
   a volume of kind ``"cuda"`` owned by its writer connection; :class:`CudaIpcTransport`
   registers it again if that connection is replaced). Slots are carved from a few large
-  ``cudaMalloc`` allocations (tidal/store/transports/cuda_slots.py); each new slot's
+  ``cudaMalloc`` allocations (tidal/store/transports/cuda/memory.py); each new slot's
   allocation handle, offset and the allocation's size go to the controller with
   ``put_handles`` before any byte is written.
 - Slots the controller destroys come back in the next ``put_begin`` / ``put_commit`` reply;
@@ -47,7 +47,7 @@ without reserved slots copies slot by slot and waits, so its reports come after 
 (tidal/store/streams.py).
 
 CUDA runtime calls go through ``ctypes`` to the ``libcudart`` that torch loaded
-(tidal/store/transports/cuda_runtime.py); no extension is compiled.
+(tidal/store/transports/cuda/runtime.py); no extension is compiled.
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ import torch
 from tidal.store import ops
 from tidal.store.conn import Conn
 from tidal.store.errors import StoreError
+from tidal.store.ops import VolumeInfo
 from tidal.store.progress import Progress
-from tidal.store.transports import Gate, ReadJob, WriteJob
-from tidal.store.transports.cuda_batch import BatchCopier
-from tidal.store.transports.cuda_copies import CopyPlan, CopyPlans
-from tidal.store.transports.cuda_gather import GatherCopier
-from tidal.store.transports.cuda_runtime import device_uuid, runtime
-from tidal.store.transports.cuda_slots import (
+from tidal.store.transports import Gate, ReadJob, Transport, WriteJob
+from tidal.store.transports.cuda.batch import BatchCopier
+from tidal.store.transports.cuda.copies import CopyPlan, CopyPlans
+from tidal.store.transports.cuda.gather import GatherCopier
+from tidal.store.transports.cuda.memory import (
     _LOCAL,
     DeviceVolume,
     Imports,
@@ -82,13 +82,14 @@ from tidal.store.transports.cuda_slots import (
     narrow,
     numel,
 )
+from tidal.store.transports.cuda.runtime import device_uuid, runtime
 
 
 @functools.cache
 def copier() -> GatherCopier | BatchCopier:
     """Issues this process's raw device copies: one gather kernel where Triton is installed
-    (tidal/store/transports/cuda_gather.py), else batched through the driver torch loaded
-    (tidal/store/transports/cuda_batch.py), else one runtime call a copy."""
+    (tidal/store/transports/cuda/gather.py), else batched through the driver torch loaded
+    (tidal/store/transports/cuda/batch.py), else one runtime call a copy."""
     rt = runtime()
     with open("/proc/self/maps") as f:
         paths = {ln.split()[-1] for ln in f if "/libcuda.so" in ln}
@@ -113,7 +114,7 @@ def warm_up(device: int | None = None, timeout: float = 120.0) -> bool:
     return cp.ready(timeout)
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(Transport):
     """Writes into this handle's device volume; reads other writers' device volumes.
 
     ``writer_conn`` is the connection that owns this handle's device volume (its puts run
@@ -155,16 +156,21 @@ class CudaIpcTransport:
             self._registered = conn.generation
             return vid
 
-    def released(self, slots: list[int]) -> None:
+    def slots_freed(self, slots: list[int]) -> None:
         """Slots the controller destroyed: their memory goes back to the pool."""
         if self._device is not None and slots:
             self._device.release(slots)
 
-    def prepare(self, jobs: list[WriteJob]) -> None:
+    def split_early(self, jobs: list[WriteJob]) -> tuple[list[WriteJob], list[WriteJob]]:
+        """Every copy: device copies are asynchronous, so all of them are launched before
+        ``put_begin``'s reply is read."""
+        return jobs, []
+
+    def prepare_write(self, jobs: list[WriteJob]) -> None:
         """Allocate the slots of ``jobs`` new to this volume and send their IPC handles, so
         readers can open them before any byte is written."""
         device = self._device
-        assert device is not None, "prepare() after volume_id()"
+        assert device is not None, "prepare_write() after volume_id()"
         new = set(device.missing([j.slot for j in jobs]))
         if not new:
             return  # a steady writer's slots: all allocated, their handles sent
@@ -192,7 +198,7 @@ class CudaIpcTransport:
                 raise
 
     def write(
-        self, vol: dict[str, Any], jobs: list[WriteJob], progress: Progress, grant: bytes
+        self, vol: VolumeInfo, jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
         """Queue every job's copy on the volume's copy streams and return (see "Ordering" in
         the module docstring); with a streaming reader (``progress.reporting``), copy slot
@@ -200,10 +206,10 @@ class CudaIpcTransport:
         if not jobs:
             return
         device = self._device
-        assert device is not None and vol["id"] == device.volume_id, vol["id"]
+        assert device is not None and vol.id == device.volume_id, vol.id
         slots, srcs, key = self._write_lists(jobs)
         with device.writing(slots), torch.no_grad():
-            self.prepare(jobs)
+            self.prepare_write(jobs)
             if progress.reporting:
                 dsts = [device.typed(j.slot, j.dtype, tuple(j.src.shape)) for j in jobs]
                 devices = {d.device for d in dsts} | {t.device for t in srcs if t.is_cuda}
@@ -257,7 +263,7 @@ class CudaIpcTransport:
 
     # -- reader side ----------------------------------------------------------------------
 
-    def read(self, vol: dict[str, Any], jobs: list[ReadJob], gate: Gate | None) -> None:
+    def read(self, vol: VolumeInfo, jobs: list[ReadJob], gate: Gate | None) -> None:
         """Copy what ``jobs`` read, after the writer's copies of the version (its event),
         and wait for them: the caller's lease is released next."""
         devices: set[torch.device] = {j.dst.device for j in jobs if j.dst.is_cuda}
@@ -271,17 +277,17 @@ class CudaIpcTransport:
                     if i == 0:  # a writer with its slots reserved queues every copy, records
                         # its event, then reports them all at once, before they ran; one that
                         # reports slot by slot does so once each slot's copies are done
-                        _await_writer(self._events(vol), self._timeout, f"volume {vol['id']!r}")
+                        _await_writer(self._events(vol), self._timeout, f"volume {vol.id!r}")
                     # into host memory: a synchronous copy
                     job.dst.copy_(self._source(vol, job), non_blocking=job.dst.is_cuda)
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
 
-    def views(self, vol: dict[str, Any], items: list[Item], keep: object) -> list[torch.Tensor]:
+    def views(self, vol: VolumeInfo, items: list[Item], keep: object) -> list[torch.Tensor]:
         """Zero-copy reads: a tensor over each (slot, dtype, shape) of ``items``, once the
         writer's copies into them are done. Each tensor's storage holds ``keep`` (the
         caller's lease token) and the slot's mapping until the caller's last view goes."""
-        vid = vol["id"]
+        vid = vol.id
         local = _LOCAL.get(vid)
         if local is None:
             missing = set(self._imports.missing(vid, [slot for slot, _, _ in items]))
@@ -296,11 +302,11 @@ class CudaIpcTransport:
             return local.views(items, keep)
         return self._imports.views(vid, items, keep)
 
-    def _copy(self, vol: dict[str, Any], jobs: list[ReadJob]) -> set[torch.device]:
+    def _copy(self, vol: VolumeInfo, jobs: list[ReadJob]) -> set[torch.device]:
         """Issue every job's copy, with the plan kept for these slots and destinations (a
         steady reader opens nothing and decides nothing again), after the writer's event;
         returns the devices they run on."""
-        key = self._read_key(vol["id"], jobs)
+        key = self._read_key(vol.id, jobs)
         dsts = [j.dst for j in jobs]
 
         def build() -> CopyPlan:
@@ -309,15 +315,15 @@ class CudaIpcTransport:
 
         plan = self._read_plans.get(key, dsts, build)
         # the writer's copies of this version come first
-        _await_writer(self._events(vol), self._timeout, f"volume {vol['id']!r}")
+        _await_writer(self._events(vol), self._timeout, f"volume {vol.id!r}")
         plan.run(dsts.__getitem__, lambda i: self._source(vol, jobs[i]), copier())
         return plan.devices
 
-    def _events(self, vol: dict[str, Any]) -> list[torch.cuda.Event]:
+    def _events(self, vol: VolumeInfo) -> list[torch.cuda.Event]:
         """The writer's interprocess events of volume ``vol`` (one per GPU), or its own
         events for a volume of this process."""
-        local = _LOCAL.get(vol["id"])
-        return local.events() if local is not None else self._imports.events(vol["id"])
+        local = _LOCAL.get(vol.id)
+        return local.events() if local is not None else self._imports.events(vol.id)
 
     def _read_key(self, volume_id: str, jobs: list[ReadJob]) -> tuple[Any, ...]:
         """The read plan's key for ``jobs``: the slots, boxes and destinations they name.
@@ -348,25 +354,25 @@ class CudaIpcTransport:
         self._read_keys[id(jobs)] = (jobs, volume_id, key)
         return key
 
-    def _source(self, vol: dict[str, Any], job: ReadJob) -> torch.Tensor:
+    def _source(self, vol: VolumeInfo, job: ReadJob) -> torch.Tensor:
         """The bytes ``job`` reads, as a view of the device slot."""
-        local = _LOCAL.get(vol["id"])
+        local = _LOCAL.get(vol.id)
         if local is not None:  # this process's own volume
             return narrow(local.typed(job.slot, job.dtype, job.shard_shape), job)
-        return self._imports.typed(vol["id"], job)
+        return self._imports.typed(vol.id, job)
 
-    def _open(self, vol: dict[str, Any], jobs: list[ReadJob]) -> None:
+    def _open(self, vol: VolumeInfo, jobs: list[ReadJob]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``jobs`` read."""
         self._open_slots(vol, {j.slot: numel(j.shard_shape) * j.dtype.itemsize for j in jobs})
 
-    def _open_slots(self, vol: dict[str, Any], sizes: dict[int, int]) -> None:
+    def _open_slots(self, vol: VolumeInfo, sizes: dict[int, int]) -> None:
         """Open (once) the CUDA IPC handles of the device slots ``sizes`` (slot: bytes)."""
-        vid = vol["id"]
+        vid = vol.id
         if is_local(vid):
             return  # written by this process: read its tensors directly
-        if vol["host"] != self.host:
+        if vol.host != self.host:
             raise StoreError(
-                f"volume {vid!r} is GPU memory of a writer on host {vol['host'].split('/')[0]} "
+                f"volume {vid!r} is GPU memory of a writer on host {vol.host.split('/')[0]} "
                 "(put with memory='cuda'); CUDA IPC reaches readers on that host only"
             )
         if not torch.cuda.is_available():

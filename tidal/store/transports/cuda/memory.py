@@ -1,6 +1,6 @@
 """The GPU memory behind ``memory="cuda"`` slots: a writer's :class:`DeviceVolume` and a
 reader's :class:`Imports` of other processes' volumes (used by
-tidal/store/transports/cuda_ipc.py).
+tidal/store/transports/cuda/ipc.py).
 
 Slots are carved from allocations of ``ARENA_BYTES`` (a slot of a quarter of that or more
 gets an allocation of its own), each one ``cudaMalloc`` with one IPC handle. A slot is
@@ -33,7 +33,7 @@ import torch
 
 from tidal.store.errors import StoreError
 from tidal.store.transports import ReadJob
-from tidal.store.transports.cuda_runtime import as_tensor, device_index, runtime
+from tidal.store.transports.cuda.runtime import as_tensor, device_index, runtime
 
 ARENA_BYTES = 256 << 20  # slots are carved from allocations this big
 ALIGN = 512  # each slot starts at a multiple of this

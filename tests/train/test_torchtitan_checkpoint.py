@@ -363,3 +363,41 @@ def test_qwen3_from_torchtitan(tmp_path, capsys):
     diff = max_diff(logits(load_hf(tmp_path / "hf"), ids), logits(model, ids))
     print(f"torchtitan -> tidal, Qwen 3: max |logit diff| {diff:.2e}")
     assert diff < TOL
+
+
+# -- which tidal flavor a torchtitan model is ----------------------------------------------
+
+NAMED = [
+    ("llama3", "8B", "llama3_8b"),
+    ("llama3", "70B", "llama3_70b"),
+    ("qwen3", "0.6B", "qwen3_0_6b"),
+    ("qwen3", "1.7B", "qwen3_1_7b"),
+    ("qwen3", "8B", "qwen3_8b"),
+]
+
+
+@pytest.mark.parametrize(("family", "titan_name", "flavor"), NAMED)
+def test_torchtitan_models_are_tidal_flavors(family, titan_name, flavor):
+    """The `--flavor` docs/checkpoint.md names for torchtitan's models: the same tensors
+    (built on the meta device) and the same RoPE frequencies."""
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.model import precompute_freqs_cis
+    from torchtitan.models.qwen3 import qwen3_args
+
+    from tidal.models.transformer import rope_frequencies
+
+    titan_args = (llama3_args if family == "llama3" else qwen3_args)[titan_name]
+    args = get_flavor(flavor)
+    with torch.device("meta"):
+        cls = TitanLlama if family == "llama3" else Qwen3Model
+        theirs = {k: tuple(v.shape) for k, v in cls(titan_args).state_dict().items()}
+        ours = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    if args.tie_embeddings:
+        assert theirs.pop("output.weight") == theirs["tok_embeddings.weight"]
+    assert theirs == ours
+    assert titan_args.rope_theta == args.rope_theta and titan_args.norm_eps == args.norm_eps
+    if family == "llama3":  # torchtitan's Llama always scales (Llama 3.1, factor 8 default)
+        angles = precompute_freqs_cis(
+            args.k, 2, titan_args.rope_theta, titan_args.rope_scaling_args
+        )
+        torch.testing.assert_close(angles[1].angle(), rope_frequencies(args), rtol=1e-6, atol=0)

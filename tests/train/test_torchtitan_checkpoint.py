@@ -106,6 +106,7 @@ def titan_model(args: Any, seed: int | None = 0) -> torch.nn.Module:
         model = cls(args)
     model.to_empty(device="cpu")
     with torch.no_grad():
+        torch.manual_seed(0 if seed is None else seed)  # torchtitan's init draws from it
         model.init_weights(buffer_device=torch.device("cpu"))
         if seed is not None:
             g = torch.Generator().manual_seed(seed)

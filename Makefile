@@ -38,6 +38,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps reasoning-gym==0.1.25
 	# float8 training (quantize.float8) is optional; its CPU tests run torchao's emulated path
 	$(BIN)/python -m pip install -q --no-deps torchao==0.18.0
+	# tests/train/test_torchtitan_checkpoint.py checks tidal's torchtitan conversions against
+	# torchtitan's own models and checkpoint code. --no-deps: what its model and checkpoint
+	# modules import is here already (.[dev]) but for tyro and its two small dependencies, and
+	# torchdata (0.8 MB of wheels, 7 MB installed, ~5 s). Its import of the MoE kernels needs
+	# triton: torch's CUDA builds bring it; for a CPU build it is installed here (286 MB
+	# download, 1 GB installed, ~20 s).
+	$(BIN)/python -m pip install -q --no-deps torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 \
+		docstring-parser==0.18.0 typeguard==4.6.1
+	$(BIN)/python -c "import triton" 2>/dev/null || \
+		$(BIN)/python -m pip install -q --no-deps triton==3.9.0
 	touch $(STAMP)
 
 demo: setup

@@ -3,7 +3,7 @@
     tidal train --config NAME|MODULE:FUNCTION [--help] [--print-config] [--nproc N]
                 [--section.field VALUE ...]
     tidal generate --config NAME|--hf DIR|--checkpoint DIR --prompt TEXT [--n N] [--json] ...
-    tidal convert hf-to-dcp|dcp-to-hf SRC DST [--flavor NAME] [--dtype D] ...
+    tidal convert hf-to-dcp|dcp-to-hf|dcp-to-dcp SRC DST [--flavor NAME] [--layout L] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models
     tidal rl [trainer|generator] --config NAME [--nproc N] [--store tcp://HOST:PORT] ...
@@ -282,9 +282,9 @@ def _fetch(argv: list[str]) -> int:
 def _convert(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tidal convert",
-        description="Convert a model between a Hugging Face folder and a tidal (DCP) "
-        "checkpoint. Nothing is read before the source is checked, and DST appears only once "
-        "complete.",
+        description="Convert a model between a Hugging Face folder and a DCP checkpoint in "
+        "tidal's or torchtitan's layout. Nothing is read before the source is checked, and DST "
+        "appears only once complete.",
     )
     sub = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     dtypes = ["float32", "bfloat16", "float16"]
@@ -296,20 +296,42 @@ def _convert(argv: list[str]) -> int:
         help="the model of a DCP checkpoint (a step-N folder, or a folder of them: the newest) "
         "-> a Hugging Face folder",
     )
-    for p in (to_dcp, to_hf):
+    to_dcp2 = sub.add_parser(
+        "dcp-to-dcp",
+        help="the model of a DCP checkpoint -> a model-only DCP checkpoint in another layout "
+        "(torchtitan's -> tidal's, or tidal's -> torchtitan's)",
+    )
+    layouts = ["tidal", "torchtitan"]
+    for p in (to_dcp, to_hf, to_dcp2):
         p.add_argument("src", help="source folder")
         p.add_argument("dst", help="destination folder (must not exist)")
         p.add_argument("--dtype", choices=dtypes, help="cast every tensor (default: keep)")
     to_dcp.add_argument(
         "--flavor", help="check that the model is this tidal flavor (default: the first match)"
     )
-    to_hf.add_argument(
-        "--flavor", help="the model, for a checkpoint without tidal.json (else checked)"
+    to_dcp.add_argument(
+        "--layout",
+        choices=layouts,
+        default="tidal",
+        help="the layout to write: torchtitan's model loads a torchtitan one (default: tidal)",
     )
-    to_hf.add_argument(
-        "--config",
-        help="a named config (or MODULE:FUNCTION) whose model it is, with any "
-        "--section.field overrides (e.g. --model.vocab_size); as --flavor",
+    for p in (to_hf, to_dcp2):
+        p.add_argument(
+            "--flavor", help="the model, for a checkpoint without tidal.json (else checked)"
+        )
+        p.add_argument(
+            "--config",
+            help="a named config (or MODULE:FUNCTION) whose model it is, with any "
+            "--section.field overrides (e.g. --model.vocab_size); as --flavor",
+        )
+        p.add_argument(
+            "--layout",
+            choices=layouts,
+            help="the layout of SRC, for a checkpoint without tidal.json, e.g. torchtitan's "
+            "(else checked against it)",
+        )
+    to_dcp2.add_argument(
+        "--to-layout", choices=layouts, default="tidal", help="the layout to write (tidal)"
     )
     to_hf.add_argument(
         "--tokenizer",
@@ -330,11 +352,11 @@ def _convert(argv: list[str]) -> int:
         import torch
 
         from tidal.models import get_flavor
-        from tidal.train.checkpoint.hf import dcp_to_hf, hf_to_dcp
+        from tidal.train.checkpoint.hf import dcp_to_dcp, dcp_to_hf, hf_to_dcp
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
         if args.direction == "hf-to-dcp":
-            hf_to_dcp(args.src, args.dst, flavor=args.flavor, dtype=dtype)
+            hf_to_dcp(args.src, args.dst, flavor=args.flavor, dtype=dtype, layout_name=args.layout)
             return 0
         if args.flavor and args.config:
             raise ValueError("give --flavor or --config, not both")
@@ -347,6 +369,16 @@ def _convert(argv: list[str]) -> int:
             from tidal.train.trainer import model_args_for
 
             margs = model_args_for(apply_overrides(get_config(args.config), overrides))
+        if args.direction == "dcp-to-dcp":
+            dcp_to_dcp(
+                args.src,
+                args.dst,
+                args=margs,
+                layout_name=args.layout,
+                to_layout=args.to_layout,
+                dtype=dtype,
+            )
+            return 0
         dcp_to_hf(
             args.src,
             args.dst,
@@ -354,6 +386,7 @@ def _convert(argv: list[str]) -> int:
             dtype=dtype,
             tokenizer=args.tokenizer,
             max_shard_size=args.max_shard_size,
+            layout_name=args.layout,
         )
         return 0
     except KeyboardInterrupt:
@@ -422,7 +455,7 @@ def _store(argv: list[str]) -> int:
 COMMANDS = {
     "train": (_train, "train a model from a named config"),
     "generate": (_generate, "sample completions (seed init, a Hugging Face folder, a checkpoint)"),
-    "convert": (_convert, "convert a model: hf-to-dcp or dcp-to-hf"),
+    "convert": (_convert, "convert a model: hf-to-dcp, dcp-to-hf or dcp-to-dcp"),
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
     "configs": (_configs, "list the named training configs"),
     "models": (_models, "list the model flavors and their parameter counts"),

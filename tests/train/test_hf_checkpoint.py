@@ -161,22 +161,34 @@ def test_a_trainer_checkpoint_converts_to_the_trained_model(tmp_path):
         assert torch.equal(load_hf(folder)(ids), want)
 
 
-def test_dcp_without_tidal_json_needs_a_model(tmp_path):
+def test_dcp_without_tidal_json_needs_a_model_and_a_layout(tmp_path, capsys):
     sd = tiny_model(vocab=512).state_dict()
     path = save_model(
         sd, tmp_path / "ckpt", 3, info={"model": model_info(get_flavor("tiny"), "tiny")}
     )
     for name in ("tidal.json", "COMPLETE"):  # as another tool writes it: DCP files alone
         (path / name).unlink()
-    code = main(["convert", "dcp-to-hf", str(path), str(tmp_path / "a")])
+    code = main(["convert", "dcp-to-hf", str(path), str(tmp_path / "a"), "--layout", "tidal"])
     assert code == 2 and not (tmp_path / "a").exists()
-    assert main(["convert", "dcp-to-hf", str(path), str(tmp_path / "b"), "--flavor", "tiny"]) == 0
+    capsys.readouterr()
+    # Without tidal.json the q/k order is unknown (torchtitan's Llama differs): one line.
+    code = main(["convert", "dcp-to-hf", str(path), str(tmp_path / "a"), "--flavor", "tiny"])
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and err.count("\n") == 1 and "pass --layout torchtitan or --layout tidal" in err
+    )
+    tidal = ["--layout", "tidal"]
+    code = main(
+        ["convert", "dcp-to-hf", str(path), str(tmp_path / "b"), "--flavor", "tiny", *tidal]
+    )
+    assert code == 0
     code = main(
         [
             "convert",
             "dcp-to-hf",
             str(path),
             str(tmp_path / "c"),
+            *tidal,
             "--config",
             "debug",
             "--model.flavor",
@@ -220,7 +232,7 @@ def test_convert_errors_leave_no_destination(case, message, tmp_path, hf_tiny, c
             (src / ".metadata").write_bytes(b"not a pickle at all")
             (src / "COMPLETE").unlink()  # the size check would catch it first
             (src / "tidal.json").unlink()
-            extra = ["--flavor", "tiny"]
+            extra = ["--flavor", "tiny", "--layout", "tidal"]
         elif case == "dcp_incomplete":
             (src / "COMPLETE").unlink()
         elif case == "dcp_other_model":

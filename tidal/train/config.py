@@ -316,6 +316,11 @@ class CheckpointConfig:
     initial_load_model_only: bool = True
     """From initial_load_path load the model only (optimizer and step start fresh); false
     restores everything in it."""
+    initial_load_layout: Literal["auto", "tidal", "torchtitan"] = "auto"
+    """The order of initial_load_path's weights: auto takes the one its tidal.json records
+    (a DCP folder without one, e.g. torchtitan's, is refused: name it); torchtitan for a
+    checkpoint torchtitan saved (its Llama's q/k rows are reordered as they load; only the
+    model loads)."""
     create_seed_checkpoint: bool = False
     """Initialize the model in one process, save it as step-0 (model only) in `folder`, and exit
     without training; runs on any layout can then start from the same weights."""
@@ -381,6 +386,11 @@ class CheckpointConfig:
             "checkpoint.initial_load_path needs --checkpoint.enable true (without it the run "
             "would start from the seed init); for Hugging Face weights use "
             "--checkpoint.initial_load_hf",
+        )
+        _check(
+            self.initial_load_layout in ("auto", "tidal", "torchtitan"),
+            "checkpoint.initial_load_layout must be auto, tidal or torchtitan; got "
+            f"{self.initial_load_layout!r}",
         )
         _check(
             self.enable or not self.last_save_in_hf,

@@ -10,6 +10,9 @@
   `save_model`/`load_model` for model-only checkpoints (converters from and to other formats
   reuse them).
 - `manager.py`: what a training checkpoint holds and the `Checkpointer` a Trainer drives.
+- `hf.py`: Hugging Face folders to and from DCP checkpoints (`tidal convert`, exports).
+- `torchtitan.py`: which layout a folder holds (tidal's, torchtitan's, Hugging Face's) and
+  torchtitan's model weights to and from tidal's order.
 
 See docs/checkpoint.md.
 """

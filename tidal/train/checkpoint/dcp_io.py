@@ -187,7 +187,9 @@ def save_model(
     """Save a model state dict (FQN -> tensor or DTensor) as the model-only checkpoint
     `folder/step-<step>`, with the same layout, marker and crash safety as training saves.
     `info` is tidal.json's content beyond step and contents: at least
-    `{"model": model_info(args, flavor)}`. Every rank calls it; returns the path.
+    `{"model": model_info(args, flavor)}`, and `"layout": "torchtitan"` for a state dict in
+    torchtitan's layout (tidal/train/checkpoint/torchtitan.py; "tidal" by default). Every
+    rank calls it; returns the path.
 
     Example::
 
@@ -200,7 +202,13 @@ def save_model(
     save_flat(dict(state_dict), partial, process_group)
     final = layout.step_dir(folder, step)
     if rank == 0:
-        full = {"format": layout.FORMAT, "step": step, "contents": ["model"], **info}
+        full = {
+            "format": layout.FORMAT,
+            "step": step,
+            "contents": ["model"],
+            "layout": "tidal",
+            **info,
+        }
         layout.commit(partial, final, full, checksum.compute(partial))
     return final
 

@@ -1,6 +1,6 @@
-"""Hugging Face folders and DCP checkpoints, both ways: `tidal convert`, a run started from
-Hugging Face weights (`checkpoint.initial_load_hf`) and the export of its last save
-(`checkpoint.last_save_in_hf`).
+"""Hugging Face folders and DCP checkpoints (tidal's or torchtitan's layout), all ways:
+`tidal convert`, a run started from Hugging Face weights (`checkpoint.initial_load_hf`) and
+the export of its last save (`checkpoint.last_save_in_hf`).
 
 - `hf_to_dcp(src, dst)`: a Hugging Face folder -> a model-only DCP checkpoint folder (tidal.json,
   COMPLETE), which `--checkpoint.initial_load_path`, `tidal generate --checkpoint` and
@@ -9,6 +9,11 @@ Hugging Face weights (`checkpoint.initial_load_hf`) and the export of its last s
   `step-N` folder or a folder of them, the newest taken) -> a Hugging Face folder. The
   architecture is read from the checkpoint's tidal.json, or named (a DCP folder of another
   tool has none). Optimizer and other states are not read.
+- `dcp_to_dcp(src, dst)`: the model of a checkpoint -> a model-only checkpoint in the same or
+  the other layout (torchtitan's to tidal's, or back).
+- Each DCP side is in tidal's or torchtitan's layout (`layout=`, tidal.json's record; see
+  tidal/train/checkpoint/torchtitan.py): a torchtitan checkpoint is read and written exactly
+  as torchtitan's own model holds it.
 - `hf_args_for(cfg)`: the ModelArgs of a run with `initial_load_hf` (from config.json).
 
 Both converters check everything before the first tensor byte is read (the source's config,
@@ -36,6 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tidal.models.flavors import FLAVORS
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.train.checkpoint import layout
+from tidal.train.checkpoint import torchtitan as tt
 from tidal.train.checkpoint.dcp_io import (
     load_flat,
     mismatch_message,
@@ -189,7 +195,8 @@ def copy_tokenizer(tokenizer: Any, folder: Path, *, missing_ok: bool = False) ->
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder, or the newest complete `step-N` inside a folder of them.
+    """A checkpoint folder, or the newest complete `step-N` inside a folder of them (tidal's,
+    or else another tool's such as torchtitan's, which mark no completion).
 
     Raises:
         CheckpointError: nothing there, or no checkpoint in it.
@@ -201,6 +208,13 @@ def resolve_checkpoint(path: Path) -> Path:
     found = layout.scan(path)
     if found.complete:
         return found.complete[max(found.complete)]
+    foreign = tt.newest_foreign_step(path)
+    if foreign is not None:
+        return foreign
+    if tt.is_hf_folder(path):
+        raise CheckpointError(
+            f"{path} is a Hugging Face folder (config.json and safetensors), not a DCP checkpoint"
+        )
     extra = f" (incomplete: {found.describe_incomplete()})" if found.incomplete else ""
     raise CheckpointError(
         f"{path} is not a checkpoint (no {layout.MARKER} marker or DCP {layout.DCP_METADATA}) "
@@ -212,25 +226,35 @@ def read_model(
     path: StrPath,
     args: ModelArgs | None = None,
     *,
+    layout_name: str | None = None,
+    flag: str = "--layout",
     log: Log = print,
     progress: bool = True,
 ) -> tuple[ModelArgs, dict[str, torch.Tensor], dict[str, Any]]:
     """The architecture and the full model state dict (plain CPU tensors in their saved
-    dtypes) of a DCP checkpoint, read in one process whatever layout saved it.
+    dtypes, in tidal's layout) of a DCP checkpoint, read in one process whatever parallel
+    layout saved it.
 
     Args:
         path: a checkpoint folder, or a folder of step-N checkpoints (the newest is taken).
         args: the model; None takes the one tidal.json records. Given as well as recorded,
             the two must agree.
+        layout_name: "tidal" or "torchtitan", the order of the saved weights; None takes the
+            one tidal.json records (a folder without tidal.json is refused, naming `flag`).
 
     Returns:
-        (args, state dict, tidal.json's content).
+        (args, state dict, tidal.json's content with the "layout" read).
 
     Raises:
         CheckpointError: a missing, incomplete, truncated or corrupt checkpoint, a model that
-            differs from `args`, or neither tidal.json nor `args` naming the model.
+            differs from `args`, neither tidal.json nor `args` naming the model, or a layout
+            neither recorded nor named.
     """
     path = resolve_checkpoint(Path(path).expanduser())
+    weights = tt.resolve_layout(path, layout_name, flag)
+    if progress:
+        how = "named" if tt.folder_layout(path) is None else f"recorded in {layout.INFO}"
+        log(f"{path}: {weights} layout ({how})")
     info = layout.verify(path)
     saved = args_from_info(info, path)
     if args is None and saved is None:
@@ -263,7 +287,9 @@ def read_model(
         load_flat(chunk, path, no_dist=True)  # this process alone, whatever the process group
 
     _fill_in_chunks(state_dict, read, path, log if progress else None)
-    return args, state_dict, info
+    if weights == tt.TORCHTITAN:
+        state_dict = tt.to_tidal(state_dict, args)
+    return args, state_dict, {**info, "layout": weights}
 
 
 def _fill_in_chunks(
@@ -308,6 +334,7 @@ def dcp_to_hf(
     max_shard_size: int | None = None,
     replace: bool = False,
     tokenizer_missing_ok: bool = False,
+    layout_name: str | None = None,
     log: Log = print,
 ) -> Path:
     """Write the model of a DCP checkpoint as a Hugging Face folder.
@@ -323,6 +350,7 @@ def dcp_to_hf(
         tokenizer_missing_ok: a `tokenizer` path without a tokenizer.json is skipped, not an
             error.
         max_shard_size: bytes per safetensors file (None: save_hf's default).
+        layout_name: the checkpoint's layout, as `read_model` takes it.
 
     Returns:
         `dst`.
@@ -341,7 +369,7 @@ def dcp_to_hf(
     dst = Path(dst).expanduser()
     if dst.exists() and not replace and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"destination {dst} already exists; choose a new path")
-    args, state_dict, _ = read_model(src, args, log=log)
+    args, state_dict, _ = read_model(src, args, layout_name=layout_name, log=log)
     start = time.perf_counter()
     with staged(dst, replace=replace) as tmp:
         shard = max_shard_size or DEFAULT_MAX_SHARD_SIZE
@@ -365,6 +393,7 @@ def hf_to_dcp(
     *,
     flavor: str | None = None,
     dtype: torch.dtype | None = None,
+    layout_name: str = tt.TIDAL,
     log: Log = print,
 ) -> Path:
     """Write a Hugging Face folder as a model-only DCP checkpoint folder.
@@ -377,6 +406,8 @@ def hf_to_dcp(
         flavor: the tidal flavor this model is (checked; the vocabulary may differ, as
             `--model.vocab_size` allows); None records the first flavor that matches, if any.
         dtype: cast every tensor; None keeps the stored dtypes.
+        layout_name: "tidal", or "torchtitan" for a checkpoint that torchtitan's model of
+            this architecture loads (`--checkpoint.initial_load_path`), recorded in tidal.json.
 
     Returns:
         `dst`.
@@ -390,8 +421,8 @@ def hf_to_dcp(
     from tidal.models.hf import check_hf
 
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"destination {dst} already exists; choose a new path")
+    _check_new(dst)
+    _check_layout(layout_name)
     args = check_hf(src)
     if flavor is not None:
         _check_flavor(flavor, args, str(src / "config.json"))
@@ -400,26 +431,92 @@ def hf_to_dcp(
         if flavor is not None:
             log(f"{src}: the architecture of model.flavor {flavor!r}")
     state_dict = _read_hf(src, args, dtype, log)
-    note = "" if flavor is None else f" (--model.flavor {flavor}"
-    if flavor is not None and FLAVORS[flavor].vocab_size != args.vocab_size:
+    return _write_dcp(state_dict, args, dst, flavor or f"hf:{src.name}", src, layout_name, log)
+
+
+def dcp_to_dcp(
+    src: StrPath,
+    dst: StrPath,
+    *,
+    args: ModelArgs | None = None,
+    layout_name: str | None = None,
+    to_layout: str = tt.TIDAL,
+    dtype: torch.dtype | None = None,
+    log: Log = print,
+) -> Path:
+    """Write the model of a DCP checkpoint as a model-only checkpoint in `to_layout`: a
+    torchtitan checkpoint as tidal's (which `tidal generate --checkpoint` reads), or tidal's
+    as torchtitan's (which torchtitan's `--checkpoint.initial_load_path` reads).
+
+    Args:
+        src, args, layout_name: as `read_model` takes them.
+        dst: the checkpoint folder to create (tidal.json records `to_layout`); it must not
+            exist (an empty folder is taken).
+        dtype: cast every tensor; None keeps the saved dtypes.
+
+    Raises:
+        CheckpointError: as `read_model`.
+        FileExistsError: `dst` exists.
+    """
+    dst = Path(dst).expanduser()
+    _check_new(dst)
+    _check_layout(to_layout)
+    args, state_dict, info = read_model(src, args, layout_name=layout_name, log=log)
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
+    flavor = info.get("model", {}).get("flavor") or matching_flavor(args) or "custom"
+    source = resolve_checkpoint(Path(src).expanduser())
+    return _write_dcp(state_dict, args, dst, flavor, source, to_layout, log)
+
+
+def _check_new(dst: Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"destination {dst} already exists; choose a new path")
+
+
+def _check_layout(name: str) -> None:
+    if name not in tt.LAYOUTS:
+        raise ValueError(f"layout {name!r} is unknown; choose {' or '.join(tt.LAYOUTS)}")
+
+
+def _write_dcp(
+    state_dict: dict[str, torch.Tensor],
+    args: ModelArgs,
+    dst: Path,
+    flavor: str,
+    source: Path,
+    layout_name: str,
+    log: Log,
+) -> Path:
+    """Save a tidal-layout model state dict as the model-only checkpoint `dst` in
+    `layout_name`, with tidal.json and COMPLETE."""
+    note = "" if flavor not in FLAVORS else f" (--model.flavor {flavor}"
+    if flavor in FLAVORS and FLAVORS[flavor].vocab_size != args.vocab_size:
         note += f" --model.vocab_size {args.vocab_size}"
     note += ")" if note else ""
+    if layout_name == tt.TORCHTITAN:
+        state_dict = tt.to_torchtitan(state_dict, args)
     start = time.perf_counter()
-    log(f"writing {dst}")
+    log(f"writing {dst} ({layout_name} layout)")
     with staged(dst) as tmp:
         saved = save_model(
             state_dict,
             tmp,
             0,
-            info={"model": model_info(args, flavor or f"hf:{src.name}"), "source": str(src)},
+            info={
+                "model": model_info(args, flavor),
+                "source": str(source),
+                "layout": layout_name,
+            },
         )
         for f in saved.iterdir():  # tmp/step-0/* -> tmp/*: dst is the checkpoint itself
             os.rename(f, tmp / f.name)
         saved.rmdir()
-    log(
-        f"wrote {dst} in {time.perf_counter() - start:.1f}s; start a run from it with "
-        f"--checkpoint.initial_load_path {dst}{note}"
-    )
+    if layout_name == tt.TORCHTITAN:
+        hint = f"torchtitan loads it with --checkpoint.initial_load_path {dst}"
+    else:
+        hint = f"start a run from it with --checkpoint.initial_load_path {dst}{note}"
+    log(f"wrote {dst} in {time.perf_counter() - start:.1f}s; {hint}")
     return dst
 
 
@@ -475,6 +572,7 @@ def tokenizer_source(path: str, tokenizer: Any) -> Any:
 
 
 __all__: Sequence[str] = [
+    "dcp_to_dcp",
     "dcp_to_hf",
     "export_last_save",
     "hf_args_for",

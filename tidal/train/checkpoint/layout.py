@@ -4,7 +4,8 @@
       step-10/                 a complete checkpoint
         .metadata              DCP's index: every key, its global shape, dtype and file
         __0_0.distcp ...       DCP data, one file per rank
-        tidal.json             what was saved: step, contents, model flavor and args, layout
+        tidal.json             what was saved: step, contents, model flavor and args,
+                               parallel layout, and the weights' layout ("tidal")
         COMPLETE               the marker, written last: the name and size of every file above,
                                and a CRC32 of every 64 MiB of each saved chunk
       step-20.partial/         a save in progress, or one cut short: never loaded
@@ -175,6 +176,18 @@ def read_marker(path: Path) -> dict[str, Any]:
     if not (path / MARKER).is_file():
         return {}
     return _read_json(path / MARKER, "the checkpoint is incomplete")
+
+
+def read_info(path: Path) -> dict[str, Any]:
+    """The tidal.json of the checkpoint `path` ({} when it has none), without the marker's
+    checks (`verify` makes them).
+
+    Raises:
+        CheckpointError: an unreadable tidal.json.
+    """
+    if not (path / INFO).is_file():
+        return {}
+    return _read_json(path / INFO, "the checkpoint is incomplete")
 
 
 def verify(path: Path) -> dict[str, Any]:

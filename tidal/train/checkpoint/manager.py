@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tidal.models.transformer import ModelArgs
-from tidal.train.checkpoint import checksum, layout
+from tidal.train.checkpoint import checksum, layout, torchtitan
 from tidal.train.checkpoint.dcp_io import (
     begin_partial,
     load_flat,
@@ -219,6 +219,7 @@ class Checkpointer:
             "step": step,
             "contents": contents,
             "dtype": dtype,
+            "layout": "tidal",  # the weights' order (tidal/train/checkpoint/torchtitan.py)
             **self.info,
             "async_mode": self.cfg.async_mode,
             "torch": torch.__version__,
@@ -432,6 +433,8 @@ class Checkpointer:
         load_flat(flat, plan.path, self.pg, verify=self.cfg.checksums)
 
         model_sd = {k: v for k, v in flat.items() if not _is_state_key(k)}
+        if plan.layout == "torchtitan":  # plan_load allows the model only
+            torchtitan.to_tidal_sharded(model_sd, self.args)
         if "optimizer.state" in {k[:15] for k in flat}:
             optim_sd = {
                 k[len("optimizer.") :]: v for k, v in flat.items() if k.startswith("optimizer.")

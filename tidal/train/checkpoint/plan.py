@@ -20,6 +20,7 @@ import torch
 
 from tidal.models.transformer import ModelArgs, RopeScaling, Transformer
 from tidal.train.checkpoint import layout
+from tidal.train.checkpoint import torchtitan as tt
 from tidal.train.checkpoint.dcp_io import mismatch_message, read_metadata, shape_diff
 from tidal.train.checkpoint.layout import CheckpointError
 from tidal.train.config import CheckpointConfig
@@ -98,6 +99,9 @@ class LoadPlan:
     from those weights)."""
     hf: bool = False
     """`path` is a Hugging Face folder (`initial_load_hf`), not a DCP checkpoint."""
+    layout: str = "tidal"
+    """The order of the saved weights: "tidal", or "torchtitan" (the model's q/k rows are
+    reordered as they load; tidal/train/checkpoint/torchtitan.py)."""
 
 
 def plan_load(
@@ -174,6 +178,9 @@ def plan_load(
             log(f"checkpoint: no complete checkpoint in {folder}{skipped}; starting fresh")
         return None
 
+    flag = "--checkpoint.initial_load_layout"
+    given = None if resume or cfg.initial_load_layout == "auto" else cfg.initial_load_layout
+    weights = tt.resolve_layout(path, given, flag)
     info = layout.verify(path)  # marker, file sizes, tidal.json
     contents = info.get("contents", ["model"])
     step = int(info.get("step", 0))
@@ -188,15 +195,24 @@ def plan_load(
             )
     else:
         model_only = cfg.initial_load_model_only
+        tt.check_loadable(path, weights, model_only, flag)
         if not model_only and contents == ["model"]:
             raise CheckpointError(
                 f"checkpoint.initial_load_model_only=false but {path} holds only the model"
             )
+    if resume and weights != tt.TIDAL:
+        raise CheckpointError(
+            f"{path} holds weights in {weights}'s layout; a run resumes only from its own "
+            f"checkpoints (start from it with --checkpoint.initial_load_path)"
+        )
     _check_model(path, info, args, flavor)
     what = "resuming from" if resume else "starting from"
     part = " (model only)" if model_only else ""
+    part += f", {weights} layout" if weights != tt.TIDAL else ""
     log(f"checkpoint: {what} {path}{part}, step {step}{skipped if resume else ''}")
-    return LoadPlan(path=path, step=step, info=info, model_only=model_only, resume=resume)
+    return LoadPlan(
+        path=path, step=step, info=info, model_only=model_only, resume=resume, layout=weights
+    )
 
 
 def _hf_plan(path: Path, args: ModelArgs, log: Log) -> LoadPlan:
@@ -231,6 +247,14 @@ def _initial_path(path: Path) -> Path:
     inner = layout.scan(path)
     if inner.complete:  # a run's checkpoint folder: take its newest
         return inner.complete[max(inner.complete)]
+    foreign = tt.newest_foreign_step(path)  # torchtitan's checkpoint folder: its newest
+    if foreign is not None:
+        return foreign
+    if tt.is_hf_folder(path):
+        raise CheckpointError(
+            f"checkpoint.initial_load_path {path} is a Hugging Face folder; start from it with "
+            "--checkpoint.initial_load_hf"
+        )
     raise CheckpointError(
         f"checkpoint.initial_load_path {path} is not a checkpoint (no {layout.MARKER} marker "
         f"or DCP {layout.DCP_METADATA}) nor a folder of step-N checkpoints"

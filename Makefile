@@ -14,8 +14,9 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidal-installed
+TEST_STAMP := $(VENV)/.tidal-test-installed
 
-.PHONY: demo-async setup demo demo-pretrain test lint format clean
+.PHONY: demo-async setup setup-test demo demo-pretrain test lint format clean
 
 setup: $(STAMP)
 
@@ -38,6 +39,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps reasoning-gym==0.1.25
 	# float8 training (quantize.float8) is optional; its CPU tests run torchao's emulated path
 	$(BIN)/python -m pip install -q --no-deps torchao==0.18.0
+	touch $(STAMP)
+
+setup-test: $(TEST_STAMP)
+
+# What only the tests need, kept out of `make demo`'s set-up.
+$(TEST_STAMP): $(STAMP)
 	# tests/train/test_torchtitan_checkpoint.py checks tidal's torchtitan conversions against
 	# torchtitan's own models and checkpoint code. --no-deps: what its model and checkpoint
 	# modules import is here already (.[dev]) but for tyro and its two small dependencies, and
@@ -48,7 +55,7 @@ $(STAMP): pyproject.toml
 		docstring-parser==0.18.0 typeguard==4.6.1
 	$(BIN)/python -c "import triton" 2>/dev/null || \
 		$(BIN)/python -m pip install -q --no-deps triton==3.9.0
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 demo: setup
 	rm -rf outputs/rl_addition  # a fresh run refuses a folder holding an earlier run's metrics
@@ -66,7 +73,7 @@ demo-pretrain: setup
 	rm -rf outputs/debug  # a fresh run refuses a folder holding an earlier run's metrics
 	$(BIN)/tidal train --config debug
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check tidal tests benchmarks
 	$(BIN)/ruff format --check tidal tests benchmarks
 	$(BIN)/mypy

@@ -16,17 +16,22 @@ Each training step calls `PipelineRunner.step`, which feeds the batch on the ran
 first stage and the loss target on the rank holding the last.
 
 Loss targets: the schedule splits the inputs and one target tensor into micro-batches by rows
-(`torch.tensor_split` on dim 0) and calls `loss_fn(output, target_mb)` on the last stage; the
-target is the labels, or anything else with the batch's rows in dim 0 (the trainer passes row
-indices, so that a loss can slice per-token inputs of its own with the same rows). On its
-first step, and after each switch between `step` and `eval`, a schedule may call `loss_fn`
-once more on micro-batch 0 while inferring shapes; a loss that records anything per
+(`torch.tensor_split` on dim 0) and calls `loss_fn(output, target_mb, **loss_kwargs)` on the
+last stage. The target is anything with the batch's rows in dim 0 (the trainer passes row
+indices, so that its loss can slice the labels and per-token inputs with the same rows);
+`loss_kwargs` are the same for every micro-batch of one call and change from call to call
+(the step's normalizers, its loss): they reach the loss through the schedule as keyword
+arguments, as torchtitan passes its token count, rather than through state kept between calls.
+On its first step, and after each switch between `step` and `eval`, a schedule may call
+`loss_fn` once more on micro-batch 0 while inferring shapes; a loss that records anything per
 micro-batch keys it by rows. Every batch must have the shape of the first, with rows
 divisible by the number of micro-batches.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -151,7 +156,7 @@ class PipelineRunner:
         device: torch.device,
         schedule: str,
         n_microbatches: int,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor],
     ):
         self.stage_objs = [
             PipelineStage(m, sid, stages.n_stages, device, group=pp_group)
@@ -178,37 +183,67 @@ class PipelineRunner:
         return hasattr(self.schedule, "eval")
 
     def eval(
-        self, input_ids: torch.Tensor, target: torch.Tensor, **model_kwargs: Any
+        self,
+        input_ids: torch.Tensor,
+        target: torch.Tensor,
+        loss_kwargs: dict[str, Any],
+        **model_kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward only; the summed micro-batch losses on the last stage's rank, else None.
+        `loss_kwargs` reach the loss function of every micro-batch of this call;
         `model_kwargs` (non-tensor options such as batch_invariant) reach every stage."""
-        losses: list[torch.Tensor] = []
-        args = (input_ids,) if self.has_first else ()
-        kwargs = {"target": target, "losses": losses} if self.has_last else {}
         sched: Any = self.schedule
         if self._forward_order is None:
-            sched.eval(*args, **kwargs, **model_kwargs)
-        else:
-            full, sched.pipeline_order_with_comms = (
-                sched.pipeline_order_with_comms,
-                self._forward_order,
-            )
-            try:
-                sched.eval(*args, **kwargs, **model_kwargs)
-            finally:
-                sched.pipeline_order_with_comms = full
-        return torch.stack(losses).sum() if self.has_last else None
+            return self._run(sched.eval, input_ids, target, loss_kwargs, model_kwargs)
+        full, sched.pipeline_order_with_comms = sched.pipeline_order_with_comms, self._forward_order
+        try:
+            return self._run(sched.eval, input_ids, target, loss_kwargs, model_kwargs)
+        finally:
+            sched.pipeline_order_with_comms = full
 
     def step(
-        self, input_ids: torch.Tensor, target: torch.Tensor, **model_kwargs: Any
+        self,
+        input_ids: torch.Tensor,
+        target: torch.Tensor,
+        loss_kwargs: dict[str, Any],
+        **model_kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch; the summed micro-batch losses on the rank that
-        holds the last stage, None elsewhere."""
+        holds the last stage, None elsewhere. `loss_kwargs` as in `eval`."""
+        return self._run(self.schedule.step, input_ids, target, loss_kwargs, model_kwargs)
+
+    def _run(
+        self,
+        run: Callable[..., Any],
+        input_ids: torch.Tensor,
+        target: torch.Tensor,
+        loss_kwargs: dict[str, Any],
+        model_kwargs: dict[str, Any],
+    ) -> torch.Tensor | None:
+        """Feeds the inputs on the first stage and the target on the last."""
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
-        self.schedule.step(*args, **kwargs, **model_kwargs)
+        if _TAKES_LOSS_KWARGS:
+            run(*args, **kwargs, loss_kwargs=loss_kwargs, **model_kwargs)
+        else:  # a torch whose schedules take no loss_kwargs: bound to the loss for this call
+            sched: Any = self.schedule
+            loss_fn, sched._loss_fn = (
+                sched._loss_fn,
+                functools.partial(sched._loss_fn, **loss_kwargs),
+            )
+            try:
+                run(*args, **kwargs, **model_kwargs)
+            finally:
+                sched._loss_fn = loss_fn
         return torch.stack(losses).sum() if self.has_last else None
+
+
+_TAKES_LOSS_KWARGS = all(
+    "loss_kwargs" in inspect.signature(cls.step).parameters
+    for cls in (pp_schedules.PipelineScheduleSingle, pp_schedules.PipelineScheduleMulti)
+)
+"""Whether this torch's schedules pass `step(..., loss_kwargs=)` to the loss function."""
 
 
 def _forward_actions(schedule: Any) -> dict[int, list[Any]] | None:

@@ -2,54 +2,63 @@
 default cross entropy or an injected `TokenLoss` (tidal/train/loss.py), and per-token
 log-probs for scoring.
 
-Lifecycle: the Trainer builds one `StepPath` after parallelizing its model (and sets
-`pipeline` once the schedule exists, whose loss function is `StepPath.pp_loss`). Each
-optimizer step calls `backward(batches, n_tokens, loss)` on every rank; the Trainer then
-clips and steps the optimizer. `logprobs(batch)` and `validation_loss_sum(batch)` run
-forward only (the Trainer switches the modules to eval mode around them).
+Lifecycle: the Trainer builds one `StepPath` after parallelizing its model (under PP with
+the `PipelineStep` of its stages, tidal/train/pipeline_step.py). Each optimizer step calls
+`backward(batches, n_tokens, loss)` on every rank; the Trainer then clips and steps the
+optimizer. `logprobs(batch)` and `validation_loss_sum(batch)` run forward only (the Trainer
+switches the modules to eval mode around them).
 
-Per layout:
+One step, as nanochat and torchtitan write it:
 
-- one process / FSDP / TP: the loss runs after the model's forward on this rank's
-  micro-batch. Without TP and PP (and outside batch-invariant mode) the default loss is
-  fused with the output projection (`fused_loss`): the model hands its final hidden states
-  to `linear_cross_entropy_sum` in place of the logits. Under loss-parallel TP the logits
-  are vocabulary-sharded DTensors; the default loss is loss_parallel's cross entropy, an
+    step_loss = step_loss(batches, n_tokens, loss)   # the step's normalizers, once
+    for batch in batches:                            # gradient accumulation
+        forward, loss of the batch, backward         # forward_backward(batch, step_loss)
+    all-reduce the reported loss and metrics
+
+Loss normalization: the step minimizes the sum over micro-batches and data-parallel ranks of
+each micro-batch's share of the step's loss, so every share is normalized by the step's
+totals, never by its own counts: the default cross entropy is each micro-batch's sum of
+token losses / the step's valid labels over all data-parallel ranks (`StepLoss.tokens`); an
+injected loss gets those and the step's rows with a valid label as `StepNorms` and returns
+its share itself. Gradients accumulate in `.grad` over the micro-batches; nothing is divided
+by their number. FSDP averages gradients over its data-parallel (and CP) ranks; each value
+backward starts from is multiplied by that count (`grad_scale`), so the result is the
+gradient of the sum.
+
+The micro-batch path is one for both losses: the model's output goes to the `StepLoss`
+(`loss(output, batch)`), which returns the value to backpropagate. Per layout:
+
+- one process / FSDP / TP: the forward runs on this rank's micro-batch, then the loss and
+  backward. Without TP and PP (and outside batch-invariant mode) the default loss is fused
+  with the output projection (`fused_loss`): the model hands its final hidden states to
+  `linear_cross_entropy_sum` in place of the logits. Under loss-parallel TP the logits are
+  vocabulary-sharded DTensors; the default loss is loss_parallel's cross entropy, an
   injected one gets its log-probs from `token_logprobs`' distributed log-sum-exp (the same
   values on every TP rank).
-- pipeline parallel: the schedule calls `pp_loss(output, target)` on the last stage per
-  pipeline micro-batch. For the default loss the target is the labels. An injected loss needs
-  the micro-batch's extras, which torch's schedules cannot split (they split one target
-  tensor): its target is the rows' indices (an int64 CPU tensor [B]), and `pp_loss` slices
-  the step's batch to those rows (`Batch.row_slice`). Metrics and log-probs are recorded per
-  micro-batch keyed by their first row (a schedule may compute micro-batch 0 once more while
-  inferring shapes) and reduced over the pipeline group, so every rank gets them.
+- pipeline parallel: the schedule runs forward and backward and calls the same `StepLoss`
+  on the last stage per pipeline micro-batch, passed per call as a keyword argument of its
+  loss function (tidal/train/pipeline_step.py). The step's loss and metrics live on the last
+  stage and are reduced over the pipeline group, so every rank gets them.
 - context parallel: the default loss sums over this rank's slice of every sequence and the
   count covers whole sequences. `logprobs` gathers the slices back into whole rows. An
   injected loss is refused: per-sequence terms (GRPO's per-sequence means, GSPO's sequence
   ratio) need whole rows, which a CP rank does not hold.
-
-Gradient scale: FSDP averages gradients over its data-parallel (and CP) ranks; the backward
-loss is multiplied by that count (`grad_scale`) so the result is the gradient of the sum.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.parallel.context import ContextParallel
-from tidal.parallel.pipeline import PipelineRunner
 from tidal.train.data import Batch
 from tidal.train.loss import (
     IGNORE_INDEX,
@@ -59,6 +68,7 @@ from tidal.train.loss import (
     linear_cross_entropy_sum,
     token_logprobs,
 )
+from tidal.train.pipeline_step import PipelineStep
 
 
 def plain(x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +93,60 @@ class StepResult:
     the same on every rank. Empty for the default cross entropy."""
 
 
-MicroBatchCall = Callable[[torch.Tensor, int, int], torch.Tensor]
-"""(last-stage output, first row, end row) -> the loss the schedule backpropagates."""
+class MicroRecord(NamedTuple):
+    """What one micro-batch's loss reports besides the value it backpropagates."""
+
+    loss: torch.Tensor
+    """Its share of the step's reported loss (detached). Under PP the step reports the sum of
+    what the schedule backpropagated instead (/ `grad_scale`), as the schedule returns it."""
+    metrics: dict[str, torch.Tensor]
+    """An injected loss's metrics (detached); empty for the default cross entropy."""
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """One optimizer step's loss, as each micro-batch applies it to the model's output: the
+    default cross entropy, or an injected `TokenLoss`, normalized by the step's totals over
+    every micro-batch and data-parallel rank. Built once per step and passed per call (under
+    PP through the schedule, as a keyword argument of its loss function): nothing of it
+    outlives the step.
+
+    Called as `loss(output, batch, labels=None) -> (value, MicroRecord)`: `value` is what
+    backward starts from, scaled by `grad_scale` (the gradient of the step's loss, summed
+    over FSDP ranks); `labels` default to the batch's (under CP: this rank's slice)."""
+
+    path: StepPath
+    tokens: float | torch.Tensor
+    """Valid labels of the step, at least 1 (`StepNorms.tokens`)."""
+    fn: TokenLoss | None = None
+    """The injected loss; None for the default cross entropy."""
+    sequences: float | torch.Tensor = 1.0
+    """Rows with a valid label, at least 1 (`StepNorms.sequences`; injected losses only)."""
+
+    @property
+    def fused(self) -> bool:
+        """Whether the model's output is already the summed cross entropy (`fused_loss`)."""
+        return self.fn is None and self.path.fused_loss
+
+    def __call__(
+        self, output: torch.Tensor, batch: Batch, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MicroRecord]:
+        path, labels = self.path, batch.labels if labels is None else labels
+        if self.fn is None:
+            # This micro-batch's summed token losses / the step's tokens (x grad_scale).
+            summed = output if self.fused else path.token_loss_sum(output, labels)
+            value = summed * (path.grad_scale / self.tokens)
+            return value, MicroRecord(plain(value.detach()) / path.grad_scale, {})
+        entropy = getattr(self.fn, "wants_entropy", False)  # a plain function: no entropy
+        logp, ent = token_logprobs(
+            output, labels, entropy=entropy, batch_invariant=path.batch_invariant
+        )
+        norms = StepNorms(tokens=self.tokens, sequences=self.sequences)
+        value, metrics = self.fn(logp, batch, norms, ent)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise ValueError(f"an injected loss must return a 0-dim tensor, got {value!r}")
+        detached = {k: v.detach() for k, v in metrics.items()}
+        return value * path.grad_scale, MicroRecord(value.detach(), detached)
 
 
 class StepPath:
@@ -104,6 +166,7 @@ class StepPath:
         batch_invariant: bool,
         document_mask: bool = False,
         fused_loss: bool = False,
+        pipeline: PipelineStep | None = None,
     ):
         self.model, self.args, self.mesh, self.cp = model, args, mesh, cp
         # Packed chat samples: each sees only its own document with SDPA too (a dense mask;
@@ -118,9 +181,7 @@ class StepPath:
         # Model options for every forward; empty by default, so the default path's calls are
         # exactly what they were before batch-invariant mode existed.
         self.model_kwargs: dict[str, Any] = {"batch_invariant": True} if batch_invariant else {}
-        self.pipeline: PipelineRunner | None = None
-        self.pp_norm: float | torch.Tensor = 1.0  # the default loss's scale under PP
-        self._pp_call: MicroBatchCall | None = None  # an injected loss's, during a schedule call
+        self.pipeline = pipeline
 
     # -- contexts and reductions ----------------------------------------------------------
 
@@ -137,14 +198,11 @@ class StepPath:
 
         return loss_parallel()
 
-    def dim(self, name: str) -> DeviceMesh:
-        assert self.mesh is not None, f"mesh dimension {name!r} needs a multi-rank run"
-        return self.mesh[name]
-
     def reduce(
         self, x: torch.Tensor, dim: str = "dp_cp", op: Any = dist.ReduceOp.SUM
     ) -> torch.Tensor:
-        """All-reduce over a mesh dimension (identity on one process)."""
+        """All-reduce over a mesh dimension (identity on one process or a dimension of 1:
+        over "pp" without pipeline parallel)."""
         if self.mesh is not None and self.mesh[dim].size() > 1:
             dist.all_reduce(x, op=op, group=self.mesh[dim].get_group())
         return x
@@ -186,48 +244,22 @@ class StepPath:
 
     def token_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The default loss: summed cross entropy of one micro-batch's tokens."""
-        if self.loss_parallel:  # a DTensor sharded over the vocabulary
-            return F.cross_entropy(
-                logits.flatten(0, 1).float(),
-                labels.flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
-        return cross_entropy_sum(logits, labels)
+        with self.loss_context():
+            if self.loss_parallel:  # a DTensor sharded over the vocabulary
+                return F.cross_entropy(
+                    logits.flatten(0, 1).float(),
+                    labels.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+            return cross_entropy_sum(logits, labels)
 
     def forward_loss(self, batch: Batch) -> torch.Tensor:
         """Summed token loss of one micro-batch (of this rank's slice under CP; no pipeline)."""
         if self.fused_loss:
             return self.forward(batch, fused_loss=True)[0]
         logits, labels, _ = self.forward(batch)
-        with self.loss_context():
-            return self.token_loss_sum(logits, labels)
-
-    def pp_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function, per micro-batch on the last stage: the default cross
-        entropy (target: labels), or the bound call of an injected loss (target: rows)."""
-        if self._pp_call is None:
-            with self.loss_context():
-                return self.token_loss_sum(logits, target) * self.pp_norm
-        return self._pp_call(logits, int(target[0]), int(target[-1]) + 1)
-
-    @contextlib.contextmanager
-    def _bound(self, call: MicroBatchCall) -> Iterator[None]:
-        self._pp_call = call
-        try:
-            yield
-        finally:
-            self._pp_call = None
-
-    def _pipeline_rows(self, batch: Batch) -> torch.Tensor:
-        assert self.pipeline is not None
-        B, n = batch.input_ids.shape[0], self.pipeline.n_microbatches
-        if B % n:
-            raise ValueError(
-                f"a batch of {B} rows does not split into parallelism.pp_microbatches={n} "
-                "equal pipeline micro-batches"
-            )
-        return torch.arange(B)  # on the host: slicing by it needs no device sync
+        return self.token_loss_sum(logits, labels)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -236,44 +268,24 @@ class StepPath:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward and backward of every micro-batch, gradients accumulated; returns the step
         loss over all ranks and the injected loss's reduced metrics."""
+        step_loss = self.step_loss(batches, n_tokens, loss)
+        total = torch.zeros((), device=self.device)
+        metrics: list[dict[str, torch.Tensor]] = []
+        for batch in batches:
+            share, micro_metrics = self.forward_backward(batch, step_loss)
+            total += share
+            metrics += micro_metrics
+        total = self.reduce(self.reduce(total, "pp"))  # under PP only the last stage has it
+        return total, ({} if loss is None else self._reduce_metrics(metrics))
+
+    def step_loss(self, batches: list[Batch], n_tokens: int, loss: TokenLoss | None) -> StepLoss:
+        """The step's loss with its normalizers: `n_tokens` (this rank's valid labels) and,
+        for an injected loss, the rows with a valid label, summed over data-parallel ranks."""
         # A step whose batches hold no target (chat rows of prompts only) contributes 0.
         count = self.global_count(n_tokens)
-        count = max(count, 1.0) if isinstance(count, float) else count.clamp(min=1.0)
-        if loss is not None:
-            return self._backward_injected(batches, count, loss)
-        scale = self.grad_scale / count
-        total = torch.zeros((), device=self.device)
-        for batch in batches:
-            if self.pipeline is not None:
-                self.pp_norm = scale
-                with self.autocast():  # the schedule runs forward and backward inside
-                    out = self.pipeline.step(batch.input_ids, batch.labels, **self.model_kwargs)
-                if out is not None:
-                    total += plain(out.detach()) / self.grad_scale
-                continue
-            value = self.forward_loss(batch) * scale
-            with self.loss_context():
-                value.backward()
-            total += plain(value.detach()) / self.grad_scale
-        if self.pipeline is not None:
-            total = self.reduce(total, "pp")  # only the last stage holds the loss
-        return self.reduce(total), {}
-
-    def _micro_loss(
-        self, logits: torch.Tensor, batch: Batch, loss: TokenLoss, norms: StepNorms
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        entropy = getattr(loss, "wants_entropy", False)  # a plain function: no entropy
-        logp, ent = token_logprobs(
-            logits, batch.labels, entropy=entropy, batch_invariant=self.batch_invariant
-        )
-        value, metrics = loss(logp, batch, norms, ent)
-        if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            raise ValueError(f"an injected loss must return a 0-dim tensor, got {value!r}")
-        return value, {k: v.detach() for k, v in metrics.items()}
-
-    def _backward_injected(
-        self, batches: list[Batch], count: float | torch.Tensor, loss: TokenLoss
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        tokens = max(count, 1.0) if isinstance(count, float) else count.clamp(min=1.0)
+        if loss is None:
+            return StepLoss(self, tokens)
         if self.cp is not None:
             raise ValueError(
                 "an injected loss does not run under context parallelism (parallelism.cp="
@@ -283,40 +295,33 @@ class StepPath:
         for b in batches:  # counted on the device: no sync
             rows += (b.labels != IGNORE_INDEX).any(1).sum()
         sequences = self.reduce(rows, "dp").clamp(min=1.0)
-        norms = StepNorms(tokens=count, sequences=sequences)
-        total = torch.zeros((), device=self.device)
-        per_micro: list[dict[str, torch.Tensor]] = []
-        for batch in batches:
-            if self.pipeline is None:
-                logits, _, _ = self.forward(batch)
-                value, metrics = self._micro_loss(logits, batch, loss, norms)
-                (value * self.grad_scale).backward()
-                total += value.detach()
-                per_micro.append(metrics)
-                continue
-            recorded: dict[int, dict[str, torch.Tensor]] = {}
+        return StepLoss(self, tokens, loss, sequences)
 
-            def call(logits, start, stop, batch=batch, recorded=recorded):
-                value, recorded[start] = self._micro_loss(
-                    logits, batch.row_slice(start, stop), loss, norms
-                )
-                return value * self.grad_scale
-
-            target = self._pipeline_rows(batch)
-            with self._bound(call), self.autocast():
-                out = self.pipeline.step(batch.input_ids, target, **self.model_kwargs)
-            if out is not None:
-                total += plain(out.detach()) / self.grad_scale
-            per_micro += [recorded[k] for k in sorted(recorded)]
+    def forward_backward(
+        self, batch: Batch, loss: StepLoss
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Forward, loss and backward of one micro-batch (under PP: of its pipeline
+        micro-batches, in the schedule); returns its share of the step's loss (0 on pipeline
+        ranks without the last stage) and the loss's metrics."""
         if self.pipeline is not None:
-            total = self.reduce(total, "pp")  # only the last stage holds the loss
-        return self.reduce(total, "dp"), self._reduce_metrics(per_micro)
+            with self.autocast():  # the schedule runs forward, loss and backward inside
+                out, records = self.pipeline.forward_backward(batch, loss, **self.model_kwargs)
+            if out is None:
+                return torch.zeros((), device=self.device), []
+            return plain(out.detach()) / self.grad_scale, [r.metrics for r in records]
+        output, labels, _ = self.forward(batch, fused_loss=loss.fused)
+        value, record = loss(output, batch, labels)
+        with self.loss_context():
+            value.backward()
+        return record.loss, [record.metrics]
 
     def _reduce_metrics(self, per_micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Micro-batch metrics reduced over micro-batches, pipeline stages (only the last
+        computed any) and data-parallel ranks: sum, or max/min for "_max"/"_min" names."""
         names = sorted(set().union(*per_micro))
-        if self.pipeline is not None:  # only last-stage ranks computed any: share the names
-            everyone: list[Any] = [None] * self.dim("pp").size()
-            dist.all_gather_object(everyone, names, group=self.dim("pp").get_group())
+        if self.mesh is not None and self.mesh["pp"].size() > 1:  # share the last stage's names
+            everyone: list[Any] = [None] * self.mesh["pp"].size()
+            dist.all_gather_object(everyone, names, group=self.mesh["pp"].get_group())
             names = sorted(set().union(*everyone))
         out: dict[str, torch.Tensor] = {}
         for suffix, op, fill in (
@@ -337,9 +342,7 @@ class StepPath:
                         if suffix == "_max"
                         else (stacked.amin() if suffix == "_min" else stacked.sum())
                     )
-            if self.pipeline is not None:
-                vals = self.reduce(vals, "pp", op)
-            vals = self.reduce(vals, "dp", op)
+            vals = self.reduce(self.reduce(vals, "pp", op), "dp", op)
             out |= {k: vals[i] for i, k in enumerate(keys)}
         return {k: out[k] for k in names}
 
@@ -355,24 +358,15 @@ class StepPath:
                 assert positions is not None
                 logp = self.cp.unshard(logp, positions)
             return logp
-        if not self.pipeline.can_eval:
-            raise RuntimeError(
-                "Trainer.logprobs under pipeline parallel needs forward-only schedules "
-                "(PipelineSchedule.eval, torch >= 2.9)"
-            )
-        recorded: dict[int, torch.Tensor] = {}
 
-        def call(logits, start, stop):
-            recorded[start], _ = token_logprobs(
-                logits, batch.labels[start:stop], batch_invariant=self.batch_invariant
-            )
-            return torch.zeros((), device=self.device)
+        def record(logits: torch.Tensor, micro: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+            logp, _ = token_logprobs(logits, micro.labels, batch_invariant=self.batch_invariant)
+            return torch.zeros((), device=self.device), logp
 
-        target = self._pipeline_rows(batch)
-        with self._bound(call), self.autocast():
-            self.pipeline.eval(batch.input_ids, target, **self.model_kwargs)
+        with self.autocast():
+            _, records = self.pipeline.forward(batch, record, **self.model_kwargs)
         if self.pipeline.has_last:
-            logp = torch.cat([recorded[k] for k in sorted(recorded)])
+            logp = torch.cat(records)
         else:
             logp = torch.zeros(batch.labels.shape, device=self.device)
         return self.reduce(logp, "pp")  # x + 0 is x: the last stage's values, exactly
@@ -382,7 +376,10 @@ class StepPath:
         elsewhere), forward only."""
         if self.pipeline is None:
             return plain(self.forward_loss(batch)).float()
-        self.pp_norm = 1.0
+
+        def summed(logits: torch.Tensor, micro: Batch) -> tuple[torch.Tensor, None]:
+            return self.token_loss_sum(logits, micro.labels), None
+
         with self.autocast():
-            out = self.pipeline.eval(batch.input_ids, batch.labels, **self.model_kwargs)
+            out, _ = self.pipeline.forward(batch, summed, **self.model_kwargs)
         return plain(out).float() if out is not None else torch.zeros((), device=self.device)

@@ -49,7 +49,7 @@ from tidal.parallel.context import ContextParallel
 from tidal.parallel.grad_norm import clip_grad_norm
 from tidal.parallel.launch import DistInfo, destroy_process_group, init_process_group
 from tidal.parallel.parallelize import parallelize
-from tidal.parallel.pipeline import PipelineRunner, build_stages
+from tidal.parallel.pipeline import build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
 from tidal.train.config_parse import to_dict
@@ -66,6 +66,7 @@ from tidal.train.metrics import (
     peak_memory_gib,
 )
 from tidal.train.optim import build_optimizer, set_lr, wsd_multiplier
+from tidal.train.pipeline_step import PipelineStep
 from tidal.train.profiling import RunProfiler, setup_flight_recorder
 from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 from tidal.train.step import StepPath, StepResult
@@ -211,7 +212,7 @@ class Trainer:
             full = Transformer(self.args)
         self.n_params = sum(p.numel() for p in full.parameters())
         self.flops_per_token = flops_per_token(full, t.seq_len)
-        self.pipeline = None
+        self.pipeline: PipelineStep | None = None
         if self.dims.pp > 1:
             stages = build_stages(self.args, cfg.parallelism, self._dim("pp").get_local_rank())
             self.modules: list[Transformer] = stages.modules
@@ -249,6 +250,14 @@ class Trainer:
             module.init_weights(seed=t.seed)
             module.train()
         self.model = self.modules[0]
+        if self.dims.pp > 1:
+            self.pipeline = PipelineStep(
+                stages,
+                self._dim("pp").get_group(),
+                self.device,
+                cfg.parallelism.pp_schedule,
+                cfg.parallelism.microbatches,  # validated by check_layout
+            )
         self.path = StepPath(
             model=self.model,
             args=self.args,
@@ -266,16 +275,8 @@ class Trainer:
             and self.dims.tp == 1
             and self.dims.pp == 1
             and (self.model.output is None or type(self.model.output) is nn.Linear),
+            pipeline=self.pipeline,
         )
-        if self.dims.pp > 1:
-            self.pipeline = self.path.pipeline = PipelineRunner(
-                stages,
-                self._dim("pp").get_group(),
-                self.device,
-                cfg.parallelism.pp_schedule,
-                cfg.parallelism.microbatches,  # validated by check_layout
-                self.path.pp_loss,
-            )
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
         self.peak_flops = peak_flops(self.device)
@@ -476,9 +477,7 @@ class Trainer:
             for batch in self.data.val.iter_epoch(0, max_batches=self.cfg.metrics.val_batches):
                 n += int((batch.labels != IGNORE_INDEX).sum())
                 loss_sum += self.path.validation_loss_sum(batch.to(self.device))
-        if self.pipeline is not None:
-            loss_sum = self._reduce(loss_sum, "pp")  # only the last stage holds the loss
-        loss_sum = self._reduce(loss_sum)
+        loss_sum = self._reduce(self._reduce(loss_sum, "pp"))  # under PP only the last stage has it
         return float(loss_sum) / max(float(self.path.global_count(n)), 1.0)
 
     def sample(self) -> str:

@@ -20,8 +20,9 @@ Loss targets: the schedule splits the inputs and one target tensor into micro-ba
 last stage. The target is anything with the batch's rows in dim 0 (the trainer passes row
 indices, so that its loss can slice the labels and per-token inputs with the same rows);
 `loss_kwargs` are the same for every micro-batch of one call and change from call to call
-(the step's normalizers, its loss): they reach the loss through the schedule as keyword
-arguments, as torchtitan passes its token count, rather than through state kept between calls.
+(the step's normalizers, its loss): the runner binds them to its loss function for the
+length of the call (torch's own `loss_kwargs` argument is missing from torch 2.11), so no
+state is kept between calls.
 On its first step, and after each switch between `step` and `eval`, a schedule may call
 `loss_fn` once more on micro-batch 0 while inferring shapes; a loss that records anything per
 micro-batch keys it by rows. Every batch must have the shape of the first, with rows
@@ -30,8 +31,6 @@ divisible by the number of micro-batches.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -167,8 +166,10 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         cls = SCHEDULE_CLASSES[schedule]
         stage_arg = self.stage_objs[0] if schedule in SINGLE_STAGE else self.stage_objs
+        self._loss_fn = loss_fn
+        self._loss_kwargs: dict[str, Any] = {}
         self.schedule = cls(
-            stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+            stage_arg, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False
         )
         # torch (2.13) runs a V-shaped schedule's backward actions in `eval` too, and fails on
         # the first one between the two stages of a rank: eval runs the forward part of its
@@ -224,26 +225,18 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
-        if _TAKES_LOSS_KWARGS:
-            run(*args, **kwargs, loss_kwargs=loss_kwargs, **model_kwargs)
-        else:  # a torch whose schedules take no loss_kwargs: bound to the loss for this call
-            sched: Any = self.schedule
-            loss_fn, sched._loss_fn = (
-                sched._loss_fn,
-                functools.partial(sched._loss_fn, **loss_kwargs),
-            )
-            try:
-                run(*args, **kwargs, **model_kwargs)
-            finally:
-                sched._loss_fn = loss_fn
+        # Bound for this call only (torch's own `step(..., loss_kwargs=)` is not in every
+        # supported torch: 2.11 lacks it).
+        self._loss_kwargs = loss_kwargs
+        try:
+            run(*args, **kwargs, **model_kwargs)
+        finally:
+            self._loss_kwargs = {}
         return torch.stack(losses).sum() if self.has_last else None
 
-
-_TAKES_LOSS_KWARGS = all(
-    "loss_kwargs" in inspect.signature(cls.step).parameters
-    for cls in (pp_schedules.PipelineScheduleSingle, pp_schedules.PipelineScheduleMulti)
-)
-"""Whether this torch's schedules pass `step(..., loss_kwargs=)` to the loss function."""
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the given one with this call's `loss_kwargs`."""
+        return self._loss_fn(output, target, **self._loss_kwargs)
 
 
 def _forward_actions(schedule: Any) -> dict[int, list[Any]] | None:

@@ -1,0 +1,282 @@
+"""The sandbox's launcher: a trusted, stdlib-only script run as ``python -I -S _launcher.py``.
+
+It never imports tidal (``-I -S``: no site-packages, no user paths, no PYTHON* variables) and
+never runs model code itself. Lifecycle, all on Linux unless noted:
+
+1. The parent (`tidal.rl.tools.sandbox.run_python`) starts it in a new session (its own process
+   group), with an empty environment, cwd the private temporary directory, stdin /dev/null,
+   stdout/stderr pipes, and a report pipe (fd given in the JSON config, ``argv[1]``).
+2. It enters new namespaces, each tried alone so that one refusal does not cost the others:
+   a user namespace first when not root (so the rest need no privilege), then network, mount
+   and pid namespaces.
+3. In the mount namespace it makes every mount private, mounts a size-limited tmpfs over the
+   temporary directory (copying ``main.py`` in), and makes every mount read-only except that
+   tmpfs (``mount_setattr(AT_RECURSIVE)``, Linux 5.12+).
+4. It forks. The child, pid 1 of the new pid namespace, mounts a fresh /proc, drops to a
+   throwaway uid/gid (``1_900_000_000 + launcher pid``) when root, sets the parent-death
+   signal to SIGKILL, applies the rlimits and execs ``python -I -S main.py`` with a minimal
+   environment. When pid 1 exits, the kernel kills every process left in its namespace.
+5. It writes one JSON line to the report pipe saying which isolation holds, waits for the
+   child, and writes a second line with its exit code or signal.
+
+Every step that the OS refuses is recorded in the report (the parent turns it into the
+result's ``isolation`` notes) instead of failing the run.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+SYS_MOUNT_SETATTR = 442  # the same number on every Linux architecture (generic table)
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
+MOUNT_ATTR_RDONLY = 0x1
+PR_SET_PDEATHSIG = 1
+THROWAWAY_UID_BASE = 1_900_000_000
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _unshare(libc, flags, what):
+    _check(libc.unshare(ctypes.c_int(flags)), f"unshare({what})")
+
+
+def _mount(libc, src, target, fstype, flags, data):
+    enc = [None if s is None else s.encode() for s in (src, target, fstype, data)]
+    _check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
+
+
+def _set_readonly(libc, path, readonly, recursive):
+    attr = _MountAttr(MOUNT_ATTR_RDONLY if readonly else 0, 0 if readonly else MOUNT_ATTR_RDONLY)
+    flags = AT_RECURSIVE if recursive else 0
+    ret = libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    _check(ret, f"mount_setattr {path}")
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _user_procs(uid):
+    n = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    n += 1
+            except OSError:
+                pass
+    return n
+
+
+def _enter_namespaces(libc, cfg, report):
+    """Returns (network, mounts, pids): which namespaces were entered."""
+    uid, gid = os.getuid(), os.getgid()
+    if os.geteuid() != 0:
+        try:
+            _unshare(libc, CLONE_NEWUSER, "user")
+            _write("/proc/self/setgroups", "deny")
+            _write("/proc/self/uid_map", f"{uid} {uid} 1")
+            _write("/proc/self/gid_map", f"{gid} {gid} 1")
+            report["user_namespace"] = True
+        except OSError as e:
+            report["notes"].append(f"no user namespace ({e})")
+            return False, False, False
+    entered = []
+    for flag, name in ((CLONE_NEWNET, "net"), (CLONE_NEWNS, "mount"), (CLONE_NEWPID, "pid")):
+        try:
+            _unshare(libc, flag, name)
+            entered.append(True)
+        except OSError as e:
+            report["notes"].append(f"no {name} namespace ({e})")
+            entered.append(False)
+    return entered[0], entered[1], entered[2]
+
+
+def _others_can_run(path):
+    """Whether a uid with no rights but "others" can reach and execute `path`."""
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    for i in range(2, len(parts)):
+        if not os.stat(os.sep.join(parts[:i])).st_mode & 0o001:
+            return False
+    return bool(os.stat(path).st_mode & 0o005 == 0o005)
+
+
+def _confine_files(libc, cfg, report, run_uid, run_gid, expose_python):
+    """In the new mount namespace: a private tmpfs for the work dir, everything else read-only.
+
+    With `expose_python`, the interpreter's prefix (unreachable by the throwaway uid, e.g.
+    under /root) is bind-mounted read-only at ``.python`` in the work dir; returns the
+    interpreter's path there, else None.
+    """
+    work = cfg["workdir"]
+    with open(os.path.join(work, "main.py"), "rb") as f:
+        code = f.read()
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    opts = f"size={cfg['disk_bytes']},mode=0700,uid={run_uid},gid={run_gid}"
+    try:
+        _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+        report["tmpfs"] = True
+        os.chdir(work)  # the old cwd is the directory under the new mount
+        fd = os.open("main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, code)
+        os.close(fd)
+        os.chown("main.py", run_uid, run_gid)
+    except OSError as e:
+        report["notes"].append(f"no private tmpfs ({e}); the work dir is a plain directory")
+    exe = None
+    if expose_python:
+        prefix = os.path.realpath(sys.base_prefix)
+        real = os.path.realpath(sys.executable)
+        inside = os.path.join(work, ".python")
+        os.mkdir(inside, 0o755)
+        _mount(libc, prefix, inside, None, MS_BIND | MS_REC, None)
+        exe = os.path.join(inside, os.path.relpath(real, prefix))
+    try:
+        _set_readonly(libc, "/", True, recursive=True)
+        _set_readonly(libc, work, False, recursive=False)
+        report["read_only_root"] = True
+    except OSError as e:
+        if report["tmpfs"]:
+            raise  # the tmpfs mount must not stay read-only: the run could not write at all
+        report["notes"].append(f"root not read-only ({e})")
+    return exe
+
+
+def _limits(cfg, counted_uid):
+    mem = cfg["memory_bytes"]
+    cpu = cfg["cpu_seconds"]
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # soft == hard: the kernel sends SIGKILL at the limit. SIGXCPU (the soft signal) would be
+    # ignored by pid 1 of a pid namespace, which the code is.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cfg["file_bytes"], cfg["file_bytes"]))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["open_files"], cfg["open_files"]))
+    nproc = cfg["processes"]
+    if counted_uid is not None:  # no own uid or user namespace: the count includes the user's
+        nproc += _user_procs(counted_uid)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+
+def _child(libc, cfg, report_fd, exe, run_uid, run_gid, pids, mounts, drop, counted_uid):
+    """Set up and exec the code. The report fd is close-on-exec: open until the exec, so a
+    setup failure is reported there, never mistaken for the code's own exit status."""
+    try:
+        if pids and mounts:
+            try:
+                _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+            except OSError:
+                pass  # the host /proc stays visible (read-only); nothing else depends on it
+        if drop:
+            os.setgroups([])
+            os.setresgid(run_gid, run_gid, run_gid)
+            os.setresuid(run_uid, run_uid, run_uid)
+        # After the uid change, which clears it. If the launcher died before this line, the
+        # parent's killpg (same process group) reaches this process.
+        _check(libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl")
+        _limits(cfg, counted_uid)
+        env = {"LC_ALL": "C.UTF-8", "HOME": cfg["workdir"], "TMPDIR": cfg["workdir"]}
+        os.execve(exe, [exe, "-I", "-S", "main.py"], env)
+    except BaseException as e:  # noqa: BLE001 - report any setup failure, never run the code
+        os.write(report_fd, (json.dumps({"setup_error": repr(e)}) + "\n").encode())
+    os._exit(126)
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    report_fd = cfg["report_fd"]
+    os.set_inheritable(report_fd, False)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    report = {
+        "user_namespace": False,
+        "network": False,
+        "mounts": False,
+        "pids": False,
+        "tmpfs": False,
+        "read_only_root": False,
+        "uid": os.getuid(),
+        "notes": [],
+    }
+    root = os.geteuid() == 0
+    run_uid = THROWAWAY_UID_BASE + os.getpid() if root else os.getuid()
+    run_gid = run_uid if root else os.getgid()
+    libc = _libc() if sys.platform.startswith("linux") else None
+    network = mounts = pids = False
+    if libc is not None:
+        network, mounts, pids = _enter_namespaces(libc, cfg, report)
+    else:
+        report["notes"].append(f"no namespaces on {sys.platform}")
+    report.update(network=network, mounts=mounts, pids=pids)
+    if cfg["require_network"] and not network:
+        report["notes"].append("network isolation required but unavailable; not run")
+        os.write(report_fd, (json.dumps(report) + "\n").encode())
+        os._exit(125)
+    if root:
+        report["uid"] = run_uid
+        if not mounts:
+            os.chown(cfg["workdir"], run_uid, run_gid)
+            os.chown(os.path.join(cfg["workdir"], "main.py"), run_uid, run_gid)
+    exe = sys.executable
+    expose = root and not _others_can_run(exe)
+    if mounts:
+        try:
+            exe = _confine_files(libc, cfg, report, run_uid, run_gid, expose) or exe
+        except OSError as e:
+            report["notes"].append(f"mount setup failed ({e})")
+            os.write(report_fd, (json.dumps(report) + "\n").encode())
+            os._exit(125)
+    elif expose:
+        report["notes"].append(
+            f"{exe} is not reachable by the throwaway uid and no mount namespace can expose "
+            "it; set SandboxConfig.python to a world-readable interpreter"
+        )
+        os.write(report_fd, (json.dumps(report) + "\n").encode())
+        os._exit(125)
+    counted_uid = None if (root or report["user_namespace"]) else os.getuid()
+    pid = os.fork()
+    if pid == 0:
+        _child(libc, cfg, report_fd, exe, run_uid, run_gid, pids, mounts, root, counted_uid)
+    report["child"] = pid
+    os.write(report_fd, (json.dumps(report) + "\n").encode())  # after the fork: one writer
+    _, status, usage = os.wait4(pid, 0)
+    done = {"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
+    os.write(report_fd, (json.dumps(done) + "\n").encode())
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ that the calling process goes on, the run's process group (and, as root, its thr
 has no live process, and its temporary directory is gone.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -229,9 +230,53 @@ def test_network_isolation_required_refuses_without_it(isolation):
         assert r.limit == "sandbox" and r.stdout == ""
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged uid (needs root)")
-def test_as_non_root_user(tmp_path):
-    """The same guarantees as a plain user: through a user namespace, not a throwaway uid."""
+_NON_ROOT_SCRIPT = """
+import json, sys, warnings
+sys.path.insert(0, sys.argv[1])
+from tidal.rl.tools.sandbox import run_python, SandboxConfig
+cfg = SandboxConfig(wall_seconds=20.0, cpu_seconds=1, processes=16)
+daemon = "import os, time\\nif os.fork() == 0:\\n    os.setsid(); time.sleep(60)\\nprint(1)"
+codes = {
+    "print": "print(42)",
+    "fork_bomb": "import os\\nwhile True: os.fork()",
+    "socket": "import socket; socket.socket().connect(('1.1.1.1', 80))",
+    "write": f"open({sys.argv[2]!r}, 'w')",
+    "alloc": "x = bytearray(10 << 30)",
+    "daemon": daemon,
+}
+for name, code in codes.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run_python(code, cfg)
+    print(json.dumps([name, r.limit, r.exit_code, r.stray_processes, r.elapsed < 5,
+                      r.isolation.user_namespace, r.isolation.network, len(caught)]))
+"""
+
+# Run as root: a user namespace mapping uids 0..65535 to themselves, with user namespaces
+# then switched off inside it, and the script run as uid 65534 there: a non-root user on a
+# machine without user namespaces.
+_WITHOUT_USERNS = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+r, w = os.pipe(); r2, w2 = os.pipe()
+pid = os.fork()
+if pid == 0:
+    assert libc.unshare(0x10000000) == 0, ctypes.get_errno()
+    os.write(w, b"x"); os.read(r2, 1)
+    os.setresgid(0, 0, 0); os.setresuid(0, 0, 0)
+    open("/proc/sys/user/max_user_namespaces", "w").write("0")
+    os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)
+    os.execve(sys.argv[1], sys.argv[1:], {})
+os.read(r, 1)
+for name in ("uid_map", "gid_map"):
+    open(f"/proc/{pid}/{name}", "w").write("0 0 65536")
+os.write(w2, b"x")
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def _run_as_nobody(tmp_path: Path, without_userns: bool) -> dict[str, list]:
     python = _world_runnable_python()
     if python is None:
         pytest.skip("no interpreter that an unprivileged uid can run")
@@ -242,48 +287,64 @@ def test_as_non_root_user(tmp_path):
     src = Path(__file__).parents[2] / "tidal" / "rl" / "tools"
     for name in ("_launcher.py", "sandbox.py"):
         shutil.copy(src / name, pkg / name)
-    script = (
-        f"import sys\nsys.path.insert(0, {str(tmp_path / 'pkg')!r})\n"
-        "from tidal.rl.tools.sandbox import run_python, SandboxConfig\n"
-        "cfg = SandboxConfig(wall_seconds=20.0, cpu_seconds=1, processes=16)\n"
-        "for code in ['print(42)', 'import os\\nwhile True: os.fork()',\n"
-        "             'import socket; socket.socket().connect((\"1.1.1.1\", 80))',\n"
-        "             'open(\"/tmp/x-escape\", \"w\")', 'x = bytearray(10 << 30)']:\n"
-        "    r = run_python(code, cfg)\n"
-        "    print(r.limit, r.exit_code, r.stray_processes, r.isolation.user_namespace)\n"
-    )
+    (tmp_path / "pkg" / "run.py").write_text(_NON_ROOT_SCRIPT)
     for p in [tmp_path, *tmp_path.parents]:
         if p == Path("/"):
             break
         os.chmod(p, os.stat(p).st_mode | 0o005)  # pytest's tmp dirs are 0700
-    for p in (tmp_path / "pkg").rglob("*"):
+    for p in [tmp_path / "pkg", *(tmp_path / "pkg").rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    os.chmod(tmp_path / "pkg", 0o755)
-    (tmp_path / "pkg" / "run.py").write_text(script)
-    os.chmod(tmp_path / "pkg" / "run.py", 0o644)
-    out = subprocess.run(
-        [python, "-I", str(tmp_path / "pkg" / "run.py")],
-        capture_output=True,
-        text=True,
-        user=65534,
-        group=65534,
-        extra_groups=[],
-        env={},
-        cwd="/",
-        timeout=60,
-    )
+    target = Path(tempfile.gettempdir()) / f"tidal-sandbox-escape-{os.getpid()}-{without_userns}"
+    argv = [python, "-I", str(tmp_path / "pkg" / "run.py"), str(tmp_path / "pkg"), str(target)]
+    if without_userns:
+        argv = [sys.executable, "-I", "-c", _WITHOUT_USERNS, *argv]
+        ids = {}
+    else:
+        ids = {"user": 65534, "group": 65534, "extra_groups": []}
+    try:
+        out = subprocess.run(
+            argv, capture_output=True, text=True, env={}, cwd="/", timeout=60, **ids
+        )
+        escaped = target.exists()
+    finally:
+        target.unlink(missing_ok=True)
     assert out.returncode == 0, out.stderr
-    userns = _userns_available()
-    lines = out.stdout.split("\n")[:5]
-    if not userns:
-        pytest.skip(f"user namespaces are off here; non-root runs had: {lines}")
-    assert lines == [
-        "None 0 0 True",
-        "processes 1 0 True",
-        "network 1 0 True",
-        "filesystem 1 0 True",
-        "memory 1 0 True",
-    ]
+    rows = {row[0]: row[1:] for row in map(json.loads, out.stdout.splitlines())}
+    rows["escaped"] = [escaped]
+    return rows
+
+
+# Each row: limit, exit code, stray processes, elapsed < 5 s, user namespace, network
+# namespace, warnings.
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged uid (needs root)")
+def test_as_non_root_user(tmp_path):
+    """The same guarantees as a plain user: through a user namespace, not a throwaway uid."""
+    if not _userns_available():
+        pytest.skip("user namespaces are off here")
+    rows = _run_as_nobody(tmp_path, without_userns=False)
+    assert rows == {
+        "print": [None, 0, 0, True, True, True, 0],
+        "fork_bomb": ["processes", 1, 0, True, True, True, 0],
+        "socket": ["network", 1, 0, True, True, True, 0],
+        "write": ["filesystem", 1, 0, True, True, True, 0],
+        "alloc": ["memory", 1, 0, True, True, True, 0],
+        "daemon": [None, 0, 0, True, True, True, 0],
+        "escaped": [False],
+    }
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged uid (needs root)")
+def test_non_root_without_user_namespaces_falls_back(tmp_path):
+    """No namespaces at all: rlimits, the output cap and the kill still hold, with a warning."""
+    rows = _run_as_nobody(tmp_path, without_userns=True)
+    for name in ("print", "fork_bomb", "alloc", "daemon"):
+        assert rows[name][2:] == [0, True, False, False, 1], (name, rows[name])
+    assert rows["print"][:2] == [None, 0]
+    assert rows["fork_bomb"][:2] == ["processes", 1]
+    assert rows["alloc"][:2] == ["memory", 1]
+    assert rows["daemon"][:2] == [None, 0]  # the setsid child holding the pipe is killed
+    assert rows["write"][0] is None  # /tmp is world-writable: only permissions hold here
+    assert rows["escaped"] == [True]
 
 
 def _world_runnable_python() -> str | None:

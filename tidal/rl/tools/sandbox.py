@@ -106,6 +106,11 @@ _STDERR_LIMITS: tuple[tuple[str, Limit], ...] = (
 )
 
 
+_DRAIN_SECONDS = 0.5
+"""After the code's first process exits, how long its output pipes may stay open (held by
+processes it left behind, which are then killed)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SandboxConfig:
     """Limits for one `run_python` call. Defaults suit short computations by a model."""
@@ -300,9 +305,10 @@ def _run_in(work: str, code: str, cfg: SandboxConfig, start: float) -> SandboxRe
             report = _stop_child(proc.pid, report_r, report)
     finally:
         os.close(report_r)
-        stray = _kill_all(proc.pid, run_uid)
-        proc.wait()
         assert proc.stdout is not None and proc.stderr is not None
+        pipes = {os.fstat(f.fileno()).st_ino for f in (proc.stdout, proc.stderr)}
+        stray = _kill_all(proc.pid, run_uid, pipes)
+        proc.wait()
         proc.stdout.close()
         proc.stderr.close()
     isolation, done = _parse_report(report)
@@ -350,12 +356,14 @@ def _collect(
         sel.register(fd, selectors.EVENT_READ, name)
     sel.register(report_r, selectors.EVENT_READ, "report")
     deadline = start + cfg.wall_seconds
+    ended = False  # the launcher exited: its child did too; drain what is left, briefly
     limit: Limit | None = None
     try:
         while sel.get_map() and limit is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                limit = "wall_time"
+                if not ended:
+                    limit = "wall_time"
                 break
             for key, _ in sel.select(left):
                 try:
@@ -364,6 +372,9 @@ def _collect(
                     continue
                 if not data:
                     sel.unregister(key.fd)
+                    if key.data == "report":
+                        ended = True
+                        deadline = min(deadline, time.monotonic() + _DRAIN_SECONDS)
                     continue
                 name = key.data
                 if name == "report":
@@ -481,20 +492,40 @@ def _proc_table() -> list[tuple[int, int, int, str]]:
     return rows
 
 
-def _kill_all(pgid: int, run_uid: int | None, grace: float = 3.0) -> int:
-    """SIGKILL the run's process group and, as root, its uid; return how many survive."""
+def _holds_pipe(pid: int, pipes: set[int]) -> bool:
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return False
+    return any(link in {f"pipe:[{ino}]" for ino in pipes} for link in links)
+
+
+def _kill_all(pgid: int, run_uid: int | None, pipes: set[int], grace: float = 3.0) -> int:
+    """SIGKILL what is left of the run; return how many processes survive.
+
+    The run's processes: its process group; as root, its throwaway uid; as non-root, the
+    user's processes that still hold its stdout or stderr pipe (those that left the group
+    with setsid). Inside a pid namespace nothing is left by now; this covers the fallbacks.
+    """
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     if not os.path.isdir("/proc/self"):
         return 0
+    me, my_uid = os.getpid(), os.getuid()
     deadline = time.monotonic() + grace
     while True:
         live = [
             pid
             for pid, group, uid, state in _proc_table()
-            if state != "Z" and pid != os.getpid() and (group == pgid or uid == run_uid)
+            if state != "Z"
+            and pid != me
+            and (
+                group == pgid
+                or uid == run_uid
+                or (run_uid is None and uid == my_uid and _holds_pipe(pid, pipes))
+            )
         ]
         if not live or time.monotonic() > deadline:
             return len(live)

@@ -8,6 +8,7 @@ has no live process, and its temporary directory is gone.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -188,6 +189,41 @@ def test_write_outside_the_directory(isolation):
     if isolation.read_only_root:
         assert r.limit == "filesystem" and "Read-only file system" in r.stderr
     assert r.exit_code == 1
+    _check_clean(r)
+
+
+def test_host_sockets_and_files_are_out_of_sight(isolation):
+    """A world-writable unix socket on the host (a docker.sock, an agent) is not reachable:
+    the minimal root shows only system dirs, the interpreter and the work dir."""
+    if not isolation.minimal_root:
+        pytest.skip(f"no mount namespace here: {isolation.notes}")
+    host = tempfile.mkdtemp(prefix="tidal-sandbox-test-")
+    path = os.path.join(host, "agent.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(path)
+        listener.listen()
+        listener.setblocking(False)
+        os.chmod(host, 0o755)
+        os.chmod(path, 0o777)
+        code = (
+            "import json, os, socket\n"
+            "print(json.dumps([os.listdir('/'), os.listdir('/tmp')]))\n"
+            f"socket.socket(socket.AF_UNIX).connect({path!r})"
+        )
+        r = run_python(code, FAST)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing connected
+    finally:
+        listener.close()
+        shutil.rmtree(host)
+    assert "FileNotFoundError" in r.stderr
+    shown, tmp = json.loads(r.stdout)
+    system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+    # and the first directory of the interpreter's prefix when it is not a system one
+    prefix_top = os.path.realpath(sys.base_prefix).split("/")[1]
+    assert set(shown) <= system | {prefix_top}, shown
+    assert tmp == [os.path.basename(r.workdir)]
     _check_clean(r)
 
 

@@ -9,9 +9,9 @@ never runs model code itself. Lifecycle, all on Linux unless noted:
 2. It enters new namespaces, each tried alone so that one refusal does not cost the others:
    a user namespace first when not root (so the rest need no privilege), then network, mount
    and pid namespaces.
-3. In the mount namespace it makes every mount private, mounts a size-limited tmpfs over the
-   temporary directory (copying ``main.py`` in), and makes every mount read-only except that
-   tmpfs (``mount_setattr(AT_RECURSIVE)``, Linux 5.12+).
+3. In the mount namespace it makes every mount private, builds a minimal read-only root on a
+   tmpfs over the temporary directory (system dirs, the interpreter, a few devices, and the
+   work dir at its own path: a size-limited tmpfs holding ``main.py``) and chroots into it.
 4. It forks. The child, pid 1 of the new pid namespace, mounts a fresh /proc, drops to a
    throwaway uid/gid (``1_900_000_000 + launcher pid``) when root, sets the parent-death
    signal to SIGKILL, applies the rlimits and execs ``python -I -S main.py`` with a minimal
@@ -33,7 +33,7 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR = 442  # the same number on every Linux architecture (generic table)
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
@@ -135,45 +135,78 @@ def _others_can_run(path):
     return bool(os.stat(path).st_mode & 0o005 == 0o005)
 
 
-def _confine_files(libc, cfg, report, run_uid, run_gid, expose_python):
-    """In the new mount namespace: a private tmpfs for the work dir, everything else read-only.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+"""What the minimal root shows of the host, read-only (symlinks, as merged /usr has, kept)."""
+DEVICES = ("null", "zero", "full", "random", "urandom")
 
-    With `expose_python`, the interpreter's prefix (unreachable by the throwaway uid, e.g.
-    under /root) is bind-mounted read-only at ``.python`` in the work dir; returns the
-    interpreter's path there, else None.
+
+def _bind(libc, src, root):
+    """Show host path `src` at the same path under `root` (a symlink stays a symlink)."""
+    dst = root + src
+    os.makedirs(os.path.dirname(dst), 0o755, exist_ok=True)
+    if os.path.islink(src):
+        os.symlink(os.readlink(src), dst)
+        return
+    if os.path.isdir(src):
+        os.makedirs(dst, 0o755, exist_ok=True)
+    else:
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT, 0o644))
+    _mount(libc, src, dst, None, MS_BIND | MS_REC, None)
+
+
+def _build_root(libc, cfg, report, run_uid, run_gid):
+    """In the new mount namespace: build a minimal read-only root and chroot into it.
+
+    The root is a tmpfs mounted over the work dir. It shows SYSTEM_DIRS, the interpreter's
+    prefix, a few devices, an empty /tmp, /proc (mounted by the child) and, at its own path,
+    the work dir: a second tmpfs of `disk_bytes`, the only writable place. Nothing else of
+    the host is visible: not /home, /root, /run, /var, /tmp, nor any unix socket in them.
     """
     work = cfg["workdir"]
     with open(os.path.join(work, "main.py"), "rb") as f:
         code = f.read()
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, None)
+    root = work
+    _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    prefix = os.path.realpath(sys.base_prefix)
+    shown = [d for d in SYSTEM_DIRS if os.path.lexists(d)]
+    if not any(prefix == d or prefix.startswith(d + "/") for d in shown):
+        shown.append(prefix)
+    for d in shown:
+        _bind(libc, d, root)
+    for name in DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind(libc, f"/dev/{name}", root)
+    for d in ("/proc", "/tmp"):
+        os.makedirs(root + d, 0o755, exist_ok=True)
+    inner = root + work
+    os.makedirs(inner, 0o755, exist_ok=True)
     opts = f"size={cfg['disk_bytes']},mode=0700,uid={run_uid},gid={run_gid}"
+    _mount(libc, "tmpfs", inner, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    fd = os.open(os.path.join(inner, "main.py"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, code)
+    os.close(fd)
+    os.chown(os.path.join(inner, "main.py"), run_uid, run_gid)
+    report["tmpfs"] = report["minimal_root"] = True
     try:
-        _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-        report["tmpfs"] = True
-        os.chdir(work)  # the old cwd is the directory under the new mount
-        fd = os.open("main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, code)
-        os.close(fd)
-        os.chown("main.py", run_uid, run_gid)
-    except OSError as e:
-        report["notes"].append(f"no private tmpfs ({e}); the work dir is a plain directory")
-    exe = None
-    if expose_python:
-        prefix = os.path.realpath(sys.base_prefix)
-        real = os.path.realpath(sys.executable)
-        inside = os.path.join(work, ".python")
-        os.mkdir(inside, 0o755)
-        _mount(libc, prefix, inside, None, MS_BIND | MS_REC, None)
-        exe = os.path.join(inside, os.path.relpath(real, prefix))
-    try:
-        _set_readonly(libc, "/", True, recursive=True)
-        _set_readonly(libc, work, False, recursive=False)
+        _set_readonly(libc, root, True, recursive=True)
+        _set_readonly(libc, inner, False, recursive=False)
         report["read_only_root"] = True
     except OSError as e:
-        if report["tmpfs"]:
-            raise  # the tmpfs mount must not stay read-only: the run could not write at all
-        report["notes"].append(f"root not read-only ({e})")
-    return exe
+        _set_readonly_fallback(libc, root, inner, report, e)
+    os.chroot(root)
+    os.chdir(work)
+
+
+def _set_readonly_fallback(libc, root, inner, report, err):
+    """Before mount_setattr (Linux < 5.12): only the root tmpfs itself becomes read-only; the
+    bound system dirs keep their host flags and are guarded by file permissions."""
+    try:
+        _mount(libc, None, root, None, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_RDONLY, None)
+    except OSError as e:
+        report["notes"].append(f"minimal root not read-only ({err}; {e})")
+        return
+    report["notes"].append(f"bound system dirs keep their host flags ({err})")
 
 
 def _limits(cfg, counted_uid):
@@ -220,6 +253,7 @@ def main():
     cfg = json.loads(sys.argv[1])
     report_fd = cfg["report_fd"]
     os.set_inheritable(report_fd, False)
+    os.umask(0o022)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     report = {
         "user_namespace": False,
@@ -227,6 +261,7 @@ def main():
         "mounts": False,
         "pids": False,
         "tmpfs": False,
+        "minimal_root": False,
         "read_only_root": False,
         "uid": os.getuid(),
         "notes": [],
@@ -250,16 +285,15 @@ def main():
         if not mounts:
             os.chown(cfg["workdir"], run_uid, run_gid)
             os.chown(os.path.join(cfg["workdir"], "main.py"), run_uid, run_gid)
-    exe = sys.executable
-    expose = root and not _others_can_run(exe)
+    exe = os.path.realpath(sys.executable)
     if mounts:
         try:
-            exe = _confine_files(libc, cfg, report, run_uid, run_gid, expose) or exe
+            _build_root(libc, cfg, report, run_uid, run_gid)
         except OSError as e:
             report["notes"].append(f"mount setup failed ({e})")
             os.write(report_fd, (json.dumps(report) + "\n").encode())
             os._exit(125)
-    elif expose:
+    elif root and not _others_can_run(exe):
         report["notes"].append(
             f"{exe} is not reachable by the throwaway uid and no mount namespace can expose "
             "it; set SandboxConfig.python to a world-readable interpreter"

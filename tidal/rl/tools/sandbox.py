@@ -24,24 +24,34 @@ mounts):
   user's current process count plus `processes`, which other processes of the user race.
 - Output (`output_bytes`): stdout plus stderr; the parent stops reading and kills the run
   at the limit, keeping what came first.
-- Files: RLIMIT_FSIZE per file; the work dir is a tmpfs of `disk_bytes` private to the mount
-  namespace (gone with it); every other mount is read-only (``mount_setattr``), so writes
-  outside the work dir fail with EROFS. As root the throwaway uid adds file permissions.
+- Files: the code runs chrooted in a minimal root built in its mount namespace: /usr, /bin,
+  /sbin, /lib*, /etc and the interpreter's prefix bound read-only, /dev/{null,zero,full,
+  random,urandom}, a fresh /proc, an empty /tmp, and the work dir at its own path: a tmpfs
+  of `disk_bytes`, gone with the namespace, the only writable place. The rest is made
+  read-only with ``mount_setattr(AT_RECURSIVE)`` (Linux 5.12+; before it, only the root's
+  own tmpfs is, and the bound dirs keep their host flags). Nothing else of the host is visible:
+  not /home, /root, /run, /var or the host's /tmp, so no unix socket there either (a
+  network namespace does not cover pathname sockets). RLIMIT_FSIZE caps each file. As root
+  the throwaway uid adds file permissions.
 - Network: a new network namespace with only a loopback interface, which is down: connect
   fails with ENETUNREACH, DNS fails. Root enters it directly; non-root through a user
   namespace (``kernel.unprivileged_userns_clone`` / ``user.max_user_namespaces``).
 - Environment: the code sees only ``LC_ALL``, ``HOME`` and ``TMPDIR`` (the work dir);
   ``-I -S`` ignores PYTHON* variables, the user site and site-packages (stdlib only).
-- Reads are not confined: the code can read whatever its uid can (as root's throwaway uid:
-  world-readable files only; as non-root: the user's files).
+- Reads: inside the minimal root, what its uid may read of /etc, /usr and the interpreter;
+  without a mount namespace, whatever its uid can read anywhere.
 
 Where the OS refuses a step (a container without CAP_SYS_ADMIN, user namespaces disabled),
 the run goes on with what holds, and `SandboxResult.isolation` says what did, and a
 RuntimeWarning names what did not; `require_network_isolation=True` refuses to run instead.
-Without namespaces a program that calls setsid() escapes the process-group kill; as root the
-uid sweep still finds it, as non-root nothing does. On macOS and other Unixes only the
-rlimits, the process group, the empty environment and the temporary cwd hold: no network or
-filesystem isolation. Windows is not supported (no ``resource`` module).
+Without namespaces, writes go wherever the uid may (as root's throwaway uid: world-writable
+places such as /tmp), and a child that calls setsid() leaves the process group: the cleanup
+still kills it by uid (root) or because it holds the run's output pipes (non-root); one
+that also closes them escapes. The interpreter must live under its base prefix or a system
+dir (a venv made with ``--copies`` does not): otherwise the exec fails, a "sandbox" error.
+On macOS and other Unixes only the rlimits, the process group, the empty environment and
+the temporary cwd hold: no network or filesystem isolation. Windows is not supported (no
+``resource`` module).
 """
 
 from __future__ import annotations
@@ -138,8 +148,9 @@ class SandboxConfig:
     python: str = sys.executable
     """The interpreter for the launcher and the code."""
     tmp_root: str | None = None
-    """Where the temporary directories go (None: the system default). As root, every
-    directory above it must be searchable by others (the code runs as a throwaway uid)."""
+    """Where the temporary directories go (None: the system default). As root without a
+    mount namespace, every directory above it must be searchable by others (the code runs
+    as a throwaway uid)."""
 
     def __post_init__(self) -> None:
         for name in ("wall_seconds", "cpu_seconds", "memory_bytes", "processes"):
@@ -165,8 +176,10 @@ class Isolation:
     """In a network namespace without interfaces."""
     pids: bool = False
     """In a pid namespace: everything dies with the first process."""
+    minimal_root: bool = False
+    """Chrooted into a minimal root: system dirs, the interpreter and the working directory."""
     read_only_root: bool = False
-    """Every mount but the working directory read-only."""
+    """Everything visible but the working directory read-only."""
     tmpfs: bool = False
     """The working directory is a private size-limited tmpfs."""
     user_namespace: bool = False
@@ -443,6 +456,7 @@ def _parse_report(report: bytes) -> tuple[Isolation, dict]:
     isolation = Isolation(
         network=bool(first.get("network", False)),
         pids=bool(first.get("pids", False)),
+        minimal_root=bool(first.get("minimal_root", False)),
         read_only_root=bool(first.get("read_only_root", False)),
         tmpfs=bool(first.get("tmpfs", False)),
         user_namespace=bool(first.get("user_namespace", False)),
@@ -466,13 +480,16 @@ def _limit_from_exit(
         return "cpu_time"
     if exit_code == 0:
         return None
+    # The exception Python printed last; several processes' tracebacks may interleave.
     lines = [line for line in stderr.splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
-    for needle, limit in _STDERR_LIMITS:
-        if needle in last:
-            return limit
-    if iso.uid >= THROWAWAY_UID_BASE and "PermissionError: [Errno 13]" in last:
-        return "filesystem"
+    for line in reversed(lines[-10:]):
+        if line.startswith(" "):
+            continue  # a traceback's frame or source line
+        for needle, limit in _STDERR_LIMITS:
+            if needle in line:
+                return limit
+        if iso.uid >= THROWAWAY_UID_BASE and line.startswith("PermissionError: [Errno 13]"):
+            return "filesystem"
     return None
 
 

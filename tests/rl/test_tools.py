@@ -207,8 +207,15 @@ def test_host_sockets_and_files_are_out_of_sight(isolation):
         os.chmod(host, 0o755)
         os.chmod(path, 0o777)
         code = (
-            "import json, os, socket\n"
-            "print(json.dumps([os.listdir('/'), os.listdir('/tmp')]))\n"
+            "import ctypes, json, os, socket\n"
+            "before = [os.listdir('/'), os.listdir('/tmp'), os.listdir('/.oldroot')]\n"
+            # the classic chroot escape, with CAP_SYS_CHROOT from a nested user namespace
+            "libc = ctypes.CDLL(None)\n"
+            "if libc.unshare(0x10000000) == 0:\n"
+            "    os.mkdir('jail'); libc.chroot(b'jail')\n"
+            "    for _ in range(20): os.chdir('..')\n"
+            "    libc.chroot(b'.')\n"
+            "print(json.dumps(before + [sorted(os.listdir('/'))]))\n"
             f"socket.socket(socket.AF_UNIX).connect({path!r})"
         )
         r = run_python(code, FAST)
@@ -218,8 +225,10 @@ def test_host_sockets_and_files_are_out_of_sight(isolation):
         listener.close()
         shutil.rmtree(host)
     assert "FileNotFoundError" in r.stderr
-    shown, tmp = json.loads(r.stdout)
+    shown, tmp, old_root, after_escape = json.loads(r.stdout)
+    assert sorted(shown) == after_escape and old_root == []
     system = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+    system.add(".oldroot")  # where the host's root was, detached
     # and the first directory of the interpreter's prefix when it is not a system one
     prefix_top = os.path.realpath(sys.base_prefix).split("/")[1]
     assert set(shown) <= system | {prefix_top}, shown

@@ -111,6 +111,10 @@ def _enter_namespaces(libc, cfg, report):
             _write("/proc/self/uid_map", f"{uid} {uid} 1")
             _write("/proc/self/gid_map", f"{gid} {gid} 1")
             report["user_namespace"] = True
+            # Counted per user namespace: the code cannot nest another, the usual first step
+            # of kernel exploits through namespaces. (Never written as root: that would be
+            # the host's own limit.)
+            _write("/proc/sys/user/max_user_namespaces", "0")
         except OSError as e:
             report["notes"].append(f"no user namespace ({e})")
             return False, False, False
@@ -138,6 +142,9 @@ def _others_can_run(path):
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 """What the minimal root shows of the host, read-only (symlinks, as merged /usr has, kept)."""
 DEVICES = ("null", "zero", "full", "random", "urandom")
+OLD_ROOT = "/.oldroot"
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+MNT_DETACH = 2
 
 
 def _bind(libc, src, root):
@@ -177,7 +184,7 @@ def _build_root(libc, cfg, report, run_uid, run_gid):
     for name in DEVICES:
         if os.path.exists(f"/dev/{name}"):
             _bind(libc, f"/dev/{name}", root)
-    for d in ("/proc", "/tmp"):
+    for d in ("/proc", "/tmp", OLD_ROOT):
         os.makedirs(root + d, 0o755, exist_ok=True)
     inner = root + work
     os.makedirs(inner, 0o755, exist_ok=True)
@@ -194,8 +201,32 @@ def _build_root(libc, cfg, report, run_uid, run_gid):
         report["read_only_root"] = True
     except OSError as e:
         _set_readonly_fallback(libc, root, inner, report, e)
-    os.chroot(root)
+    _enter_root(libc, root, report)
     os.chdir(work)
+
+
+def _enter_root(libc, root, report):
+    """pivot_root into `root`, the host's root left at OLD_ROOT for the child to detach once
+    it has mounted /proc (which needs a visible proc mount in a user namespace). Then no
+    mount of the host's root is left in the namespace at all. On an architecture whose
+    syscall number is not known: chroot, which the code cannot leave either (it has no
+    CAP_SYS_CHROOT, and Linux refuses a new user namespace to a chrooted process), but under
+    which the host's root stays mounted in the namespace.
+    """
+    import platform
+
+    number = PIVOT_ROOT.get(platform.machine())
+    if number is not None:
+        ret = libc.syscall(ctypes.c_long(number), root.encode(), (root + OLD_ROOT).encode())
+        _check(ret, "pivot_root")
+        report["pivot_root"] = True
+        os.chdir("/")
+        return
+    report["notes"].append(
+        f"pivot_root's number unknown on {platform.machine()}: chroot, the host root stays "
+        "mounted (unreachable)"
+    )
+    os.chroot(root)
 
 
 def _set_readonly_fallback(libc, root, inner, report, err):
@@ -233,7 +264,9 @@ def _child(libc, cfg, report_fd, exe, run_uid, run_gid, pids, mounts, drop, coun
             try:
                 _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
             except OSError:
-                pass  # the host /proc stays visible (read-only); nothing else depends on it
+                pass  # no /proc then; Python does not need one
+        if os.path.isdir(OLD_ROOT) and os.listdir(OLD_ROOT):
+            _check(libc.umount2(OLD_ROOT.encode(), MNT_DETACH), "umount old root")
         if drop:
             os.setgroups([])
             os.setresgid(run_gid, run_gid, run_gid)
@@ -263,6 +296,7 @@ def main():
         "tmpfs": False,
         "minimal_root": False,
         "read_only_root": False,
+        "pivot_root": False,
         "uid": os.getuid(),
         "notes": [],
     }

@@ -24,7 +24,8 @@ mounts):
   user's current process count plus `processes`, which other processes of the user race.
 - Output (`output_bytes`): stdout plus stderr; the parent stops reading and kills the run
   at the limit, keeping what came first.
-- Files: the code runs chrooted in a minimal root built in its mount namespace: /usr, /bin,
+- Files: the code runs in a minimal root built in its mount namespace (``pivot_root``, the
+  host's root detached afterwards): /usr, /bin,
   /sbin, /lib*, /etc and the interpreter's prefix bound read-only, /dev/{null,zero,full,
   random,urandom}, a fresh /proc, an empty /tmp, and the work dir at its own path: a tmpfs
   of `disk_bytes`, gone with the namespace, the only writable place. The rest is made
@@ -35,7 +36,8 @@ mounts):
   the throwaway uid adds file permissions.
 - Network: a new network namespace with only a loopback interface, which is down: connect
   fails with ENETUNREACH, DNS fails. Root enters it directly; non-root through a user
-  namespace (``kernel.unprivileged_userns_clone`` / ``user.max_user_namespaces``).
+  namespace (``kernel.unprivileged_userns_clone`` / ``user.max_user_namespaces``), in which
+  ``max_user_namespaces`` is then set to 0: the code cannot nest one.
 - Environment: the code sees only ``LC_ALL``, ``HOME`` and ``TMPDIR`` (the work dir);
   ``-I -S`` ignores PYTHON* variables, the user site and site-packages (stdlib only).
 - Reads: inside the minimal root, what its uid may read of /etc, /usr and the interpreter;

@@ -314,6 +314,8 @@ def _run_in(work: str, code: str, cfg: SandboxConfig, start: float) -> SandboxRe
         os.close(report_w)
     root = os.geteuid() == 0
     run_uid = THROWAWAY_UID_BASE + proc.pid if root else None
+    out = err = report = b""
+    limit: Limit | None = None
     try:
         out, err, report, limit = _collect(proc, report_r, cfg, start)
         if limit is not None:
@@ -322,6 +324,8 @@ def _run_in(work: str, code: str, cfg: SandboxConfig, start: float) -> SandboxRe
         os.close(report_r)
         assert proc.stdout is not None and proc.stderr is not None
         pipes = {os.fstat(f.fileno()).st_ino for f in (proc.stdout, proc.stderr)}
+        if _parse_report(report)[0].pids:
+            pipes = set()  # the pid namespace is gone with its first process: no fd scan
         stray = _kill_all(proc.pid, run_uid, pipes)
         proc.wait()
         proc.stdout.close()

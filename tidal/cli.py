@@ -14,6 +14,9 @@ Environment variables read here: TIDAL_CACHE_DIR sets the default of `data.cache
 (through `DistInfo.from_env`) place a `tidal train` process. Below the command line only
 `tidal.store.connect()` reads any: TIDAL_STORE, TIDAL_STORE_TOKEN and TIDAL_STORE_TRANSPORT
 when no address or transport is passed.
+
+A reader that goes away before the output ends (`tidal models | head`) ends any command
+quietly with exit status 141 (`main`).
 """
 
 from __future__ import annotations
@@ -432,7 +435,23 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one command; returns its exit status. A reader that goes away before the output
+    ends (`tidal models | head`) ends the command quietly with status 141 (128 + SIGPIPE, what
+    a shell reports for a tool stopped by the closed pipe), not with a traceback."""
+    try:
+        code = _dispatch(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # the last buffered lines meet a closed pipe here, inside the try
+        return code
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush of what is still
+        # buffered does not fail again ("Exception ignored ... BrokenPipeError").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _dispatch(argv: list[str]) -> int:
     commands = COMMANDS
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tidal COMMAND [ARGS]\n\ncommands:")

@@ -242,3 +242,23 @@ def test_an_interrupt_in_set_up_is_reported_once_per_job(monkeypatch, capsys, ra
     monkeypatch.setenv("RANK", rank)
     assert cli._train([]) == 130
     assert ("tidal train: interrupted" in capsys.readouterr().err) == printed
+
+
+@pytest.mark.parametrize(
+    "argv", [["models"], ["train", "--help"], ["rl", "--help"]], ids=["models", "train", "rl"]
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> None:
+    """`tidal models | head`: the reader closes the pipe before the output ends. The command
+    stops with status 141 (128 + SIGPIPE, as other tools) and no traceback. The read end is
+    closed before the command writes anything, so every write meets a closed pipe."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == "", err

@@ -5,7 +5,7 @@
     tidal generate --config NAME|--hf DIR|--checkpoint DIR --prompt TEXT [--n N] [--json] ...
     tidal convert hf-to-dcp|dcp-to-hf SRC DST [--flavor NAME] [--dtype D] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
-    tidal configs | tidal models
+    tidal configs | tidal models   (configs: the training and the RL ones, labeled)
     tidal rl [trainer|generator] --config NAME [--nproc N] [--store tcp://HOST:PORT] ...
     tidal store serve|volume|ls ...
 
@@ -27,6 +27,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 _LAUNCHED = "TIDAL_LAUNCHED"  # set by `tidal train --nproc` for the ranks it starts
@@ -368,11 +369,19 @@ def _convert(argv: list[str]) -> int:
 
 
 def _configs(argv: list[str]) -> int:
+    """The named configs, in two labeled lists: `tidal train`'s and `tidal rl`'s."""
+    from tidal.rl.configs import RL_CONFIGS
     from tidal.train.configs import CONFIGS
 
-    width = max(map(len, CONFIGS), default=0)
-    for name, fn in sorted(CONFIGS.items()):
-        print(f"{name:{width}s}  {first_sentence(fn.__doc__ or '')}")
+    groups: list[tuple[str, dict[str, Callable[[], object]]]] = [
+        ("training configs (tidal train --config NAME):", dict(CONFIGS)),
+        ("RL configs (tidal rl --config NAME):", dict(RL_CONFIGS)),
+    ]
+    width = max(map(len, [*CONFIGS, *RL_CONFIGS]), default=0)
+    for i, (title, configs) in enumerate(groups):
+        print(("\n" if i else "") + title)
+        for name, fn in sorted(configs.items()):
+            print(f"  {name:{width}s}  {first_sentence(fn.__doc__ or '')}")
     return 0
 
 
@@ -427,7 +436,7 @@ COMMANDS = {
     "generate": (_generate, "sample completions (seed init, a Hugging Face folder, a checkpoint)"),
     "convert": (_convert, "convert a model: hf-to-dcp or dcp-to-hf"),
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
-    "configs": (_configs, "list the named training configs"),
+    "configs": (_configs, "list the named configs (training and RL)"),
     "models": (_models, "list the model flavors and their parameter counts"),
     "rl": (_rl, "RL post-training: trainer and generators coupled by the store"),
     "store": (_store, "run or inspect a tidal.store service (serve, volume, ls)"),

@@ -150,12 +150,23 @@ def test_config_from_a_module_or_a_file(tmp_path: Path, capsys, monkeypatch) -> 
 
 
 def test_every_named_config_has_a_description(capsys) -> None:
+    """`tidal configs` lists the training configs, then the RL configs, each list under its
+    label, each config with its description."""
+    from tidal.rl.configs import RL_CONFIGS
+
     assert main(["configs"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(CONFIGS)
-    for line in lines:
-        name, _, doc = line.partition(" ")
-        assert doc.strip(), f"config {name} has no docstring"
+    out = capsys.readouterr().out
+    train, _, rl = out.partition("\n\n")
+    for block, title, configs in [
+        (train, "training configs (tidal train --config NAME):", CONFIGS),
+        (rl, "RL configs (tidal rl --config NAME):", RL_CONFIGS),
+    ]:
+        head, *lines = block.splitlines()
+        assert head == title
+        assert [line.split()[0] for line in lines] == sorted(configs)
+        for line in lines:
+            name, _, doc = line.strip().partition(" ")
+            assert doc.strip(), f"config {name} has no docstring"
 
 
 def test_a_run_says_what_it_does_and_where_it_wrote(

@@ -3,6 +3,10 @@ TensorBoard when enabled, and at the end rl.png with a summary line.
 
 Lifecycle: the trainer's rank 0 makes one `Report`, passes `report.log` to the loop (one
 record per step, one per evaluation), and calls `finish()` then `close()`.
+
+Before any role starts, `tidal rl` reads the run folder (`check_run_folder`): a finished run
+there is reported from its metrics.jsonl (nothing runs, nothing is overwritten), and a resume
+to a step the run already reached is refused with one line.
 """
 
 from __future__ import annotations
@@ -108,28 +112,13 @@ class Report:
 
     def finish(self) -> dict[str, Any]:
         """The summary line and rl.png; returns the summary's numbers."""
-        evals = sorted(self.evals.items())
-        summary: dict[str, Any] = {"steps": len(self.steps), "grader_errors": self.grader_errors}
-        if evals:
-            (v0, first), (v1, last) = evals[0], evals[-1]
-            summary.update(
-                pass1_before=first["eval_pass1"],
-                pass1_after=last["eval_pass1"],
-                version_before=v0,
-                version_after=v1,
-            )
-        if self.steps:
-            # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
-            k = max(1, min(10, len(self.steps) // 2))
-            summary["reward_window"] = k
-            summary["reward_first"] = fmean(r["reward_mean"] for r in self.steps[:k])
-            summary["reward_last"] = fmean(r["reward_mean"] for r in self.steps[-k:])
-            summary["elapsed_s"] = self.steps[-1]["elapsed_s"]
+        evals = [r for _, r in sorted(self.evals.items())]
+        summary = summarize(self.steps, evals)
         text = summary_line(summary)
         if self.cfg.metrics.plot:
             path = self.dir / "rl.png"
             title = f"{self.cfg.job.name}: " + text.replace("; ", "\n")
-            plot(self.steps, [r for _, r in evals], path, title=title)
+            plot(self.steps, evals, path, title=title)
             summary["plot"] = str(path)
         self.log_line(text)
         if "plot" in summary:
@@ -144,6 +133,96 @@ class Report:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def summarize(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's numbers from a run's step records and its evaluation records (in step
+    order): pass@1 at the first and last evaluation, the reward at both ends, the time."""
+    summary: dict[str, Any] = {
+        "steps": len(steps),
+        "grader_errors": sum(r.get("grader_errors", 0) for r in steps),
+    }
+    if evals:
+        first, last = evals[0], evals[-1]
+        summary.update(
+            pass1_before=first["eval_pass1"],
+            pass1_after=last["eval_pass1"],
+            version_before=first["step"],
+            version_after=last["step"],
+        )
+    if steps:
+        # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
+        k = max(1, min(10, len(steps) // 2))
+        summary["reward_window"] = k
+        summary["reward_first"] = fmean(r["reward_mean"] for r in steps[:k])
+        summary["reward_last"] = fmean(r["reward_mean"] for r in steps[-k:])
+        summary["elapsed_s"] = steps[-1]["elapsed_s"]
+    return summary
+
+
+def check_run_folder(cfg: RLConfig, *, log: Log = print) -> bool:
+    """What `job.output_dir` allows this run, decided before any role starts, from the folder
+    alone: its newest complete policy checkpoint is the step a run there resumes from. Returns
+    True for a run already finished there (step rl.steps reached): its figures are printed from
+    its metrics.jsonl, and nothing runs or is overwritten. False: this run starts, fresh or
+    resuming.
+
+    Raises:
+        ValueError: the folder is a file, cannot be created or is in use by another run; it
+            holds an earlier run that this one cannot resume (no checkpoints); or its run
+            already passed rl.steps (a resume goes on to a later step only).
+    """
+    from tidal.train.checkpoint.layout import scan
+    from tidal.train.checkpoint.plan import checkpoint_folder
+    from tidal.train.config import CheckpointConfig
+    from tidal.train.run_folder import RunLock, check_fresh, check_output_dir, read_records
+
+    out = check_output_dir(cfg.job.output_dir)
+    RunLock(out).release()  # another run still writing here: RunFolderError, naming it
+    reached = None
+    if cfg.checkpoint.enable:
+        # The trainer's own checkpoint folder (trainer_config keeps the default folder).
+        done = scan(checkpoint_folder(CheckpointConfig(), out)).complete
+        reached = max(done, default=None)
+    check_fresh(out, resuming=reached is not None, checkpointing=cfg.checkpoint.enable)
+    if reached is None or reached < cfg.rl.steps:
+        return False
+    if reached > cfg.rl.steps:
+        check_resume_step(cfg, reached)  # raises, naming both steps
+    records = read_records(out)
+    steps = [r for r in records if "reward_mean" in r]
+    evals = sorted((r for r in records if "eval_pass1" in r), key=lambda r: r["step"])
+    log(
+        f"tidal rl: the run in {out} is finished (step {reached} of rl.steps={cfg.rl.steps}); "
+        "nothing to run, nothing overwritten. Its figures:"
+    )
+    log(summary_line(summarize(steps, evals)))
+    if (out / "rl.png").is_file():
+        log(f"plot: {out / 'rl.png'}")
+    log(f"metrics: {out / 'metrics.jsonl'}")
+    log(
+        f"to train it further, give --rl.steps above {reached}; for a new run, another "
+        "--job.output_dir"
+    )
+    return True
+
+
+def check_resume_step(cfg: RLConfig, reached: int) -> None:
+    """A run that resumes at step `reached` must have steps left to run.
+
+    Raises:
+        ValueError: `reached` is rl.steps (the run is finished) or past it."""
+    where = f"job.output_dir {cfg.job.output_dir} holds a run at step {reached}"
+    if reached > cfg.rl.steps:
+        raise ValueError(
+            f"{where}, past rl.steps={cfg.rl.steps}: a resume goes on to a later step; give "
+            f"--rl.steps above {reached} to continue it, or another --job.output_dir"
+        )
+    if reached == cfg.rl.steps:
+        raise ValueError(
+            f"{where}, its last (rl.steps={cfg.rl.steps}): the run is finished; give "
+            f"--rl.steps above {reached} to continue it, or another --job.output_dir"
+        )
 
 
 def summary_line(s: dict[str, Any]) -> str:

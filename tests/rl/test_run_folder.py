@@ -4,6 +4,7 @@ goes on, and a fresh run in a folder holding an earlier run's metrics."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -110,3 +111,49 @@ def test_the_run_folder_checks_in_process(tmp_path):
     cfg.rl.steps = 2
     with pytest.raises(ValueError, match="the run is finished"):
         check_resume_step(cfg, 2)  # a trainer role started on its own, at its last step
+
+
+def _step(step: int, **kw) -> dict:
+    record = {
+        "step": step,
+        "reward_mean": 0.5,
+        "reward_std": 0.25,
+        "response_len_mean": 40.0,
+        "entropy": 0.8,
+        "clip_frac": 0.0,
+        "groups_dropped": 3,
+        "groups": 16,
+        "tokens_per_s_gen": 900.0,
+        "tokens_per_s_train": 1200.0,
+        "sync_trainer_s": 0.01,
+        "sync_generator_s": 0.02,
+        "gen_s": 6.0,
+        "train_s": 2.5,
+        "elapsed_s": 9.0 * step,
+    }
+    return record | kw
+
+
+def test_the_step_line_says_what_it_dropped_and_the_first_step_its_time(tmp_path):
+    from tidal.rl.report import Report
+
+    cfg = RLConfig()
+    cfg.job.output_dir, cfg.rl.steps, cfg.metrics.plot = str(tmp_path), 50, False
+    lines: list[str] = []
+    report = Report(cfg, first_step=0, resumed=False, log=lines.append)
+    report.log(_step(1))
+    report.log(_step(2))
+    report.close()
+    assert "dropped 3/16 groups (all-same reward)" in lines[0]
+    assert lines[1] == (
+        "step 1 took 9.0s (generation 6.0s, training 2.5s); the 49 steps left: about 7 min at "
+        "that pace, evaluations apart"
+    )
+    assert len(lines) == 3 and "took" not in lines[2]  # the first step only
+
+    cfg.loss = dataclasses.replace(cfg.loss, drop_equal_groups=False)  # the line omits it
+    lines.clear()
+    report = Report(cfg, first_step=0, resumed=False, log=lines.append)
+    report.log(_step(1, groups_dropped=0))
+    report.close()
+    assert "dropped" not in lines[0]

@@ -87,12 +87,18 @@ class Report:
             self.grader_errors += record.get("grader_errors", 0)
             steps = self.cfg.rl.steps
             kl = f" kl {record['kl']:.4f}" if record.get("kl") is not None else ""
+            # Dynamic sampling (loss.drop_equal_groups): a group whose samples all got the
+            # same reward has zero advantages, so it is not trained on.
+            dropped = (
+                f"dropped {record['groups_dropped']}/{record['groups']} groups (all-same reward) "
+                if self.cfg.loss.drop_equal_groups
+                else ""
+            )
             line = (
                 f"step {record['step']:>4}/{steps} reward {record['reward_mean']:.3f} "
                 f"(std {record['reward_std']:.3f}) len {record['response_len_mean']:.0f} "
                 f"entropy {_num(record['entropy'])}{kl} clip {_num(record['clip_frac'])} "
-                f"dropped {record['groups_dropped']}/{record['groups']} "
-                f"gen {record['tokens_per_s_gen']:,.0f} tok/s train "
+                f"{dropped}gen {record['tokens_per_s_gen']:,.0f} tok/s train "
                 f"{record['tokens_per_s_train']:,.0f} tok/s sync "
                 f"{1000 * record['sync_trainer_s']:.0f}/{1000 * record['sync_generator_s']:.0f}ms"
             )
@@ -109,6 +115,8 @@ class Report:
                     f" | grader raised {record['grader_errors']}x: {record.get('grader_error', '')}"
                 )
         self.logger.log(record, line)
+        if len(self.steps) == 1 and "eval_pass1" not in record:
+            self.log_line(first_step_line(record, self.cfg.rl.steps))
 
     def finish(self) -> dict[str, Any]:
         """The summary line and rl.png; returns the summary's numbers."""
@@ -133,6 +141,21 @@ class Report:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def first_step_line(record: dict[str, Any], steps: int) -> str:
+    """How long this run's first step took (from the loop's start: the first publish, the
+    rollouts, the update) and the time the steps left would take at that pace."""
+    seconds, left = record["elapsed_s"], steps - record["step"]
+    line = (
+        f"step {record['step']} took {seconds:.1f}s (generation {record['gen_s']:.1f}s, "
+        f"training {record['train_s']:.1f}s)"
+    )
+    if left > 0:
+        rest = seconds * left
+        pace = f"{rest / 60:.0f} min" if rest >= 120 else f"{rest:.0f}s"
+        line += f"; the {left} steps left: about {pace} at that pace, evaluations apart"
+    return line
 
 
 def summarize(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:

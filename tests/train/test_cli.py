@@ -233,7 +233,13 @@ def test_launched_ranks_report_one_error_once(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     import os
 
-    env.update({k: os.environ[k] for k in ("HOME", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ})
+    env.update(
+        {
+            k: os.environ[k]
+            for k in ("HOME", "PYTHONPATH", "VIRTUAL_ENV", "TIDAL_CACHE_DIR")
+            if k in os.environ
+        }
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr

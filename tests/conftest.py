@@ -1,7 +1,28 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+USER_CACHE_DIR = Path(os.environ.get("TIDAL_CACHE_DIR") or "~/.cache/tidal").expanduser()
+"""The user's tidal cache as it was before the tests set their own: read, never written, by
+the tests of fetched models (SmolLM2), which skip or fetch into a temporary folder without."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_tidal_cache(tmp_path_factory):
+    """Tests never write to the user's cache: every test of the session, and every process a
+    test starts with this environment, gets a temporary tidal cache through TIDAL_CACHE_DIR
+    (the default of `data.cache_dir`, `policy.cache_dir` and `tidal fetch --cache-dir`). One
+    folder for the session, so a tokenizer a test trains from the default cache is trained
+    once; a test that needs an empty cache passes its own `cache_dir`."""
+    previous = os.environ.get("TIDAL_CACHE_DIR")
+    os.environ["TIDAL_CACHE_DIR"] = str(tmp_path_factory.mktemp("tidal_home_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TIDAL_CACHE_DIR", None)
+    else:
+        os.environ["TIDAL_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@
     tidal generate --config NAME|--hf DIR|--checkpoint DIR --prompt TEXT [--n N] [--json] ...
     tidal convert hf-to-dcp|dcp-to-hf|dcp-to-dcp SRC DST [--flavor NAME] [--layout L] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
-    tidal configs | tidal models
+    tidal configs | tidal models   (configs: the training and the RL ones, labeled)
     tidal rl [trainer|generator] --config NAME [--nproc N] [--store tcp://HOST:PORT] ...
     tidal store serve|volume|ls ...
 
@@ -14,6 +14,9 @@ Environment variables read here: TIDAL_CACHE_DIR sets the default of `data.cache
 (through `DistInfo.from_env`) place a `tidal train` process. Below the command line only
 `tidal.store.connect()` reads any: TIDAL_STORE, TIDAL_STORE_TOKEN and TIDAL_STORE_TRANSPORT
 when no address or transport is passed.
+
+A reader that goes away before the output ends (`tidal models | head`) ends any command
+quietly with exit status 141 (`main`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 _LAUNCHED = "TIDAL_LAUNCHED"  # set by `tidal train --nproc` for the ranks it starts
@@ -398,11 +402,19 @@ def _convert(argv: list[str]) -> int:
 
 
 def _configs(argv: list[str]) -> int:
+    """The named configs, in two labeled lists: `tidal train`'s and `tidal rl`'s."""
+    from tidal.rl.configs import RL_CONFIGS
     from tidal.train.configs import CONFIGS
 
-    width = max(map(len, CONFIGS), default=0)
-    for name, fn in sorted(CONFIGS.items()):
-        print(f"{name:{width}s}  {first_sentence(fn.__doc__ or '')}")
+    groups: list[tuple[str, dict[str, Callable[[], object]]]] = [
+        ("training configs (tidal train --config NAME):", dict(CONFIGS)),
+        ("RL configs (tidal rl --config NAME):", dict(RL_CONFIGS)),
+    ]
+    width = max(map(len, [*CONFIGS, *RL_CONFIGS]), default=0)
+    for i, (title, configs) in enumerate(groups):
+        print(("\n" if i else "") + title)
+        for name, fn in sorted(configs.items()):
+            print(f"  {name:{width}s}  {first_sentence(fn.__doc__ or '')}")
     return 0
 
 
@@ -457,7 +469,7 @@ COMMANDS = {
     "generate": (_generate, "sample completions (seed init, a Hugging Face folder, a checkpoint)"),
     "convert": (_convert, "convert a model: hf-to-dcp, dcp-to-hf or dcp-to-dcp"),
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
-    "configs": (_configs, "list the named training configs"),
+    "configs": (_configs, "list the named configs (training and RL)"),
     "models": (_models, "list the model flavors and their parameter counts"),
     "rl": (_rl, "RL post-training: trainer and generators coupled by the store"),
     "store": (_store, "run or inspect a tidal.store service (serve, volume, ls)"),
@@ -465,7 +477,23 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run one command; returns its exit status. A reader that goes away before the output
+    ends (`tidal models | head`) ends the command quietly with status 141 (128 + SIGPIPE, what
+    a shell reports for a tool stopped by the closed pipe), not with a traceback."""
+    try:
+        code = _dispatch(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # the last buffered lines meet a closed pipe here, inside the try
+        return code
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's final flush of what is still
+        # buffered does not fail again ("Exception ignored ... BrokenPipeError").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def _dispatch(argv: list[str]) -> int:
     commands = COMMANDS
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: tidal COMMAND [ARGS]\n\ncommands:")

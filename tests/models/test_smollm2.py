@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from tests.conftest import USER_CACHE_DIR
 from tidal.models import load_hf, save_hf
 from tidal.train.data.fetch import SMOLLM2_MEMBER, SMOLLM2_WHEEL, fetch_smollm2, smollm2_dir
 
@@ -34,9 +35,8 @@ GENERATE = json.loads((Path(__file__).parent / "data" / "smollm2_generate.json")
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Iterator[Path]:
-    default_cache = Path(os.environ.get("TIDAL_CACHE_DIR") or "~/.cache/tidal").expanduser()
-    if (default_cache / "models" / "smollm2-135m").is_dir():
-        yield smollm2_dir(default_cache)  # raises if that fetch never completed
+    if (USER_CACHE_DIR / "models" / "smollm2-135m").is_dir():
+        yield smollm2_dir(USER_CACHE_DIR)  # raises if that fetch never completed
         return
     cache = tmp_path_factory.mktemp("smollm2_cache")
     yield fetch_smollm2(cache, log=lambda _: None)

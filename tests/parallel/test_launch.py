@@ -68,5 +68,12 @@ def test_nproc_launch_trains_and_logs_once(tmp_path, text_corpus, cache_dir):
 def _python_env():
     import os
 
-    keep = ("HOME", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "TORCHINDUCTOR_CACHE_DIR")
+    keep = (
+        "HOME",
+        "PYTHONPATH",
+        "VIRTUAL_ENV",
+        "TMPDIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TIDAL_CACHE_DIR",
+    )
     return {k: os.environ[k] for k in keep if k in os.environ}

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import USER_CACHE_DIR
 from tests.rl.loop_configs import tiny
 from tests.rl.test_loop import CONFIG, records, tidal_rl
 from tidal.models import Transformer, get_flavor, load_hf, save_hf
@@ -127,8 +127,7 @@ def test_a_hugging_face_folder_without_a_tokenizer_fails_before_any_role_starts(
     assert "trainer:" not in r.stdout and "generator 0: on" not in r.stdout
 
 
-SMOLLM2 = Path(os.environ.get("TIDAL_CACHE_DIR", "~/.cache/tidal")).expanduser() / "models"
-SMOLLM2 = SMOLLM2 / "smollm2-135m"
+SMOLLM2 = USER_CACHE_DIR / "models" / "smollm2-135m"
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,7 +123,11 @@ def test_sampler_benchmark_smoke():
             "2",
         ],
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "TIDAL_CACHE_DIR": os.environ["TIDAL_CACHE_DIR"],
+        },
         capture_output=True,
         text=True,
         timeout=120,

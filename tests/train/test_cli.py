@@ -150,12 +150,23 @@ def test_config_from_a_module_or_a_file(tmp_path: Path, capsys, monkeypatch) -> 
 
 
 def test_every_named_config_has_a_description(capsys) -> None:
+    """`tidal configs` lists the training configs, then the RL configs, each list under its
+    label, each config with its description."""
+    from tidal.rl.configs import RL_CONFIGS
+
     assert main(["configs"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(CONFIGS)
-    for line in lines:
-        name, _, doc = line.partition(" ")
-        assert doc.strip(), f"config {name} has no docstring"
+    out = capsys.readouterr().out
+    train, _, rl = out.partition("\n\n")
+    for block, title, configs in [
+        (train, "training configs (tidal train --config NAME):", CONFIGS),
+        (rl, "RL configs (tidal rl --config NAME):", RL_CONFIGS),
+    ]:
+        head, *lines = block.splitlines()
+        assert head == title
+        assert [line.split()[0] for line in lines] == sorted(configs)
+        for line in lines:
+            name, _, doc = line.strip().partition(" ")
+            assert doc.strip(), f"config {name} has no docstring"
 
 
 def test_a_run_says_what_it_does_and_where_it_wrote(
@@ -222,7 +233,13 @@ def test_launched_ranks_report_one_error_once(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     import os
 
-    env.update({k: os.environ[k] for k in ("HOME", "PYTHONPATH", "VIRTUAL_ENV") if k in os.environ})
+    env.update(
+        {
+            k: os.environ[k]
+            for k in ("HOME", "PYTHONPATH", "VIRTUAL_ENV", "TIDAL_CACHE_DIR")
+            if k in os.environ
+        }
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
@@ -242,3 +259,23 @@ def test_an_interrupt_in_set_up_is_reported_once_per_job(monkeypatch, capsys, ra
     monkeypatch.setenv("RANK", rank)
     assert cli._train([]) == 130
     assert ("tidal train: interrupted" in capsys.readouterr().err) == printed
+
+
+@pytest.mark.parametrize(
+    "argv", [["models"], ["train", "--help"], ["rl", "--help"]], ids=["models", "train", "rl"]
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> None:
+    """`tidal models | head`: the reader closes the pipe before the output ends. The command
+    stops with status 141 (128 + SIGPIPE, as other tools) and no traceback. The read end is
+    closed before the command writes anything, so every write meets a closed pipe."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidal", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == "", err

@@ -545,3 +545,30 @@ def test_corrupt_token_cache_is_rebuilt(tmp_path):
     again = encode_split(docs, tok, tmp_path, name="train", log=lines.append)
     assert "unreadable" in lines[0] and "rebuilding" in lines[0]
     assert np.array_equal(np.asarray(again.tokens), np.asarray(first.tokens))
+
+
+def test_the_default_cache_follows_tidal_cache_dir(monkeypatch, tmp_path) -> None:
+    """The default cache of `data.cache_dir`, `policy.cache_dir` and `tidal fetch` is
+    $TIDAL_CACHE_DIR, else ~/.cache/tidal: the tests set it (tests/conftest.py), so neither
+    they nor the processes they start write to the user's cache."""
+    import argparse
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import USER_CACHE_DIR
+    from tidal.rl.config import PolicyConfig
+    from tidal.train.data.fetch import add_fetch_arguments
+
+    session = os.environ["TIDAL_CACHE_DIR"]
+    assert Path(session).expanduser() != USER_CACHE_DIR
+    assert DataConfig().cache_dir == PolicyConfig().cache_dir == session
+    code = "from tidal.train.data import DataConfig; print(DataConfig().cache_dir)"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.stdout.strip() == session, child.stderr
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_fetch_arguments(parser)
+    assert parser.parse_args(["shakespeare"]).cache_dir == str(tmp_path)
+    monkeypatch.delenv("TIDAL_CACHE_DIR")
+    assert DataConfig().cache_dir == "~/.cache/tidal"

@@ -22,11 +22,21 @@ with the token count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+
+# The gather whose backward reduce-scatters. Recent torch (2.13) names it
+# all_gather_single_autograd and warns (FutureWarning) on each call of the old
+# all_gather_tensor_autograd, now an alias of it; releases before the rename have only the old
+# name, so the new one is taken where it exists.
+_all_gather_autograd: Callable[..., torch.Tensor] = getattr(
+    funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd
+)
 
 
 class ContextParallel:
@@ -110,8 +120,8 @@ class CPAttention:
 
     def attend(self, q_BHTK, k_BGTK, v_BGTK) -> torch.Tensor:
         group = self.cp.mesh.get_group()
-        k_BGSK = all_gather_tensor_autograd(k_BGTK.contiguous(), 2, group)
-        v_BGSK = all_gather_tensor_autograd(v_BGTK.contiguous(), 2, group)
+        k_BGSK = _all_gather_autograd(k_BGTK.contiguous(), 2, group)
+        v_BGSK = _all_gather_autograd(v_BGTK.contiguous(), 2, group)
         if self.kind == "flex":
             from torch.nn.attention.flex_attention import flex_attention
 

@@ -25,6 +25,7 @@ from tidal.train.config import (
     OptimizerConfig,
     SchedulerConfig,
 )
+from tidal.train.data.config import default_cache_dir
 
 INIT_KINDS = ("sft", "checkpoint", "hf", "seed")
 
@@ -54,8 +55,9 @@ class PolicyConfig:
     sft_overrides: str = ""
     """For sft:NAME, overrides of that training config as section.field=value words
     ("training.steps=200 optimizer.lr=2e-3"); they are part of the cache key."""
-    cache_dir: str = "~/.cache/tidal"
-    """tidal's cache: cached SFT warm starts (<cache_dir>/warmstart), BPE tokenizers, data."""
+    cache_dir: str = field(default_factory=default_cache_dir)
+    """tidal's cache: cached SFT warm starts (<cache_dir>/warmstart), BPE tokenizers, data
+    (default: $TIDAL_CACHE_DIR, else ~/.cache/tidal)."""
 
     def __post_init__(self) -> None:
         kind = self.init.partition(":")[0]

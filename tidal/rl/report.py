@@ -3,6 +3,10 @@ TensorBoard when enabled, and at the end rl.png with a summary line.
 
 Lifecycle: the trainer's rank 0 makes one `Report`, passes `report.log` to the loop (one
 record per step, one per evaluation), and calls `finish()` then `close()`.
+
+Before any role starts, `tidal rl` reads the run folder (`check_run_folder`): a finished run
+there is reported from its metrics.jsonl (nothing runs, nothing is overwritten), and a resume
+to a step the run already reached is refused with one line.
 """
 
 from __future__ import annotations
@@ -83,12 +87,18 @@ class Report:
             self.grader_errors += record.get("grader_errors", 0)
             steps = self.cfg.rl.steps
             kl = f" kl {record['kl']:.4f}" if record.get("kl") is not None else ""
+            # Dynamic sampling (loss.drop_equal_groups): a group whose samples all got the
+            # same reward has zero advantages, so it is not trained on.
+            dropped = (
+                f"dropped {record['groups_dropped']}/{record['groups']} groups (all-same reward) "
+                if self.cfg.loss.drop_equal_groups
+                else ""
+            )
             line = (
                 f"step {record['step']:>4}/{steps} reward {record['reward_mean']:.3f} "
                 f"(std {record['reward_std']:.3f}) len {record['response_len_mean']:.0f} "
                 f"entropy {_num(record['entropy'])}{kl} clip {_num(record['clip_frac'])} "
-                f"dropped {record['groups_dropped']}/{record['groups']} "
-                f"gen {record['tokens_per_s_gen']:,.0f} tok/s train "
+                f"{dropped}gen {record['tokens_per_s_gen']:,.0f} tok/s train "
                 f"{record['tokens_per_s_train']:,.0f} tok/s sync "
                 f"{1000 * record['sync_trainer_s']:.0f}/{1000 * record['sync_generator_s']:.0f}ms"
             )
@@ -105,31 +115,18 @@ class Report:
                     f" | grader raised {record['grader_errors']}x: {record.get('grader_error', '')}"
                 )
         self.logger.log(record, line)
+        if len(self.steps) == 1 and "eval_pass1" not in record:
+            self.log_line(first_step_line(record, self.cfg.rl.steps))
 
     def finish(self) -> dict[str, Any]:
         """The summary line and rl.png; returns the summary's numbers."""
-        evals = sorted(self.evals.items())
-        summary: dict[str, Any] = {"steps": len(self.steps), "grader_errors": self.grader_errors}
-        if evals:
-            (v0, first), (v1, last) = evals[0], evals[-1]
-            summary.update(
-                pass1_before=first["eval_pass1"],
-                pass1_after=last["eval_pass1"],
-                version_before=v0,
-                version_after=v1,
-            )
-        if self.steps:
-            # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
-            k = max(1, min(10, len(self.steps) // 2))
-            summary["reward_window"] = k
-            summary["reward_first"] = fmean(r["reward_mean"] for r in self.steps[:k])
-            summary["reward_last"] = fmean(r["reward_mean"] for r in self.steps[-k:])
-            summary["elapsed_s"] = self.steps[-1]["elapsed_s"]
+        evals = [r for _, r in sorted(self.evals.items())]
+        summary = summarize(self.steps, evals)
         text = summary_line(summary)
         if self.cfg.metrics.plot:
             path = self.dir / "rl.png"
             title = f"{self.cfg.job.name}: " + text.replace("; ", "\n")
-            plot(self.steps, [r for _, r in evals], path, title=title)
+            plot(self.steps, evals, path, title=title)
             summary["plot"] = str(path)
         self.log_line(text)
         if "plot" in summary:
@@ -144,6 +141,111 @@ class Report:
 
     def close(self) -> None:
         self.logger.close()
+
+
+def first_step_line(record: dict[str, Any], steps: int) -> str:
+    """How long this run's first step took (from the loop's start: the first publish, the
+    rollouts, the update) and the time the steps left would take at that pace."""
+    seconds, left = record["elapsed_s"], steps - record["step"]
+    line = (
+        f"step {record['step']} took {seconds:.1f}s (generation {record['gen_s']:.1f}s, "
+        f"training {record['train_s']:.1f}s)"
+    )
+    if left > 0:
+        rest = seconds * left
+        pace = f"{rest / 60:.0f} min" if rest >= 120 else f"{rest:.0f}s"
+        line += f"; the {left} steps left: about {pace} at that pace, evaluations apart"
+    return line
+
+
+def summarize(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's numbers from a run's step records and its evaluation records (in step
+    order): pass@1 at the first and last evaluation, the reward at both ends, the time."""
+    summary: dict[str, Any] = {
+        "steps": len(steps),
+        "grader_errors": sum(r.get("grader_errors", 0) for r in steps),
+    }
+    if evals:
+        first, last = evals[0], evals[-1]
+        summary.update(
+            pass1_before=first["eval_pass1"],
+            pass1_after=last["eval_pass1"],
+            version_before=first["step"],
+            version_after=last["step"],
+        )
+    if steps:
+        # A step's reward is noisy (16 prompts): the ends are means over up to 10 steps.
+        k = max(1, min(10, len(steps) // 2))
+        summary["reward_window"] = k
+        summary["reward_first"] = fmean(r["reward_mean"] for r in steps[:k])
+        summary["reward_last"] = fmean(r["reward_mean"] for r in steps[-k:])
+        summary["elapsed_s"] = steps[-1]["elapsed_s"]
+    return summary
+
+
+def check_run_folder(cfg: RLConfig, *, log: Log = print) -> bool:
+    """What `job.output_dir` allows this run, decided before any role starts, from the folder
+    alone: its newest complete policy checkpoint is the step a run there resumes from. Returns
+    True for a run already finished there (step rl.steps reached): its figures are printed from
+    its metrics.jsonl, and nothing runs or is overwritten. False: this run starts, fresh or
+    resuming.
+
+    Raises:
+        ValueError: the folder is a file, cannot be created or is in use by another run; it
+            holds an earlier run that this one cannot resume (no checkpoints); or its run
+            already passed rl.steps (a resume goes on to a later step only).
+    """
+    from tidal.train.checkpoint.layout import scan
+    from tidal.train.checkpoint.plan import checkpoint_folder
+    from tidal.train.config import CheckpointConfig
+    from tidal.train.run_folder import RunLock, check_fresh, check_output_dir, read_records
+
+    out = check_output_dir(cfg.job.output_dir)
+    RunLock(out).release()  # another run still writing here: RunFolderError, naming it
+    reached = None
+    if cfg.checkpoint.enable:
+        # The trainer's own checkpoint folder (trainer_config keeps the default folder).
+        done = scan(checkpoint_folder(CheckpointConfig(), out)).complete
+        reached = max(done, default=None)
+    check_fresh(out, resuming=reached is not None, checkpointing=cfg.checkpoint.enable)
+    if reached is None or reached < cfg.rl.steps:
+        return False
+    if reached > cfg.rl.steps:
+        check_resume_step(cfg, reached)  # raises, naming both steps
+    records = read_records(out)
+    steps = [r for r in records if "reward_mean" in r]
+    evals = sorted((r for r in records if "eval_pass1" in r), key=lambda r: r["step"])
+    log(
+        f"tidal rl: the run in {out} is finished (step {reached} of rl.steps={cfg.rl.steps}); "
+        "nothing to run, nothing overwritten. Its figures:"
+    )
+    log(summary_line(summarize(steps, evals)))
+    if (out / "rl.png").is_file():
+        log(f"plot: {out / 'rl.png'}")
+    log(f"metrics: {out / 'metrics.jsonl'}")
+    log(
+        f"to train it further, give --rl.steps above {reached}; for a new run, another "
+        "--job.output_dir"
+    )
+    return True
+
+
+def check_resume_step(cfg: RLConfig, reached: int) -> None:
+    """A run that resumes at step `reached` must have steps left to run.
+
+    Raises:
+        ValueError: `reached` is rl.steps (the run is finished) or past it."""
+    where = f"job.output_dir {cfg.job.output_dir} holds a run at step {reached}"
+    if reached > cfg.rl.steps:
+        raise ValueError(
+            f"{where}, past rl.steps={cfg.rl.steps}: a resume goes on to a later step; give "
+            f"--rl.steps above {reached} to continue it, or another --job.output_dir"
+        )
+    if reached == cfg.rl.steps:
+        raise ValueError(
+            f"{where}, its last (rl.steps={cfg.rl.steps}): the run is finished; give "
+            f"--rl.steps above {reached} to continue it, or another --job.output_dir"
+        )
 
 
 def summary_line(s: dict[str, Any]) -> str:

@@ -261,7 +261,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
 
     from tidal.parallel.launch import DistInfo
     from tidal.rl.loop import TrainerSide, train_loop
-    from tidal.rl.report import Report
+    from tidal.rl.report import Report, check_resume_step
     from tidal.train.data import DataBundle
     from tidal.train.trainer import Trainer
 
@@ -283,6 +283,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
     members: Members | None = None
     try:
         first = trainer.step
+        check_resume_step(cfg, first)  # a role started on its own: `tidal rl` checked this
         barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
         if main:
             _clear_run(store)
@@ -606,9 +607,12 @@ def launch_local(
     docstring). `role_argv` is the config's command line (`--config NAME` and overrides),
     repeated for each role. Returns the exit status."""
     import tidal.store
+    from tidal.rl.report import check_run_folder
 
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if check_run_folder(cfg, log=log):  # finished there: its figures printed, nothing to run
+        return 0
     src = check_rl_job(cfg, log=log)
     if cfg.rl.mps and generator_device(cfg).type != "cuda":
         raise ValueError(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ from tidal.train.config import Config
 from tidal.train.data import Tokenizer
 from tidal.train.float8 import check_float8
 from tidal.train.metrics import WANDB_MISSING, has_module
+from tidal.train.run_folder import check_output_dir
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -65,17 +65,7 @@ def check_job(
         batch_size=cfg.training.batch_size,
         model_name=f"model.flavor {cfg.model.flavor!r}",
     )
-    out = Path(cfg.job.output_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"job.output_dir {str(out)!r} is a file; it must be a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"job.output_dir {str(out)!r} cannot be created: {e.strerror or e}"
-        ) from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise ValueError(f"job.output_dir {str(out)!r} is not writable")
+    check_output_dir(cfg.job.output_dir)
     t = cfg.training
     if t.batch_invariant:
         blockers = {

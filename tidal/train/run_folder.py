@@ -1,5 +1,7 @@
 """The run folder (`job.output_dir`) across restarts, and Ctrl-C that stops after a step.
 
+- `check_output_dir`: the folder is a directory this process can write (created if missing);
+  the first check of `tidal train` and of `tidal rl`, before anything else runs.
 - One run at a time: rank 0 holds an exclusive `flock` on `<output_dir>/.lock` for the run's
   lifetime (the kernel drops it when the process ends, even by SIGKILL), so two runs never
   write the same metrics.jsonl or checkpoints. The lock file names the holder (host, pid,
@@ -37,6 +39,27 @@ LOCK = ".lock"
 
 class RunFolderError(ValueError):
     """The output folder is in use or holds another run."""
+
+
+def check_output_dir(output_dir: str | Path) -> Path:
+    """`job.output_dir` as a directory this process can write, created if missing (with its
+    parents). Shared by `tidal train` and `tidal rl`, whose errors name the same field.
+
+    Raises:
+        ValueError: the path is a file, cannot be created, or is not writable.
+    """
+    out = Path(output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"job.output_dir {str(out)!r} is a file; it must be a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"job.output_dir {str(out)!r} cannot be created: {e.strerror or e}"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"job.output_dir {str(out)!r} is not writable")
+    return out
 
 
 class RunLock:
@@ -102,6 +125,29 @@ def check_fresh(output_dir: str | Path, *, resuming: bool, checkpointing: bool) 
         f"job.output_dir {output_dir} holds an earlier run ({METRICS} has {lines} records); "
         f"{how}. Choose another --job.output_dir or delete the folder"
     )
+
+
+def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of `output_dir/metrics.jsonl` as the run stands: a resume event at step N
+    drops the earlier records of later steps (the resumed run wrote them again); the events
+    themselves, blank lines and a last line cut short by a killed run are left out. [] when
+    there is no metrics.jsonl."""
+    path = Path(output_dir) / METRICS
+    if not path.is_file():
+        return []
+    out: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "resume":
+            out = [r for r in out if r.get("step", 0) <= record["step"]]
+        elif "event" not in record:
+            out.append(record)
+    return out
 
 
 class StopOnInterrupt:

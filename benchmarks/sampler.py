@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.rl.sampling import _truncate, gumbel_noise, log_softmax, sample
+from tidal.generate.sampler import gumbel_noise, log_softmax, sample, truncate_logits
 
 
 def plain_sample(
@@ -56,7 +56,7 @@ def plain_sample(
     is_greedy_B = temperature_B <= 0
     scaled_BV = logits_BV / torch.where(is_greedy_B, 1.0, temperature_B)[:, None]
     if truncate:
-        scaled_BV = _truncate(scaled_BV, top_k_B, top_p_B)
+        scaled_BV = truncate_logits(scaled_BV, top_k_B, top_p_B)
     top_B1 = scaled_BV.amax(dim=-1, keepdim=True)
     scaled_BV = scaled_BV.masked_fill((scaled_BV - top_B1) < torch.log(min_p_B)[:, None], -math.inf)
     noise_BV = gumbel_noise(keys_B, steps_B, logits_BV.shape[-1])

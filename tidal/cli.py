@@ -160,11 +160,10 @@ def _train_command(argv: list[str]) -> int:
             return fail(e)
         return _launch(args.nproc, argv)
 
-    from tidal.rl.sampling import sample_text  # the end-of-run sample: the RL generator
     from tidal.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, dist_info=dist_info, sampler=sample_text)
+        trainer = Trainer(cfg, dist_info=dist_info, sampler=sample_text)  # the engine
     except (ValueError, FileNotFoundError, ImportError) as e:
         return fail(e)
     out = Path(cfg.job.output_dir)
@@ -190,6 +189,37 @@ def _train_command(argv: list[str]) -> int:
         ]
         print(f"wrote {' and '.join(wrote)}" if wrote else f"nothing written to {out}")
     return 130 if last.get("interrupted") else 0
+
+
+def sample_text(
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+) -> str:
+    """One continuation of `prompt_ids` by the Generator (eager, batch of one, stopping at the
+    tokenizer's EOS), as text: the end-of-run sample of `tidal train`. Run it under the
+    model's autocast, in eval mode.
+
+    Example::
+
+        text = sample_text(model, tok, [tok.bos_id] + tok.encode("ROMEO:"), max_new_tokens=40,
+                           temperature=0.8, top_k=50, seed=0)
+    """
+    from tidal.generate import Generator, GeneratorConfig, SamplingParams
+
+    config = GeneratorConfig(
+        max_batch=1, max_seq_len=len(prompt_ids) + max_new_tokens, compile=False, cuda_graphs=False
+    )
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed
+    )
+    gen = Generator(model, tokenizer=tokenizer, config=config)
+    return gen.generate([prompt_ids], params)[0][0].text or ""
 
 
 def _report_first_step(trainer) -> None:
@@ -445,7 +475,7 @@ def _models(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    from tidal.rl.cli import main as generate_main
+    from tidal.generate.cli import main as generate_main
 
     if os.environ.get("TIDAL_CACHE_DIR"):
         argv = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *argv]

@@ -163,7 +163,7 @@ def test_generator_greedy_matches_transformers_generate(model):
     """tidal's Generator (CPU, fp32, KV cache, all prompts in one ragged batch) against
     transformers' greedy `generate` of each prompt alone, token for token, stopping at
     config.json's eos_token_id as transformers does."""
-    from tidal.rl import Generator, GeneratorConfig, SamplingParams
+    from tidal.generate import Generator, GeneratorConfig, SamplingParams
 
     samples = GENERATE["samples"]
     gen = Generator(model, config=GeneratorConfig(max_batch=len(samples), max_seq_len=128))

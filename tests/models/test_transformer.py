@@ -135,7 +135,7 @@ def test_compiled_blocks_marked_dynamic_compile_once_for_every_batch():
     dynamic shapes alone compile batch 8 static, recompile dynamic at 4 and specialize 1
     (three graphs, the second one inside whatever step first meets a second size). With the
     batch dimension of what a forward hands the blocks marked dynamic (`maybe_mark_dynamic`,
-    as tidal/rl/warmup.py's compiled blocks do), the first graph is the dynamic one: two
+    as tidal/generate/compiled.py's compiled blocks do), the first graph is the dynamic one: two
     graphs, batch 1 the other."""
     import functools
 

@@ -177,7 +177,7 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    import tidal.rl.generate
+    import tidal.generate.generator
     import tidal.rl.staging
     import tidal.store.client
 
@@ -229,7 +229,7 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
             Path(folder) / f"generator{index}-rank{r}-v{v}.pt",
         )
 
-    generate = tidal.rl.generate.Generator.generate
+    generate = tidal.generate.generator.Generator.generate
 
     def generate_and_write(self, prompts, params=None):
         if self.version is not None:  # every rank of a generator generates together
@@ -262,7 +262,7 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
             where[0] = "in flight"
 
     tidal.store.client.Store.put_state_dict_async = put_state_dict_async  # type: ignore[method-assign]
-    tidal.rl.generate.Generator.generate = generate_and_write  # type: ignore[method-assign]
+    tidal.generate.generator.Generator.generate = generate_and_write  # type: ignore[method-assign]
     Stager.start = start_and_write  # type: ignore[method-assign]
     Stager.swap = swap_and_write  # type: ignore[method-assign]
     Stager.at_batch_start = at_batch_start_and_write  # type: ignore[method-assign]

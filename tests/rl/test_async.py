@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tidal.store
-from tests.rl.conftest import tiny_model
+from tests.generate.conftest import tiny_model
 from tests.rl.test_loop import CONFIG, records, tidal_rl
-from tidal.rl import Generator, GeneratorConfig, SamplingParams
+from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.rl.config import LoopConfig
 from tidal.rl.loss import LossConfig, policy_loss
 from tidal.rl.report import ASYNC_FIELDS

@@ -5,7 +5,7 @@ the training step's own forward, so every importance ratio is exactly 1.0."""
 import torch
 
 from tests.rl._trainer import no_data, rl_config
-from tidal.rl import Generator, GeneratorConfig, SamplingParams
+from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.rl.loss import LossConfig, group_advantages
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.tasks.base import Grade

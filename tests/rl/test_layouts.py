@@ -223,7 +223,7 @@ def _stagers_agree(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from tests.rl.conftest import tiny_model
+    from tests.generate.conftest import tiny_model
     from tidal.models import Transformer
     from tidal.rl.staging import Stager
 

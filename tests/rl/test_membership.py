@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tidal.store
-from tests.rl.conftest import tiny_model
+from tests.generate.conftest import tiny_model
 from tests.rl.loop_configs import tiny
 from tidal.rl.coupling import MEMBERS, Link, RoleStopped, left_key
 from tidal.rl.intake import first_batch

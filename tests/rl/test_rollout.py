@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import tidal.store
-from tests.rl.conftest import tiny_model
-from tidal.rl import (
+from tests.generate.conftest import tiny_model
+from tidal.generate import (
     Generator,
     GeneratorConfig,
     Sample,

@@ -19,7 +19,7 @@ from tests.rl._trainer import (
     reference_step,
     seed_model,
 )
-from tidal.rl import completion_logprobs
+from tidal.generate import completion_logprobs
 from tidal.rl.loss import LossConfig
 from tidal.rl.trainer_inputs import rollout_batches
 from tidal.train.loss import IGNORE_INDEX

@@ -1,5 +1,6 @@
-"""Dependency direction (DESIGN.md): tidal/train never imports tidal/rl, neither in its
-source nor when it runs (the end-of-run sampler is injected by `tidal train`)."""
+"""Dependency direction (DESIGN.md): tidal/train never imports tidal/rl or the generation
+engine (tidal/generate), neither in its source nor when it runs (the end-of-run sample is
+`tidal train`'s, after the trainer's loop)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ trainer.train_step([batch], 32)
 trainer.train_step([batch], 32, loss=CrossEntropy())
 trainer.logprobs(batch)
 trainer.close()
-loaded = sorted(m for m in sys.modules if m == "tidal.rl" or m.startswith("tidal.rl."))
+above = (["tidal", "rl"], ["tidal", "generate"])
+loaded = sorted(m for m in sys.modules if m.split(".")[:2] in above)
 print("RL MODULES", loaded)
 """
 

@@ -54,7 +54,7 @@ def small_config(tmp_path, text_corpus, cache_dir, *extra):
 
 
 def test_training_lowers_loss_and_writes_metrics(tmp_path, text_corpus, cache_dir, capsys):
-    from tidal.rl.sampling import sample_text  # what `tidal train` passes
+    from tidal.cli import sample_text  # what `tidal train` passes
 
     cfg = small_config(tmp_path, text_corpus, cache_dir)
     last = Trainer(cfg, sampler=sample_text).train()
@@ -246,8 +246,8 @@ def test_missing_data_file_is_a_clear_error(tmp_path, cache_dir):
 
 
 def test_sample_is_reproducible(tmp_path):
-    # The end-of-run sample goes through tidal.rl.Generator (tests/rl cover it in depth).
-    from tidal.rl import Generator, GeneratorConfig, SamplingParams
+    # The end-of-run sample goes through tidal.generate.Generator (tests/generate cover it).
+    from tidal.generate import Generator, GeneratorConfig, SamplingParams
 
     model = tiny_trainer(tmp_path).model.eval()
     gen = Generator(model, config=GeneratorConfig(max_batch=1, max_seq_len=32))

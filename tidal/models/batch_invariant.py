@@ -28,13 +28,13 @@ shape:
 autocast, replaces the ones above in the forward pass and lets the backward pass run the
 normal kernels (gradients need not be invariant). `Transformer.forward(...,
 batch_invariant=True)` enters it and switches attention to the chunked kernel; the trainer's
-scoring path (tidal.rl.logprobs) and the generator call the same forward.
+scoring path (tidal.generate.logprobs) and the generator call the same forward.
 
 Where this departs from the reference designs (Thinking Machines' batch_invariant_ops, which
 write persistent Triton kernels): plain PyTorch ops at fixed shapes, so the same code runs on
 CPU and CUDA, under autograd, inside CUDA graphs, and with tensor-parallel DTensors passed
 through untouched. The invariance then rests on a library computing a given shape the same
-way each time, which holds for MKL and ATen on CPU (tests/rl/test_batch_invariant.py checks
+way each time, which holds for MKL and ATen on CPU (tests/generate/test_batch_invariant.py checks
 bit equality) and for cuBLAS at a fixed shape, layout, alignment and workspace: every matmul
 call of the mode has one shape per weight (linear layers) or one shape in all (attention),
 whatever the batch, the sequence length or the number of queries (`-m gpu` checks bf16 on

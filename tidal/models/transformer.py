@@ -15,7 +15,7 @@ Both families share one block structure; the differences are flags on `ModelArgs
   a document-causal block mask for packed sequences when `attention="flex"`.
 - Generation: `forward` takes an optional `KVCache` (per-row lengths) and per-row positions,
   so a generator runs this same module over rows of different lengths (see
-  tidal/models/kv_cache.py and tidal/rl/generate.py). Each block gets its own layer's cache
+  tidal/models/kv_cache.py and tidal/generate/generator.py). Each block gets its own layer's cache
   and reads no layer index, so one compiled block serves every layer; `forward(blocks=...)`
   runs a generator's compiled copies of the blocks without changing the model.
 - Batch-invariant mode (`forward(..., batch_invariant=True)`): matmuls, norms and attention

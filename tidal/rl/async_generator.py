@@ -31,9 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.generate import Generator
 from tidal.rl.config import RLConfig
 from tidal.rl.coupling import EVAL, POLICY, Link, generator_name, rollouts_key, taken_key
-from tidal.rl.generate import Generator
 from tidal.rl.intake import first_batch
 from tidal.rl.layouts import follow_main
 from tidal.rl.loop import (

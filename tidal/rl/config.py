@@ -181,7 +181,7 @@ class TrainerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class GeneratorRoleConfig:
-    """The generator role: processes running tidal.rl.Generator and the task's grader."""
+    """The generator role: processes running tidal.generate.Generator and the task's grader."""
 
     count: int = 1
     """Generators `tidal rl` starts (on a cluster, one `tidal rl generator --index i` command

@@ -1,6 +1,6 @@
 """The RL loop, as short loops over library pieces: one per role (and per mode).
 
-    trainer (tidal/train Trainer)                     generator g (tidal.rl.Generator)
+    trainer (tidal/train Trainer)                     generator g (tidal.generate.Generator)
       put policy@v0                           ---->     wait policy@v0, load it in place
                                                         [g = 0: eval_pass1 of v0 -> eval@0]
       wait rollouts/<g>@1 from every g        <----     sample, grade -> rollouts/<g>@1
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from tidal.generate import Generator, Sample, SamplingParams
 from tidal.rl.config import RLConfig
 from tidal.rl.coupling import (
     EVAL,
@@ -51,12 +52,10 @@ from tidal.rl.coupling import (
     generator_name,
     rollouts_key,
 )
-from tidal.rl.generate import Generator, Sample
 from tidal.rl.intake import AsyncIntake, take_sync
 from tidal.rl.loss import group_advantages
 from tidal.rl.membership import Members, share_of
 from tidal.rl.rollout import RolloutBatch
-from tidal.rl.sampling import SamplingParams
 from tidal.rl.schedule import AsyncSchedule, make_schedule
 from tidal.rl.tasks.base import Grade, Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches

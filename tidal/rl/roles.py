@@ -382,9 +382,9 @@ def _why(e: BaseException, role: str) -> str:
 
 def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local_rank: int = 0):
     """The generator's model (its own copy, on its device and dtype; weights from the store)
-    wrapped in a tidal.rl.Generator; with a `tp` `mesh`, this rank's shard of it."""
+    wrapped in a tidal.generate.Generator; with a `tp` `mesh`, this rank's shard of it."""
+    from tidal.generate import Generator, GeneratorConfig
     from tidal.models.transformer import Transformer
-    from tidal.rl.generate import Generator, GeneratorConfig
 
     device, dtype = generator_device(cfg, local_rank), generator_dtype(cfg)
     with torch.device("meta"):
@@ -410,7 +410,7 @@ def warm_up_generator(gen: Any, cfg: RLConfig, index: int, *, log: Log) -> None:
     """Compile and capture now (`Generator.warm_up`) every decode bucket of the sampler
     variants generator `index` runs: its rollouts', and greedy for generator 0's held-out
     evaluations. Nothing is done where nothing is compiled or captured (CPU)."""
-    from tidal.rl.sampling import SamplingParams
+    from tidal.generate import SamplingParams
 
     r = cfg.rollout
     params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tidal.rl.generate import Sample
+from tidal.generate import Sample
 from tidal.rl.tasks.base import Grade
 
 SCHEMA = 1
@@ -247,7 +247,7 @@ class RolloutBatch:
 
     def completion_values(self, per_position: torch.Tensor) -> torch.Tensor:
         """[N, C] the completion tokens' entries of a per-position tensor [N, L - 1] computed
-        on `token_ids()`, such as `tidal.rl.logprobs(model, batch.token_ids())` (where column
+        on `token_ids()`, such as `tidal.generate.logprobs(model, batch.token_ids())` (where column
         j scores token j + 1); 0 at padding. Differentiable.
 
         Example::

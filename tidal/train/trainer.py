@@ -85,8 +85,8 @@ __all__ = [
 class Sampler(Protocol):
     """Generates the end-of-run sample: `sampler(model, tokenizer, prompt_ids,
     max_new_tokens=, temperature=, top_k=, seed=)` -> the continuation's text. `tidal train`
-    passes `tidal.rl.sampling.sample_text` (the RL generator); tidal.train never imports
-    tidal.rl (DESIGN.md: train does not depend on rl)."""
+    passes `tidal.cli.sample_text` (the generation engine); tidal.train never imports
+    tidal.generate."""
 
     def __call__(
         self,

@@ -1,5 +1,5 @@
 """What a Generator is built with, what it returns and what it counts: `GeneratorConfig`,
-`Sample` and `GeneratorStats` (the engine is tidal/rl/generate.py)."""
+`Sample` and `GeneratorStats` (the engine is tidal/generate/generator.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class GeneratorConfig:
     """Most (padded) prompt tokens per prefill forward; larger admissions are split."""
     batch_invariant: bool = False
     """Fixed reduction orders (tidal/models/batch_invariant.py): the reported log-probs are
-    bitwise those of `tidal.rl.logprobs(model, ..., batch_invariant=True)`. Slower."""
+    bitwise those of `tidal.generate.logprobs(model, ..., batch_invariant=True)`. Slower."""
     compile: bool | None = None
     """torch.compile the decode step and prefill. None: on for CUDA outside batch-invariant
     mode, for models without DTensor parameters (no FSDP or tensor parallel)."""

@@ -31,14 +31,15 @@ Design (after gpt-fast's generate.py and nanochat's engine.py, written for tidal
   CPU: eager.
 - Warm-up: each compile and capture happens at the first call that needs it, unless
   `warm_up` paid for them first (every bucket and sampler variant asked for; the compiled
-  blocks are dynamic in the batch and time from their first shape): tidal/rl/warmup.py.
+  blocks are dynamic in the batch and time from their first shape; tidal/generate/compiled.py).
 
 Randomness: per sample, a counter-based hash of (request seed, sample index, completion
-index, token id) (tidal/rl/sampling.py): the same request and seed give the same tokens in
+index, token id) (tidal/generate/sampler.py): the same request and seed give the same tokens in
 any batch.
 
 Files: this one holds the engine; its config, samples and counters are in
-tidal/rl/generator_types.py, the bookkeeping of cache rows in tidal/rl/slots.py.
+tidal/generate/types.py, the bookkeeping of cache rows in tidal/generate/slots.py, the
+compiled block function in tidal/generate/compiled.py.
 
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
 it in a `Generator` once, optionally `warm_up` (any weights: graphs survive weight loads),
@@ -60,12 +61,12 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from tidal.generate.compiled import compiled_blocks, mark_batch
+from tidal.generate.sampler import VARIANTS, SamplingParams, sample, sample_key, variant, variant_of
+from tidal.generate.slots import Request, Rows, Slot, buckets, make_requests, round_up
+from tidal.generate.types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
 from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
-from tidal.rl.generator_types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
-from tidal.rl.sampling import SamplingParams, sample, sample_key
-from tidal.rl.slots import Request, Rows, Slot, buckets, make_requests, round_up
-from tidal.rl.warmup import compiled_blocks, mark_batch, variant, warm_up
 
 _PREFILL_PAD = 16  # prompts are right-padded to a multiple of this many tokens
 
@@ -231,7 +232,8 @@ class Generator:
         in place, resharding to this model's layout; returns the version read.
 
         Args:
-            store: a `tidal.store.Store` (from `tidal.store.connect()`).
+            store: a `tidal.store.Store` (from `tidal.store.connect()`; the engine does not
+                import tidal.store: anything with its `versions` and `get_state_dict` does).
             key: the key the trainer puts its state dict under (e.g. "policy").
             version: a version number, waited for up to `timeout` seconds (streamed while it
                 is written); None: the newest committed version (or version 0, waited for,
@@ -243,20 +245,18 @@ class Generator:
             KeyError: a parameter is missing in the stored state dict.
             ValueError: a stored tensor has another shape or dtype than the parameter.
         """
-        from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
-
         if timeout < 0:
             raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
         if version is None:
             try:
                 version = store.versions(key)[-1]
-            except (KeyNotFoundError, IndexError):
+            except (KeyError, IndexError):  # the store's KeyNotFoundError is a KeyError
                 version = 0
         assert version is not None
         start = time.monotonic()
         try:
             store.get_state_dict(key, into=self.model.state_dict(), version=version, wait=timeout)
-        except (VersionNotFoundError, StoreError) as e:
+        except (KeyError, RuntimeError) as e:  # VersionNotFoundError, StoreError
             if time.monotonic() - start >= timeout:
                 raise TimeoutError(
                     f"version {version} of {key!r} did not arrive in the store within {timeout:g} s"
@@ -297,7 +297,47 @@ class Generator:
             gen = Generator(model, config=GeneratorConfig(max_batch=128, compile_scope="blocks"))
             gen.warm_up([SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)])
         """
-        return warm_up(self, params, buckets)
+        variants = VARIANTS if params is None else sorted({variant_of(p) for p in params})
+        sizes = sorted(set(self.buckets if buckets is None else buckets), reverse=True)
+        bad = [b for b in sizes if b not in self.buckets]
+        if bad:
+            raise ValueError(
+                f"warm_up buckets {bad} are not batch buckets of this Generator "
+                f"(max_batch={self.config.max_batch}): {self.buckets}"
+            )
+        if not (self._compile_on or self._graphs_on):
+            return 0.0
+        start = time.perf_counter()
+        stats = self.stats
+        self.stats = GeneratorStats(graphs_captured=stats.graphs_captured)
+        hook, self.swap_hook = self.swap_hook, None  # the weights stay as they are
+        try:
+            # The prefill: the first one runs eagerly (it allocates the cache), then one prompt
+            # (batch 1 is a graph of its own) and two of other widths. One token each: no step.
+            one = SamplingParams(temperature=0.0, max_new_tokens=1, stop_token_ids=())
+            long = min(17, self.capacity - 1)  # another multiple of the prefill's padding
+            calls = [[[0]], [[0], [0] * long]]
+            if not self.cache.allocated:
+                calls.insert(0, [[0]])
+            for prompts in calls:
+                self.generate(prompts, one)
+            # Every (bucket, variant) step on finished rows, which it leaves as they are.
+            with torch.no_grad(), self._autocast():
+                for name in variants:
+                    for b in sizes:  # the largest first: its compile is the dynamic one
+                        step = self._step_fn(b, name != "greedy", name == "truncated")
+                        if not self._graphs_on:  # else `_step_fn` captured it, running it
+                            step()
+            self._reset()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self.swap_hook = hook
+            stats.graphs_captured = self.stats.graphs_captured
+            self.stats = stats
+        seconds = time.perf_counter() - start
+        stats.warmup_seconds += seconds
+        return seconds
 
     @torch.no_grad()
     def generate(
@@ -791,4 +831,4 @@ def _few(names: list[str], n: int = 8) -> str:
     return (", ".join(names[:n]) or "none") + more
 
 
-__all__ = ["Generator", "GeneratorConfig", "GeneratorStats", "Sample"]
+__all__ = ["END", "Generator"]

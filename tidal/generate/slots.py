@@ -1,6 +1,6 @@
 """The Generator's bookkeeping of its KV-cache rows ("slots"): a request (and the checks that
 make one), the host view of an occupied row, the device state of every row that decode steps
-update in place, and the decode batch sizes (tidal/rl/generate.py uses them)."""
+update in place, and the decode batch sizes (tidal/generate/generator.py uses them)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from tidal.rl.generator_types import MAX_STOP_IDS
-from tidal.rl.sampling import SamplingParams
+from tidal.generate.sampler import SamplingParams
+from tidal.generate.types import MAX_STOP_IDS
 
 
 @dataclass(slots=True)

@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="tidal generate",
-        description="Generate completions with the training model's code (tidal.rl.Generator).",
+        description="Generate completions with the training model's code (tidal.generate).",
     )
     add_arguments(parser)
     args, overrides = parser.parse_known_args(argv)
@@ -97,8 +97,8 @@ def main(argv: list[str]) -> int:
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
-    from tidal.rl.generate import Generator, GeneratorConfig
-    from tidal.rl.sampling import SamplingParams
+    from tidal.generate.generator import Generator, GeneratorConfig
+    from tidal.generate.sampler import SamplingParams
     from tidal.train.config_parse import apply_overrides
     from tidal.train.configs import get_config
     from tidal.train.data import build_tokenizer

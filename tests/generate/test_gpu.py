@@ -1,14 +1,14 @@
 """Generator on CUDA: compiled decode in CUDA graphs (the whole step, or one block shared by
 every layer: compile_scope="blocks"), weight updates under captured graphs, batch-invariant
-bf16 parity. Skipped without CUDA (`pytest -m gpu tests/rl/test_gpu.py`)."""
+bf16 parity. Skipped without CUDA (`pytest -m gpu tests/generate/test_gpu.py`)."""
 
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from tidal.generate import Generator, GeneratorConfig, SamplingParams, completion_logprobs
 from tidal.models import Transformer, get_flavor
-from tidal.rl import Generator, GeneratorConfig, SamplingParams, completion_logprobs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -221,7 +221,7 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
     assert captured == 2 * len(gen.buckets) and gen.stats.prefill_calls == 0
     # The count is not bounded here: dynamo's counters are process-wide, so it holds earlier
     # tests' graphs too (on the H200, 2026-12-02: "blocks" printed 18 after the "step" case
-    # and 8 when run alone, as CPU dynamo traces in tests/rl/test_generate.py). What matters
+    # and 8 when run alone, as CPU dynamo traces in tests/generate/test_generator.py). What matters
     # is that nothing compiles after the warm-up, checked below.
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **EAGER))
     for prompts, params in [

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch._dynamo
 
+from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.models import Transformer, get_flavor
-from tidal.rl import Generator, GeneratorConfig, SamplingParams
 
 BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "generate.py"
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from tests.rl.conftest import tiny_model
-from tidal.rl import Generator, GeneratorConfig, SamplingParams, completion_logprobs, sample
+from tests.generate.conftest import tiny_model
+from tidal.generate import Generator, GeneratorConfig, SamplingParams, completion_logprobs, sample
 
 PROMPTS = [[1, 5, 7], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [4], [9] * 5]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
@@ -361,7 +361,7 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
     widths and the sampler variants warmed. The 4 layers x 4 buckets x prefill cost 4 block
     graphs, each dynamic in the batch and time from its first shape (no static graph
     recompiled at the second size); size 1 is a graph of its own. CUDA compiles and captures
-    the same code (tests/rl/test_gpu.py)."""
+    the same code (tests/generate/test_gpu.py)."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
@@ -408,47 +408,3 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
     torch._dynamo.reset()
     with pytest.raises(ValueError, match="compile_scope must be 'step' or 'blocks'"):
         GeneratorConfig(compile_scope="layers")  # type: ignore[arg-type]
-
-
-def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
-    """`tidal rl ... --generator.compile_scope blocks` builds the role's Generator with it."""
-    from tidal.models import get_flavor
-    from tidal.rl.configs import get_rl_config
-    from tidal.rl.roles import build_generator
-    from tidal.rl.warmstart import PolicySource
-    from tidal.train.config_parse import apply_overrides
-
-    flags = ["--generator.compile_scope", "blocks", "--generator.device", "cpu"]
-    cfg = apply_overrides(get_rl_config("rl_addition"), flags)
-    src = PolicySource(
-        args=get_flavor("tiny", max_seq_len=128),
-        flavor="tiny",
-        vocab_size=None,
-        tokenizer=None,
-        encoder=None,
-    )  # type: ignore[arg-type]
-    with pytest.warns(UserWarning, match="compile_scope='blocks' is ignored"):  # CPU
-        gen = build_generator(cfg, src)
-    assert gen.config.compile_scope == "blocks"
-
-
-def test_the_rl_generator_warms_up_the_variants_it_runs(monkeypatch):
-    """The RL role warms its rollouts' sampler variant, and greedy where it evaluates
-    (generator 0), before it says it is ready; on CPU the warm-up does nothing."""
-    from tidal.rl.configs import get_rl_config
-    from tidal.rl.roles import warm_up_generator
-    from tidal.rl.warmup import variant_of
-    from tidal.train.config_parse import apply_overrides
-
-    gen = Generator(tiny_model(), config=GeneratorConfig(max_batch=4, max_seq_len=64))
-    cfg = apply_overrides(get_rl_config("rl_addition"), ["--rollout.top_p", "0.95"])
-    lines: list[str] = []
-    warm_up_generator(gen, cfg, 0, log=lines.append)
-    assert lines == [] and gen.stats.warmup_seconds == 0  # CPU: nothing compiled or captured
-    asked = []
-    monkeypatch.setattr(gen, "warm_up", lambda params: asked.append(params) or 1.5)
-    for index in (0, 1):
-        warm_up_generator(gen, cfg, index, log=lines.append)
-    variants = [sorted(variant_of(p) for p in ps) for ps in asked]
-    assert variants == [["greedy", "truncated"], ["truncated"]]
-    assert lines[0].startswith("generator 0: warmed up in 1.5 s")

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.rl.conftest import qwen_tiny, tiny_model
+from tests.generate.conftest import qwen_tiny, tiny_model
+from tidal.generate import Generator, GeneratorConfig, SamplingParams, completion_logprobs
 from tidal.models import batch_invariant as bi
-from tidal.rl import Generator, GeneratorConfig, SamplingParams, completion_logprobs
 
 PROMPTS = [[1, 5, 7], list(range(2, 40)), [4], [9] * 5, list(range(100, 170))]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.rl.sampling import ROW_CHUNK, row_stats, sample
+from tidal.generate.sampler import ROW_CHUNK, row_stats, sample
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -162,7 +162,7 @@ def _seeded_tiny(seed: int):
 
 def _greedy(model, prompts, tokenizer, n_new, stop_ids=None):
     """What the Generator itself gives on `model`: completion ids per prompt."""
-    from tidal.rl import Generator, GeneratorConfig, SamplingParams
+    from tidal.generate import Generator, GeneratorConfig, SamplingParams
 
     gen = Generator(model, tokenizer=tokenizer, config=GeneratorConfig(max_batch=4))
     params = SamplingParams(temperature=0.0, max_new_tokens=n_new, stop_token_ids=stop_ids)

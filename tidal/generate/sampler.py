@@ -1,4 +1,4 @@
-"""Sampling parameters, the batched sampler, and token log-probs (generator and trainer side).
+"""Sampling parameters and the batched sampler of the Generator (tidal/generate/generator.py).
 
 The sampler works on a batch of rows with per-row parameters, on the device, without reading
 anything back to the host: it can run inside a compiled decode step or a captured CUDA graph.
@@ -198,7 +198,7 @@ def row_stats(
     return argmax_B, max_B, lse_B
 
 
-def _truncate(
+def truncate_logits(
     scaled_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
 ) -> torch.Tensor:
     """Mask (-inf) the tokens that top-k and then top-p drop."""
@@ -261,7 +261,7 @@ def sample(
     temperature_B = torch.where(is_greedy_B, 1.0, temperature_B)
     scaled_BV = logits_BV / temperature_B[:, None]
     if truncate:
-        scaled_BV = _truncate(scaled_BV, top_k_B, top_p_B)
+        scaled_BV = truncate_logits(scaled_BV, top_k_B, top_p_B)
     # min-p: p_i < min_p * p_max  <=>  s_i - s_max < log(min_p); log(0) = -inf keeps all.
     # s_max is max / temperature exactly (division by t > 0 is monotonic after rounding too,
     # and truncation keeps the top token).
@@ -277,71 +277,19 @@ def sample(
     return tokens_B, token_logprob(logits_BV, lse_B, tokens_B), sample_lp_B
 
 
-# -- the trainer side ---------------------------------------------------------------------
+# -- sampler variants ---------------------------------------------------------------------
+
+VARIANTS = ("greedy", "sampled", "truncated")
+"""The sampler variants, each compiled and captured apart by the Generator: greedy
+(temperature 0), sampled, and sampled with top-k / top-p truncation."""
 
 
-def logprobs(model, ids_BT: torch.Tensor, *, batch_invariant: bool = False) -> torch.Tensor:
-    """Log-probs [B, T-1] of each next token, log p(ids[:, t+1] | ids[:, :t+1]), computed by
-    the model's training forward (causal, no cache) and an fp32 log-softmax.
-
-    With `batch_invariant=True` each row's values are bitwise those the Generator reports
-    for the same tokens in batch-invariant mode (same weights, dtype and layout), whatever the
-    other rows and the right padding. Run it under the same autocast as the generator.
-
-    Example::
-
-        lp = logprobs(model, torch.tensor([s.prompt_ids + s.completion_ids]))
-        completion_lp = lp[0, len(s.prompt_ids) - 1 :]      # == s.logprobs
-    """
-    logits_BTV = model(ids_BT, batch_invariant=batch_invariant)
-    B, T, V = logits_BTV.shape
-    logp = log_softmax(logits_BTV[:, :-1].reshape(-1, V), batch_invariant).view(B, T - 1, V)
-    return logp.gather(2, ids_BT[:, 1:, None])[..., 0]
+def variant(sampled: bool, truncate: bool) -> str:
+    """The name of the variant that `sample(..., sampled=, truncate=)` runs."""
+    return "truncated" if truncate else "sampled" if sampled else "greedy"
 
 
-def completion_logprobs(
-    model, samples, *, batch_invariant: bool = False, pad_id: int = 0
-) -> list[torch.Tensor]:
-    """`logprobs` of every sample's completion tokens, the samples right-padded into one
-    batch; returns one tensor per sample, of its completion's length (what the trainer
-    compares with `Sample.logprobs`)."""
-    seqs = [list(s.prompt_ids) + list(s.completion_ids) for s in samples]
-    width = max(len(q) for q in seqs)
-    device = model.rope.device
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    for i, q in enumerate(seqs):
-        ids[i, : len(q)] = torch.tensor(q)
-    lp = logprobs(model, ids.to(device), batch_invariant=batch_invariant)
-    return [lp[i, len(s.prompt_ids) - 1 : len(seqs[i]) - 1] for i, s in enumerate(samples)]
-
-
-def sample_text(
-    model,
-    tokenizer,
-    prompt_ids: list[int],
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    seed: int,
-) -> str:
-    """One continuation of `prompt_ids` by the Generator (eager, batch of one, stopping at the
-    tokenizer's EOS), as text: the end-of-run sample of `tidal train`, which passes this
-    function to the Trainer (`Trainer(cfg, sampler=sample_text)`; tidal.train does not import
-    tidal.rl). Run it under the model's autocast, in eval mode.
-
-    Example::
-
-        text = sample_text(model, tok, [tok.bos_id] + tok.encode("ROMEO:"), max_new_tokens=40,
-                           temperature=0.8, top_k=50, seed=0)
-    """
-    from tidal.rl.generate import Generator, GeneratorConfig
-
-    config = GeneratorConfig(
-        max_batch=1, max_seq_len=len(prompt_ids) + max_new_tokens, compile=False, cuda_graphs=False
-    )
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed
-    )
-    gen = Generator(model, tokenizer=tokenizer, config=config)
-    return gen.generate([prompt_ids], params)[0][0].text or ""
+def variant_of(params: SamplingParams) -> str:
+    """The sampler variant that decodes rows of `params` (a batch with rows of several
+    variants runs the most general one: truncated, then sampled)."""
+    return variant(params.temperature > 0, params.truncates)

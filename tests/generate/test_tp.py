@@ -5,9 +5,9 @@ logits within fp32 tolerance."""
 import torch
 import torch.distributed as dist
 
+from tests.generate.conftest import tiny_model
 from tests.parallel._launch import run_ranks
-from tests.rl.conftest import tiny_model
-from tidal.rl import Generator, GeneratorConfig, SamplingParams
+from tidal.generate import Generator, GeneratorConfig, SamplingParams
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [42]]
 PARAMS = [

@@ -36,7 +36,7 @@ def test_shapes_and_meta_init(model):
     logits = model(tokens)
     assert logits.shape == (3, 17, 97)
     assert torch.isfinite(logits).all()
-    assert model(tokens, return_hidden=True).shape == (3, 17, 64)
+    assert model(tokens, head=lambda h_BTD, w_VD: h_BTD).shape == (3, 17, 64)
 
 
 def test_init_is_seeded(model):
@@ -59,10 +59,10 @@ def test_kv_cache_matches_full_forward(model):
     tokens = torch.randint(0, 97, (2, 24))
     full = model(tokens)
     cache = KVCache.for_model(model, batch_size=2, capacity=32)
-    steps = [model(tokens[:, :10], cache=cache)]  # prefill
+    steps = [model.forward_cached(tokens[:, :10], cache)]  # prefill
     cache.advance(10)
     for t in range(10, 24):  # one token at a time
-        steps.append(model(tokens[:, t : t + 1], cache=cache))
+        steps.append(model.forward_cached(tokens[:, t : t + 1], cache))
         cache.advance(1)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
@@ -76,14 +76,14 @@ def test_kv_cache_rows_at_different_lengths(model):
     prompts = torch.zeros(3, 7, dtype=torch.long)
     for i, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
         prompts[i, :n] = s[:n]
-    last = model(prompts, cache=cache, cache_rows=rows, logits_at=lengths - 1)
+    last = model.forward_cached(prompts, cache, rows=rows, logits_at=lengths - 1)
     assert last.shape == (3, 1, 97)
     cache.lengths[rows] = lengths
     outs = [[last[i, 0]] for i in range(3)]
     for step in range(4):  # decode the next 4 tokens of every row (cache rows 0..2 in order)
         order = rows.argsort()  # batch row b of the decode is cache row b
         toks = torch.stack([seqs[i][lengths[i] + step] for i in order.tolist()])
-        logits = model(toks[:, None], cache=cache)
+        logits = model.forward_cached(toks[:, None], cache)
         cache.advance(1, rows=torch.arange(3))
         for b, i in enumerate(order.tolist()):
             outs[i].append(logits[b, 0])
@@ -94,7 +94,7 @@ def test_kv_cache_rows_at_different_lengths(model):
 
 
 def test_compiled_blocks_share_one_graph_across_layers_and_batches(model):
-    """`forward(blocks=...)` with one compiled block function for every layer (as a generator
+    """`forward_cached(blocks=...)` with one compiled block function for every layer (as a generator
     with compile_scope="blocks" runs it): each block gets its own layer's cache, so dynamo
     traces the block once per shape, not once per layer; the batch dimension turns dynamic at
     its second size. 2 layers x 4 batch sizes: 2 frames, not 8. Logits equal eager."""
@@ -116,17 +116,17 @@ def test_compiled_blocks_share_one_graph_across_layers_and_batches(model):
     cache = KVCache.for_model(model, batch_size=8, capacity=32)
     with torch.no_grad():
         for c in (eager_cache, cache):  # prefill eagerly: the first write allocates
-            model(tokens[:, :5], cache=c)
+            model.forward_cached(tokens[:, :5], c)
             c.advance(5)
         for b in (1, 2, 4, 8):
             positions = cache.lengths[:b, None]
-            want = model(tokens[:b, 5:], positions=positions, cache=eager_cache)
-            got = model(tokens[:b, 5:], positions=positions, cache=cache, blocks=blocks)
+            want = model.forward_cached(tokens[:b, 5:], eager_cache, positions=positions)
+            got = model.forward_cached(tokens[:b, 5:], cache, positions=positions, blocks=blocks)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cache.k[1], eager_cache.k[1], atol=1e-6, rtol=1e-6)
         assert counter.frame_count == 2, counter.frame_count
         with pytest.raises(ValueError, match="blocks has 1 callables, the model 2"):
-            model(tokens, blocks=blocks[:1])
+            model.forward_cached(tokens, cache, blocks=blocks[:1])
     torch._dynamo.reset()
 
 
@@ -164,10 +164,12 @@ def test_compiled_blocks_marked_dynamic_compile_once_for_every_batch():
     cache = KVCache.for_model(model, batch_size=8, capacity=32)
     frames = []
     with torch.no_grad():
-        model(tokens[:, :5], cache=cache)  # prefill eagerly: the first write allocates
+        model.forward_cached(tokens[:, :5], cache)  # prefill eagerly: the first write allocates
         cache.advance(5)
         for b in (8, 4, 2, 1):
-            model(tokens[:b, 5:], positions=cache.lengths[:b, None], cache=cache, blocks=blocks)
+            model.forward_cached(
+                tokens[:b, 5:], cache, positions=cache.lengths[:b, None], blocks=blocks
+            )
             frames.append(counter.frame_count)
     assert frames == [1, 1, 1, 2], frames
     torch._dynamo.reset()

@@ -161,7 +161,7 @@ class ScriptedModel(torch.nn.Module):
         self.scripts = {p: [*tok.encode(a), end] for p, a in answers.items()}
         self.vocab, self.prompts, self.step = tok.vocab_size, [], 0
 
-    def forward(self, tokens_BT, cache=None):
+    def forward_cached(self, tokens_BT, cache):
         if tokens_BT.shape[1] > 1:  # prefill: remember which prompt each row is
             self.prompts, self.step = [tuple(r) for r in tokens_BT.tolist()], 0
         logits = torch.zeros(tokens_BT.shape[0], tokens_BT.shape[1], self.vocab)

@@ -51,7 +51,7 @@ def run_block(
 def compiled_blocks(
     layers: Sequence[torch.nn.Module], options: dict[str, Any] | None
 ) -> list[Callable[..., torch.Tensor]]:
-    """One compiled `run_block` for every layer, as `Transformer.forward(blocks=...)` calls
+    """One compiled `run_block` for every layer, as `Transformer.forward_cached(blocks=...)` calls
     them. The first layer's call marks the batch and time dimensions of what a forward hands
     every block (the hidden states, RoPE tables, query positions, cache rows) dynamic, so a
     compile is dynamic in them from the first size on; the later layers get the first one's

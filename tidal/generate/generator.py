@@ -488,11 +488,11 @@ class Generator:
         return admitted
 
     def _prefill_forward(self, tokens_PT, positions_PT, rows_P, last_P) -> torch.Tensor:
-        return self.model(
+        return self.model.forward_cached(
             tokens_PT,
+            self.cache,
             positions=positions_PT,
-            cache=self.cache,
-            cache_rows=rows_P,
+            rows=rows_P,
             logits_at=last_P,
             batch_invariant=self.config.batch_invariant,
             # Compiled blocks once the cache exists: its allocation stays out of compiled code.
@@ -589,10 +589,10 @@ class Generator:
     def _decode_logits(self, b: int) -> torch.Tensor:
         """The next-token logits [b, V] of the rows of bucket b (their keys and values cached)."""
         rows = self._rows
-        return self.model(
+        return self.model.forward_cached(
             rows.last[:b, None],
+            self.cache,
             positions=rows.pos[:b, None],
-            cache=self.cache,
             batch_invariant=self.config.batch_invariant,
             blocks=self._blocks,
         )[:, 0]

@@ -86,7 +86,7 @@ class KVCache:
     Example::
 
         cache = KVCache.for_model(model, batch_size=2, capacity=64)
-        model(prompt_BT, cache=cache)          # writes positions 0..T-1 of rows 0 and 1
+        model.forward_cached(prompt_BT, cache)  # writes positions 0..T-1 of rows 0 and 1
         cache.advance(prompt_BT.shape[1])
     """
 

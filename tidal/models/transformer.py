@@ -13,11 +13,12 @@ Both families share one block structure; the differences are flags on `ModelArgs
 - Output: a separate projection, or tied to the embedding (`tie_embeddings`, small Qwen 3).
 - Attention kernels: `scaled_dot_product_attention` (causal) by default; flex attention with
   a document-causal block mask for packed sequences when `attention="flex"`.
-- Generation: `forward` takes an optional `KVCache` (per-row lengths) and per-row positions,
-  so a generator runs this same module over rows of different lengths (see
-  tidal/models/kv_cache.py and tidal/generate/generator.py). Each block gets its own layer's cache
-  and reads no layer index, so one compiled block serves every layer; `forward(blocks=...)`
-  runs a generator's compiled copies of the blocks without changing the model.
+- Generation: `forward_cached` runs the same blocks over a `KVCache` (per-row lengths) at
+  per-row positions, so a generator steps rows of different lengths with this same module
+  (see tidal/models/kv_cache.py and tidal/generate/generator.py). Each block gets its own
+  layer's cache and reads no layer index, so one compiled block serves every layer;
+  `forward_cached(blocks=...)` runs a generator's compiled copies of the blocks without
+  changing the model.
 - Batch-invariant mode (`forward(..., batch_invariant=True)`): matmuls, norms and attention
   with reduction orders that do not depend on the batch, the sequence length or prefill vs
   decode (tidal/models/batch_invariant.py), so generator and trainer log-probs match bit for bit.
@@ -409,81 +410,45 @@ class Transformer(nn.Module):
         tokens_BT: torch.Tensor,
         *,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        cache_rows: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         attention=None,
-        return_hidden: bool = False,
         head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        logits_at: torch.Tensor | None = None,
         batch_invariant: bool = False,
-        blocks: Sequence[Callable[..., torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, V] for the given tokens.
+        """Logits [B, T, V] for the given tokens: the training and scoring forward (causal,
+        no cache; a generator's prefill and decode steps go through `forward_cached`).
 
         Args:
             tokens_BT: token ids; hidden states [B, T, D] on pipeline stages that have no
                 embedding (their `tok_embeddings` is None; stages without `norm` return
                 hidden states).
-            positions: absolute positions [B, T] or [T] for RoPE (and, with a cache, where
-                each token's keys go); defaults to arange(T), or with a cache to each row's
-                `cache.lengths` + arange(T).
-            cache: a KVCache; the new keys/values are written at their positions and each
-                query attends over its row's cached prefix. The caller advances the cache.
-            cache_rows: [B] cache rows of the batch's rows (a prefill into free slots);
-                None for rows 0..B-1.
+            positions: absolute positions [B, T] or [T] for RoPE; defaults to arange(T).
             document_ids: [B, T] document index of each token, for document-causal masking:
                 with flex attention a block mask, with SDPA a dense [B, T, T] mask (None:
-                plainly causal; ignored with a cache or batch_invariant).
+                plainly causal; ignored with batch_invariant).
             attention: an object with `attend(q_BHTK, k_BGTK, v_BGTK)` that replaces the
                 built-in masking for this call (context parallelism supplies one that
                 gathers keys over ranks); `positions` should then be given.
-            return_hidden: return the final normed hidden states [B, T, D] instead of logits
-                (for a loss that fuses the output projection).
             head: called as `head(h_BTD, weight_VD)` on the final normed hidden states and
                 the output projection's weight (the embedding's when tied); its result is
                 returned in place of the logits. A loss that fuses the projection
                 (`tidal.train.loss.linear_cross_entropy_sum`) runs this way inside the
-                forward, where FSDP holds the weight unsharded.
-            logits_at: [B] time index per row: project only that position ([B, 1, V]), e.g.
-                the last prompt token of each right-padded row in a prefill.
+                forward, where FSDP holds the weight unsharded; `head=lambda h, w: h` returns
+                the hidden states.
             batch_invariant: compute with the fixed-reduction-order kernels of
-                tidal/models/batch_invariant.py (causal SDPA or cache attention only): each
-                row's result is then independent of the other rows, the padding and the
-                split into prefill and decode steps. Slower; for exact log-prob parity.
-            blocks: callables run in place of `self.layers`' blocks, one per block, in order,
-                each called as the block is: `fn(h_BTD, (cos, sin), mask, layer_cache)`. A
-                generator passes its compiled copies (`torch.compile` of the same blocks)
-                this way, so the model object itself is left as the trainer uses it.
+                tidal/models/batch_invariant.py (causal SDPA only): each row's result is then
+                independent of the other rows, the padding and the split into prefill and
+                decode steps. Slower; for exact log-prob parity with a generator.
         """
         B, T = tokens_BT.shape[:2]
-        if cache is None and T > self.args.max_seq_len:
+        if T > self.args.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.args.max_seq_len}")
-        if batch_invariant and (attention is not None or self.args.attention == "flex"):
-            raise ValueError(
-                "batch_invariant=True supports the causal SDPA path and the KV cache only "
-                f"(attention={self.args.attention!r}, custom attention "
-                f"{attention is not None})"
-            )
-        if blocks is not None and len(blocks) != len(self.layers):
-            raise ValueError(f"blocks has {len(blocks)} callables, the model {len(self.layers)}")
-        if cache is not None and positions is None:
-            lengths = cache.lengths[:B] if cache_rows is None else cache.lengths[cache_rows]
-            positions = lengths[:, None] + torch.arange(T, device=tokens_BT.device)
+        self._check_batch_invariant(batch_invariant, attention)
         if positions is None:
             positions = torch.arange(T, device=tokens_BT.device)
-        if cache is not None and positions.dim() == 1:
-            positions = positions.expand(B, T)
-        cos, sin = self.rope[0][positions], self.rope[1][positions]
-        if cos.dim() == 2:  # one position vector shared by the batch
-            cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
-
+        rope = self._rope_at(positions, B, T)
         if attention is not None:
             mask = attention
-        elif cache is not None:
-            mask = AttentionMask(
-                "cache", positions=positions, rows=cache_rows, batch_invariant=batch_invariant
-            )
         elif self.args.attention == "flex":
             if document_ids is None:
                 document_ids = torch.zeros(B, T, dtype=torch.int32, device=tokens_BT.device)
@@ -494,24 +459,103 @@ class Transformer(nn.Module):
             mask = AttentionMask("causal", batch_invariant=batch_invariant)
 
         with bi.BatchInvariantMode() if batch_invariant else contextlib.nullcontext():
-            # Pipeline stages after the first have no embedding and receive hidden states.
-            h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
-            # A ModuleDict key is the layer's index in the full model (pipeline stages hold a
-            # subset): it names the layer's part of the cache.
-            for i, name in enumerate(self.layers):
-                block = blocks[i] if blocks is not None else self.layers[name]
-                layer_cache = cache.layers[int(name)] if cache is not None else None
-                h_BTD = block(h_BTD, (cos, sin), mask, layer_cache)
+            h_BTD = self._hidden_states(tokens_BT, rope, mask)
+            if self.norm is None:  # a pipeline stage before the last
+                return h_BTD
+            h_BTD = self.norm(h_BTD)
+            if head is not None:
+                return head(h_BTD, self.output_weight())
+            return self.logits(h_BTD)
+
+    def forward_cached(
+        self,
+        tokens_BT: torch.Tensor,
+        cache: KVCache,
+        *,
+        positions: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+        batch_invariant: bool = False,
+        blocks: Sequence[Callable[..., torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] of a prefill or decode step over a KV cache: the new keys and
+        values are written at their positions and each query attends over its row's cached
+        prefix (the caller advances the cache). A model wrapped by FSDP2 registers this
+        method as a forward (tidal/parallel/parallelize.py).
+
+        Args:
+            tokens_BT: token ids of the new tokens.
+            cache: the KVCache (tidal/models/kv_cache.py).
+            positions: absolute positions [B, T] or [T] (RoPE, and where each token's keys
+                go); defaults to each row's `cache.lengths` + arange(T).
+            rows: [B] cache rows of the batch's rows (a prefill into free slots); None for
+                rows 0..B-1.
+            logits_at: [B] time index per row: project only that position ([B, 1, V]), e.g.
+                the last prompt token of each right-padded row in a prefill.
+            batch_invariant: the fixed-reduction-order kernels (see `forward`): a row's
+                logits are bitwise those of the training forward over the same tokens.
+            blocks: callables run in place of `self.layers`' blocks, one per block, in order,
+                each called as the block is: `fn(h_BTD, (cos, sin), mask, layer_cache)`. A
+                generator passes its compiled copies (`torch.compile` of the same blocks)
+                this way, so the model object itself is left as the trainer uses it.
+        """
+        B, T = tokens_BT.shape[:2]
+        self._check_batch_invariant(batch_invariant, None)
+        if blocks is not None and len(blocks) != len(self.layers):
+            raise ValueError(f"blocks has {len(blocks)} callables, the model {len(self.layers)}")
+        if positions is None:
+            lengths = cache.lengths[:B] if rows is None else cache.lengths[rows]
+            positions = lengths[:, None] + torch.arange(T, device=tokens_BT.device)
+        if positions.dim() == 1:
+            positions = positions.expand(B, T)
+        rope = self._rope_at(positions, B, T)
+        mask = AttentionMask(
+            "cache", positions=positions, rows=rows, batch_invariant=batch_invariant
+        )
+        with bi.BatchInvariantMode() if batch_invariant else contextlib.nullcontext():
+            h_BTD = self._hidden_states(tokens_BT, rope, mask, cache, blocks)
             if self.norm is None:  # a pipeline stage before the last
                 return h_BTD
             if logits_at is not None:
                 h_BTD = h_BTD[torch.arange(B, device=h_BTD.device), logits_at][:, None]
-            h_BTD = self.norm(h_BTD)
-            if return_hidden:
-                return h_BTD
-            if head is not None:
-                return head(h_BTD, self.output_weight())
-            return self.logits(h_BTD)
+            return self.logits(self.norm(h_BTD))
+
+    def _check_batch_invariant(self, batch_invariant: bool, attention) -> None:
+        if batch_invariant and (attention is not None or self.args.attention == "flex"):
+            raise ValueError(
+                "batch_invariant=True supports the causal SDPA path and the KV cache only "
+                f"(attention={self.args.attention!r}, custom attention "
+                f"{attention is not None})"
+            )
+
+    def _rope_at(
+        self, positions: torch.Tensor, B: int, T: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables (cos, sin) [B, T, K] at `positions` ([B, T], or [T] for the batch)."""
+        cos, sin = self.rope[0][positions], self.rope[1][positions]
+        if cos.dim() == 2:  # one position vector shared by the batch
+            cos, sin = cos.expand(B, T, -1), sin.expand(B, T, -1)
+        return cos, sin
+
+    def _hidden_states(
+        self,
+        tokens_BT: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask,
+        cache: KVCache | None = None,
+        blocks: Sequence[Callable[..., torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """The embedding (on a stage that has it) and every block: the hidden states [B, T, D]
+        before the final norm."""
+        # Pipeline stages after the first have no embedding and receive hidden states.
+        h_BTD = self.tok_embeddings(tokens_BT) if self.tok_embeddings is not None else tokens_BT
+        # A ModuleDict key is the layer's index in the full model (pipeline stages hold a
+        # subset): it names the layer's part of the cache.
+        for i, name in enumerate(self.layers):
+            block = blocks[i] if blocks is not None else self.layers[name]
+            layer_cache = cache.layers[int(name)] if cache is not None else None
+            h_BTD = block(h_BTD, rope, mask, layer_cache)
+        return h_BTD
 
     def output_weight(self) -> torch.Tensor:
         """The output projection's weight [V, D]: the embedding's with tied embeddings."""

@@ -21,7 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -219,6 +223,9 @@ def apply_fsdp(
     fully_shard(
         model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always"
     )
+    # The cached forward (the end-of-run sample, greedy evaluation) gathers the root's
+    # parameters as `forward` does.
+    register_fsdp_forward_method(model, "forward_cached")
 
 
 def parallelize(

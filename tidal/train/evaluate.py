@@ -61,7 +61,7 @@ def greedy_complete(
             new: list[torch.Tensor] = []
             done_B = torch.zeros(len(rows), dtype=torch.bool, device=device)
             for _ in range(capacity - length):
-                logits_BTV = model(tokens_BT, cache=cache)
+                logits_BTV = model.forward_cached(tokens_BT, cache)
                 cache.advance(tokens_BT.shape[1])
                 next_B = logits_BTV[:, -1].argmax(dim=-1)
                 new.append(next_B)

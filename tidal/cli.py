@@ -163,7 +163,7 @@ def _train_command(argv: list[str]) -> int:
     from tidal.train.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, dist_info=dist_info, sampler=sample_text)  # the engine
+        trainer = Trainer(cfg, dist_info=dist_info)
     except (ValueError, FileNotFoundError, ImportError) as e:
         return fail(e)
     out = Path(cfg.job.output_dir)
@@ -179,6 +179,7 @@ def _train_command(argv: list[str]) -> int:
             _report_first_step(trainer)
     try:
         last = trainer.train()
+        end_of_run_sample(trainer, last)
     except Exception:
         trainer.close()
         raise
@@ -189,6 +190,50 @@ def _train_command(argv: list[str]) -> int:
         ]
         print(f"wrote {' and '.join(wrote)}" if wrote else f"nothing written to {out}")
     return 130 if last.get("interrupted") else 0
+
+
+def end_of_run_sample(trainer, last: dict) -> str | None:
+    """`tidal train`'s end-of-run sample, after `trainer.train()` returned `last`:
+    `sample.prompt` continued by the generation engine (tidal.generate), logged ("sample:")
+    and written to `<output_dir>/sample.txt`. Every rank runs it (FSDP's forward is
+    collective) and samples the same tokens (same seed, same gathered weights). Skipped
+    when `sample.max_new_tokens` is 0, when nothing was trained, after an interrupted loop,
+    and (with a line saying so) under TP, PP or CP. Returns the text, or None when skipped.
+
+    Raises:
+        KeyboardInterrupt: a Ctrl-C came after the loop's last check, as a Ctrl-C in the
+            sample itself would (every rank gets it).
+    """
+    cfg, s = trainer.cfg, trainer.cfg.sample
+    if not s.max_new_tokens or not last or last.get("interrupted"):
+        return None
+    if trainer.dims.tp > 1 or trainer.dims.pp > 1 or trainer.dims.cp > 1:
+        trainer.log("sample: skipped (end-of-run sampling runs without TP, PP or CP)")
+        return None
+    if trainer.interrupt_after_loop:
+        raise KeyboardInterrupt
+    # Said as it starts: on a CPU a long sample runs a while after the last step line.
+    trainer.log(f"sampling: up to {s.max_new_tokens} tokens after {s.prompt!r}")
+    tok, model = trainer.data.tokenizer, trainer.model
+    prompt = [tok.bos_id] + tok.encode(s.prompt)
+    new = min(s.max_new_tokens, model.args.max_seq_len - 1)
+    prompt = prompt[-(model.args.max_seq_len - new) :]  # keep room for the new tokens
+    model.eval()
+    with trainer.autocast():
+        text = s.prompt + sample_text(
+            model,
+            tok,
+            prompt,
+            max_new_tokens=new,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            seed=cfg.training.seed,
+        )
+    model.train()
+    trainer.log("sample:\n" + text)
+    if trainer.dist.is_main:
+        (Path(cfg.job.output_dir) / "sample.txt").write_text(text + "\n")
+    return text
 
 
 def sample_text(
@@ -202,8 +247,8 @@ def sample_text(
     seed: int,
 ) -> str:
     """One continuation of `prompt_ids` by the Generator (eager, batch of one, stopping at the
-    tokenizer's EOS), as text: the end-of-run sample of `tidal train`. Run it under the
-    model's autocast, in eval mode.
+    tokenizer's EOS), as text (`end_of_run_sample`). Run it under the model's autocast, in
+    eval mode.
 
     Example::
 

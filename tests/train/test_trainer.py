@@ -54,10 +54,12 @@ def small_config(tmp_path, text_corpus, cache_dir, *extra):
 
 
 def test_training_lowers_loss_and_writes_metrics(tmp_path, text_corpus, cache_dir, capsys):
-    from tidal.cli import sample_text  # what `tidal train` passes
+    from tidal.cli import end_of_run_sample  # what `tidal train` runs after the loop
 
     cfg = small_config(tmp_path, text_corpus, cache_dir)
-    last = Trainer(cfg, sampler=sample_text).train()
+    trainer = Trainer(cfg)
+    last = trainer.train()
+    end_of_run_sample(trainer, last)
     records = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     steps = [r for r in records if "loss" in r]
     vals = [r for r in records if "val_loss" in r]

@@ -37,7 +37,6 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,7 +52,7 @@ from tidal.parallel.pipeline import build_stages
 from tidal.train.checkpoint import Checkpointer, checkpoint_folder, model_info, plan_load
 from tidal.train.config import Config
 from tidal.train.config_parse import to_dict
-from tidal.train.data import Batch, DataBundle, Tokenizer, build_data
+from tidal.train.data import Batch, DataBundle, build_data
 from tidal.train.float8 import Float8
 from tidal.train.float8 import convert as convert_float8
 from tidal.train.job import check_job, model_args_for, resolve_device, seed_everything
@@ -72,7 +71,6 @@ from tidal.train.run_folder import RunLock, StopOnInterrupt, check_fresh
 from tidal.train.step import StepPath, StepResult
 
 __all__ = [
-    "Sampler",
     "StepResult",
     "Trainer",
     "check_job",
@@ -80,25 +78,6 @@ __all__ = [
     "resolve_device",
     "seed_everything",
 ]
-
-
-class Sampler(Protocol):
-    """Generates the end-of-run sample: `sampler(model, tokenizer, prompt_ids,
-    max_new_tokens=, temperature=, top_k=, seed=)` -> the continuation's text. `tidal train`
-    passes `tidal.cli.sample_text` (the generation engine); tidal.train never imports
-    tidal.generate."""
-
-    def __call__(
-        self,
-        model: Transformer,
-        tokenizer: Tokenizer,
-        prompt_ids: list[int],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        seed: int,
-    ) -> str: ...
 
 
 class Trainer:
@@ -109,7 +88,6 @@ class Trainer:
         data: DataBundle | Callable[[int, int], DataBundle] | None = None,
         dist_info: DistInfo | None = None,
         log=print,
-        sampler: Sampler | None = None,
     ):
         """Build everything for `cfg`.
 
@@ -120,12 +98,10 @@ class Trainer:
                 data. A DataBundle whose `train` is None makes a trainer without training data
                 (RL, or any caller with batches of its own): `train_step` takes batches
                 passed in; `next_batches` and `train` refuse. Its tokenizer sizes the
-                vocabulary check and encodes the end-of-run sample prompt.
+                vocabulary check (and `tidal train`'s end-of-run sample encodes its prompt).
             dist_info: this rank (torchrun's environment, read by the CLI); without it the
                 trainer runs as one process.
             log: receives rank 0's progress lines.
-            sampler: generates the end-of-run sample (`sample.max_new_tokens` > 0); without
-                one the sample is skipped with a note.
 
         Example (a trainer for RL: no data pipeline)::
 
@@ -133,7 +109,8 @@ class Trainer:
             result = trainer.train_step(batches, n_tokens, loss=my_loss)
         """
         self.cfg = cfg
-        self.sampler = sampler
+        self.interrupt_after_loop = False
+        """Set by `train`: a Ctrl-C came after the loop's last check (every step ran)."""
         self.dist = dist_info or DistInfo()
         self.log = log if self.dist.is_main else (lambda *a, **k: None)
         self.args = model_args_for(cfg)
@@ -480,35 +457,11 @@ class Trainer:
         loss_sum = self._reduce(self._reduce(loss_sum, "pp"))  # under PP only the last stage has it
         return float(loss_sum) / max(float(self.path.global_count(n)), 1.0)
 
-    def sample(self) -> str:
-        """The end-of-run sample: `sample.prompt` continued by the `sampler` (every rank
-        runs it, as FSDP's forward is collective)."""
-        if self.sampler is None:
-            raise ValueError("Trainer.sample needs a sampler: pass Trainer(..., sampler=...)")
-        s = self.cfg.sample
-        tok = self.data.tokenizer
-        prompt = [tok.bos_id] + tok.encode(s.prompt)
-        args = self.model.args
-        new = min(s.max_new_tokens, args.max_seq_len - 1)
-        prompt = prompt[-(args.max_seq_len - new) :]  # keep room for the new tokens
-        self.model.eval()
-        with self.autocast():
-            text = self.sampler(
-                self.model,
-                tok,
-                prompt,
-                max_new_tokens=new,
-                temperature=s.temperature,
-                top_k=s.top_k,
-                seed=self.cfg.training.seed,
-            )
-        self.model.train()
-        return s.prompt + text
-
     def train(self) -> dict:
-        """Run the remaining steps up to `training.steps`, then the end-of-run sample; returns
-        the last logged record (with "interrupted": True after a Ctrl-C in the loop). A Ctrl-C
-        after the loop's last check raises KeyboardInterrupt, in or before the sample."""
+        """Run the remaining steps up to `training.steps`; returns the last logged record (with
+        "interrupted": True after a Ctrl-C in the loop; {} when nothing was trained). A Ctrl-C
+        after the loop's last check sets `interrupt_after_loop` (the run is complete: what a
+        caller runs next, such as `tidal train`'s end-of-run sample, should end at once)."""
         cfg = self.cfg
         total_steps, m = cfg.training.steps, cfg.metrics
         if self.train_iter is None and not cfg.checkpoint.create_seed_checkpoint:
@@ -595,25 +548,7 @@ class Trainer:
                 saved = f"; checkpoint {self.checkpoint.folder / f'step-{self.step}'}"
             self.log(f"interrupted: stopped after step {self.step}/{total_steps}{saved}")
             last["interrupted"] = True
-        if cfg.sample.max_new_tokens and not interrupted:
-            if self.sampler is None:
-                self.log("sample: skipped (no sampler: Trainer(..., sampler=...))")
-            elif self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1:
-                self.log("sample: skipped (end-of-run sampling runs without TP, PP or CP)")
-            else:
-                if stop.flag:
-                    # Ctrl-C came after the last step's check: it ends the run here, as it does
-                    # on a rank that gets it a moment later, in the sample (every rank gets it).
-                    raise KeyboardInterrupt
-                # Every rank samples the same tokens (same seed, same gathered weights): FSDP's
-                # forward is collective, so all ranks must run it. Said as it starts: on a CPU
-                # a long sample runs a while after the last step line.
-                s = cfg.sample
-                self.log(f"sampling: up to {s.max_new_tokens} tokens after {s.prompt!r}")
-                text = self.sample()
-                self.log("sample:\n" + text)
-                if logger is not None:
-                    (logger.dir / "sample.txt").write_text(text + "\n")
+        self.interrupt_after_loop = stop.flag and not interrupted
         return last
 
     def _wandb_init(self) -> dict | None:

@@ -59,7 +59,7 @@ def _third_party_or_tidal(module: str) -> bool:
 
 def test_files_are_found():
     names = {p.name for p in FILES}
-    assert {"generator.py", "sampler.py", "slots.py", "scoring.py", "cli.py"} <= names, names
+    assert {"generator.py", "sampler.py", "slots.py", "scoring.py", "weights.py", "cli.py"} <= names
 
 
 def test_the_engine_imports_only_torch_and_models():

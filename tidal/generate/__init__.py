@@ -4,7 +4,8 @@
 
 - `Generator` (generator.py): batched sampling over a static KV cache with per-row lengths,
   prefill once per group, continuous batching, no host sync per token, compiled steps and
-  CUDA graphs, `warm_up` to pay for compiles before the first call.
+  CUDA graphs, `warm_up` to pay for compiles before the first call; weights loaded in
+  place (weights.py) from a state dict or a tidal store.
 - `GeneratorConfig`, `Sample`, `GeneratorStats` (types.py): what a Generator is built with,
   returns and counts.
 - `SamplingParams`, `sample` (sampler.py): per-request sampling parameters and the batched,

@@ -39,7 +39,8 @@ any batch.
 
 Files: this one holds the engine; its config, samples and counters are in
 tidal/generate/types.py, the bookkeeping of cache rows in tidal/generate/slots.py, the
-compiled block function in tidal/generate/compiled.py.
+compiled block function in tidal/generate/compiled.py, the in-place weight loads in
+tidal/generate/weights.py.
 
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
 it in a `Generator` once, optionally `warm_up` (any weights: graphs survive weight loads),
@@ -59,12 +60,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from tidal.generate.compiled import compiled_blocks, mark_batch
 from tidal.generate.sampler import VARIANTS, SamplingParams, sample, sample_key, variant, variant_of
 from tidal.generate.slots import Request, Rows, Slot, buckets, make_requests, round_up
 from tidal.generate.types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
+from tidal.generate.weights import copy_weights, read_weights
 from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
 
@@ -190,34 +192,7 @@ class Generator:
             KeyError: missing or unexpected keys (both listed).
             ValueError: a shape differs (key and both shapes named).
         """
-        own = self.model.state_dict()
-        missing, unexpected = (
-            sorted(own.keys() - state_dict.keys()),
-            sorted(state_dict.keys() - own.keys()),
-        )
-        if missing or unexpected:
-            raise KeyError(
-                f"weights do not match the model: missing {_few(missing)}, "
-                f"unexpected {_few(unexpected)}"
-            )
-        for name, dst in own.items():
-            src = state_dict[name]
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(src.shape)}, the model expects "
-                    f"{tuple(dst.shape)}"
-                )
-        with torch.no_grad():
-            for name, dst in own.items():
-                src = state_dict[name]
-                if isinstance(dst, DTensor) and not isinstance(src, DTensor):
-                    src = distribute_tensor(
-                        src.to(device=dst.to_local().device, dtype=dst.dtype),
-                        dst.device_mesh,
-                        dst.placements,
-                        src_data_rank=None,  # every rank holds the full tensor: slice it
-                    )
-                dst.copy_(src)
+        copy_weights(self.model, state_dict)
         self.version = version
 
     def load_from_store(
@@ -245,25 +220,8 @@ class Generator:
             KeyError: a parameter is missing in the stored state dict.
             ValueError: a stored tensor has another shape or dtype than the parameter.
         """
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
-        if version is None:
-            try:
-                version = store.versions(key)[-1]
-            except (KeyError, IndexError):  # the store's KeyNotFoundError is a KeyError
-                version = 0
-        assert version is not None
-        start = time.monotonic()
-        try:
-            store.get_state_dict(key, into=self.model.state_dict(), version=version, wait=timeout)
-        except (KeyError, RuntimeError) as e:  # VersionNotFoundError, StoreError
-            if time.monotonic() - start >= timeout:
-                raise TimeoutError(
-                    f"version {version} of {key!r} did not arrive in the store within {timeout:g} s"
-                ) from e
-            raise
-        self.version = version
-        return version
+        self.version = read_weights(self.model, store, key, version=version, timeout=timeout)
+        return self.version
 
     # -- generation -----------------------------------------------------------------------
 
@@ -824,11 +782,6 @@ class Generator:
             return contextlib.nullcontext()
         # No cast cache: a captured graph must cast the current weights on every replay.
         return torch.autocast(dev, dtype=amp, cache_enabled=False)
-
-
-def _few(names: list[str], n: int = 8) -> str:
-    more = f" and {len(names) - n} more" if len(names) > n else ""
-    return (", ".join(names[:n]) or "none") + more
 
 
 __all__ = ["END", "Generator"]

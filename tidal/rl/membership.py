@@ -7,7 +7,7 @@ of its waits. A generator's state, as the trainer sees it:
     joined  its heartbeat advanced since the trainer began watching, saying it is ready (a
             late `tidal rl generator --index k` joins this way; a heartbeat left by an earlier
             run or a dead process does not advance and never counts; a generator beats from
-            its start but says it is ready only after its warm-up, tidal/generate/compiled.py, so
+            its start but says it is ready only after its warm-up (`Generator.warm_up`), so
             neither the first step nor a late joiner's first batch waits for compiles)
     lost    no new heartbeat for `rl.lost_after_s` (killed, hung, or its host gone): the
             trainer says so and goes on with the others

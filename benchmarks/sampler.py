@@ -1,8 +1,8 @@
-"""The decode step's sampler alone: `tidal.rl.sample` against the plain formulation, in one run.
+"""The decode step's sampler alone: `tidal.generate.sample` against the plain formulation.
 
 The baseline, `plain_sample`, is how tidal sampled before: an fp32 log-softmax over the whole
 vocabulary, gathered at the token, and `argmax` over each full row (once for the greedy token,
-once more for the drawn one). `tidal.rl.sample` reduces each row in chunks (`row_stats`):
+once more for the drawn one). `tidal.generate.sample` reduces each row in chunks (`row_stats`):
 the token's log-prob is its logit minus the row's logsumexp. At batch 1 a compiled argmax
 over a whole row is one thread block (inductor splits no arg-reduction), which the chunks
 spread over the GPU.
@@ -45,7 +45,7 @@ def plain_sample(
     truncate: bool = True,
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The baseline: `tidal.rl.sample`'s arguments and results, computed the plain way (a
+    """The baseline: `tidal.generate.sample`'s arguments and results, computed the plain way (a
     [B, V] log-softmax gathered at the token; argmax over whole rows)."""
     logits_BV = logits_BV.float()
     logp_BV = log_softmax(logits_BV, batch_invariant)

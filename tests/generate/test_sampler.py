@@ -1,5 +1,5 @@
 """The sampler's row reductions in chunks (`row_stats`) against whole-row torch ops, and
-`tidal.rl.sample` against the plain formulation it replaced (benchmarks/sampler.py's
+`tidal.generate.sample` against the plain formulation it replaced (benchmarks/sampler.py's
 baseline): the same tokens, log-probs at fp32 rounding, bitwise in batch-invariant mode."""
 
 from __future__ import annotations

@@ -44,8 +44,7 @@ def compiled_generator(monkeypatch):
         model.to_empty(device="cpu")
         model.init_weights(seed=0)
         gen = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=48))
-        gen._compile_on = True  # what compile=None gives on CUDA
-        gen._setup_compile()
+        gen.compile_for_testing()  # what compile=None gives on CUDA
         return gen
 
     yield make

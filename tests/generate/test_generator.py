@@ -379,8 +379,7 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
         )
     assert gen.warm_up() == 0.0 and gen.stats.warmup_seconds == 0  # eager: nothing to pay
     monkeypatch.setattr(torch, "compile", counting_compile)
-    gen._compile_on = True  # what compile=None gives on CUDA
-    gen._setup_compile()
+    gen.compile_for_testing()  # what compile=None gives on CUDA
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=64))
     # Lengths that end at different steps: the rows left run in buckets 8, 4, 2 and 1.
     params = [

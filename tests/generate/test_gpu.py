@@ -56,8 +56,8 @@ def test_compiled_graph_decode_matches_eager(kw):
     model = _model()
     params = SamplingParams(temperature=0, max_new_tokens=40)
     fast = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **kw))
-    assert fast._compile_on and fast._graphs_on
-    assert (fast._blocks is not None) == (kw.get("compile_scope") == "blocks")
+    assert fast.compiles and fast.captures
+    assert (fast.blocks is not None) == (kw.get("compile_scope") == "blocks")
     got = fast.generate(PROMPTS, params)
     assert fast.stats.graphs_captured >= 1
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **EAGER))
@@ -116,7 +116,7 @@ def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
         amp_dtype="bf16" if autocast else None,
     )
     gen = Generator(model, config=config)
-    assert gen._graphs_on and not gen._compile_on  # graphs of the eager kernels
+    assert gen.captures and not gen.compiles  # graphs of the eager kernels
     params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=i) for i in range(5)]
     samples = [s for g in gen.generate(PROMPTS, params) for s in g]
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else torch.no_grad()

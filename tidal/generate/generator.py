@@ -160,6 +160,31 @@ class Generator:
         self._blocks: list[Callable[..., torch.Tensor]] | None = None
         self._setup_compile()
 
+    @property
+    def compiles(self) -> bool:
+        """Whether the prefill and decode steps are compiled (`GeneratorConfig.compile`,
+        resolved for this model and device)."""
+        return self._compile_on
+
+    @property
+    def captures(self) -> bool:
+        """Whether decode steps are captured in CUDA graphs (`GeneratorConfig.cuda_graphs`,
+        resolved)."""
+        return self._graphs_on
+
+    @property
+    def blocks(self) -> list[Callable[..., torch.Tensor]] | None:
+        """The compiled block functions the cached forward runs (compile_scope="blocks" with
+        compile on), else None."""
+        return self._blocks
+
+    def compile_for_testing(self) -> None:
+        """The test seam for the compiled paths on CPU: compile as `compile=None` does on
+        CUDA, whatever the device (tests pass `torch.compile` dynamo's "eager" backend to
+        trace without making kernels). Not for generation: a CPU model gains nothing."""
+        self._compile_on = True
+        self._setup_compile()
+
     def _setup_compile(self) -> None:
         """The compiled pieces `_compile_on` and `compile_scope` ask for. "step": the prefill
         whole, with dynamic shapes (decode steps are compiled at their first use, in

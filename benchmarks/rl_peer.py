@@ -129,9 +129,9 @@ def tidal_summary(fig: dict, target: float | None) -> dict:
 
 def export_for_trl(config: str, overrides: list[str], folder: Path) -> Path:
     """The SFT warm start as a Hugging Face folder, and the run's prompts as JSON."""
+    from tidal.rl.build import make_task
     from tidal.rl.configs import get_rl_config
-    from tidal.rl.loop import request_seed
-    from tidal.rl.roles import make_task
+    from tidal.rl.experience import request_seed
     from tidal.rl.warmstart import resolve_policy
     from tidal.train.checkpoint.hf import dcp_to_hf
     from tidal.train.config_parse import apply_overrides

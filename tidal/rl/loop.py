@@ -33,9 +33,8 @@ Waiting for the other role to produce something is idle time, reported apart
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,106 +50,18 @@ from tidal.rl.coupling import (
     generator_name,
     rollouts_key,
 )
-from tidal.rl.generate import Generator, Sample
+from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
 from tidal.rl.intake import AsyncIntake, take_sync
 from tidal.rl.loss import group_advantages
 from tidal.rl.membership import Members, share_of
+from tidal.rl.report import CORRECTION_METRICS
 from tidal.rl.rollout import RolloutBatch
-from tidal.rl.sampling import SamplingParams
 from tidal.rl.schedule import AsyncSchedule, make_schedule
-from tidal.rl.tasks.base import Grade, Problem, Task
-from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
+from tidal.rl.tasks.base import Task
+from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
 
 Log = Callable[[str], None]
-
-CORRECTION_METRICS = ("tis_weight_mean", "tis_capped_frac", "is_masked_frac")
-"""The loss's per-token correction figures, in a step's record when the correction is on."""
-
-
-def eval_versions(steps: int, eval_every: int) -> list[int]:
-    """Policy versions scored on the held-out set: 0, every `eval_every`, and the last."""
-    every = set(range(eval_every, steps + 1, eval_every)) if eval_every else set()
-    return sorted({0, steps} | every)
-
-
-def request_seed(*parts: int) -> int:
-    """A sampling seed in [0, 2**63) from integers (run seed, step, generator, prompt)."""
-    h = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") >> 1
-
-
-# -- generator side --------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class Policy:
-    """What a generator needs to turn a task's problems into token ids and back."""
-
-    generator: Generator
-    encoder: Any
-    """tidal.train.data.chat.ChatEncoder: prompt rendering and `stop_ids`."""
-    pad_id: int
-    max_prompt_tokens: int
-
-
-def encode_prompt(policy: Policy, problem: Problem) -> list[int]:
-    """The chat-rendered prompt of a problem, checked against `rollout.max_prompt_tokens`."""
-    ids = policy.encoder.prompt_ids([{"role": "user", "content": problem.prompt}])
-    if len(ids) > policy.max_prompt_tokens:
-        raise ValueError(
-            f"a prompt of the task is {len(ids)} tokens, over rollout.max_prompt_tokens="
-            f"{policy.max_prompt_tokens}: {problem.prompt[:80]!r}"
-        )
-    return ids
-
-
-class Grader:
-    """The task's grader with its failures counted, never raised: a grader that raises gives
-    reward 0 for that sample and the run goes on (the count and first message are reported)."""
-
-    def __init__(self, task: Task) -> None:
-        self.task, self.errors, self.first_error = task, 0, ""
-
-    def __call__(self, text: str | None, reference: Any) -> Grade:
-        try:
-            return self.task.grade(text or "", reference)
-        except Exception as e:  # documented fallback: a broken grader costs reward, not the run
-            self.errors += 1
-            if not self.first_error:
-                self.first_error = f"{type(e).__name__}: {e}"[:300]
-            return Grade(reward=0.0, answer=None, format_ok=False)
-
-
-def evaluate(
-    policy: Policy,
-    grader: Grader,
-    problems: list[Problem],
-    *,
-    max_new_tokens: int,
-    log: Log,
-    label: str,
-) -> dict[str, Any]:
-    """pass@1 of greedy decoding on `problems` (a fixed held-out set), with progress lines."""
-    start = time.perf_counter()
-    stop = tuple(sorted(policy.encoder.stop_ids))
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-    correct, chunk = 0, max(1, policy.generator.config.max_batch)
-    for lo in range(0, len(problems), chunk):
-        part = problems[lo : lo + chunk]
-        groups = policy.generator.generate([encode_prompt(policy, p) for p in part], params)
-        for p, group in zip(part, groups, strict=True):
-            correct += grader(group[0].text, p.reference).reward >= 1.0
-        done = lo + len(part)
-        if done < len(problems):
-            log(f"{label}: {done}/{len(problems)} problems, {correct} right so far")
-    n = len(problems)
-    return {
-        "pass1": correct / max(n, 1),
-        "correct": correct,
-        "total": n,
-        "seconds": time.perf_counter() - start,
-    }
 
 
 def generate_loop(
@@ -174,7 +85,6 @@ def generate_loop(
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
     evals = set(eval_versions(steps, cfg.rl.eval_every))
-    stop = tuple(sorted(policy.encoder.stop_ids))
 
     def load(version: int) -> tuple[int, float, float]:
         """Wait for `version` (or a newer one, if it was dropped meanwhile: a generator that
@@ -233,15 +143,14 @@ def generate_loop(
             )
         if prompts:
             step = version + 1
-            batch = _sample_batch(
+            batch = sample_batch(
                 policy,
                 task,
                 grader,
                 cfg,
-                (r.seed, step, index),
-                stop,
-                prompts,
-                {"generator": index, "version": version, "idle_s": idle_s, "sync_s": sync_s},
+                seeds=(r.seed, step, index),
+                n_prompts=prompts,
+                meta={"generator": index, "version": version, "idle_s": idle_s, "sync_s": sync_s},
             )
             if main:
                 store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
@@ -263,79 +172,6 @@ def _wait_policy(link: Link, version: int) -> int:
             raise
 
     return link.wait(f"policy version {version}", attempt)
-
-
-def _sample_batch(
-    policy: Policy,
-    task: Task,
-    grader: Grader,
-    cfg: RLConfig,
-    seeds: tuple[int, ...],
-    stop: tuple[int, ...],
-    n_prompts: int,
-    meta: dict[str, Any],
-) -> RolloutBatch:
-    """The graded samples of one batch of `n_prompts` problems (see `batch_requests`)."""
-    problems, prompts, params = batch_requests(policy, task, cfg, seeds, stop, n_prompts)
-    t0 = time.perf_counter()
-    groups = policy.generator.generate(prompts, params)
-    return graded_batch(
-        policy, task, grader, problems, groups, {**meta, "gen_s": time.perf_counter() - t0}
-    )
-
-
-def batch_requests(
-    policy: Policy,
-    task: Task,
-    cfg: RLConfig,
-    seeds: tuple[int, ...],
-    stop: tuple[int, ...],
-    n_prompts: int,
-) -> tuple[list[Problem], list[list[int]], list[SamplingParams]]:
-    """The problems of one batch, their prompts' token ids and their sampling parameters. Its
-    problems and sampling noise are seeded by `seeds` (the same whatever ran before: a
-    resumed run draws what the uninterrupted one would have)."""
-    r = cfg.rollout
-    stream: Iterator[Problem] = task.problems("train", seed=request_seed(*seeds))
-    problems = [next(stream) for _ in range(n_prompts)]
-    prompts = [encode_prompt(policy, p) for p in problems]
-    params = [
-        SamplingParams(
-            n=r.group_size,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            stop_token_ids=stop,
-            seed=request_seed(*seeds, i),
-        )
-        for i in range(len(prompts))
-    ]
-    return problems, prompts, params
-
-
-def graded_batch(
-    policy: Policy,
-    task: Task,
-    grader: Grader,
-    problems: list[Problem],
-    groups: list[list[Sample]],
-    meta: dict[str, Any],
-) -> RolloutBatch:
-    """The rollout batch of `groups` (one per problem), each sample graded; `meta` gains the
-    token and grader-error counts."""
-    samples = [s for g in groups for s in g]
-    errors_before = grader.errors
-    grades = [grader(s.text, problems[s.prompt_index].reference) for s in samples]
-    meta = {
-        **meta,
-        "gen_tokens": sum(len(s.completion_ids) for s in samples),
-        "grader_errors": grader.errors - errors_before,
-        "grader_error": grader.first_error,
-    }
-    return RolloutBatch.from_samples(
-        samples, grades, task=task.name, pad_id=policy.pad_id, meta=meta
-    )
 
 
 # -- trainer side ----------------------------------------------------------------------------
@@ -374,8 +210,6 @@ def train_loop(
     version, then waiting for the last evaluation. `log_record` gets one record per step and
     one per evaluation (rank 0 writes them). In async mode each step takes the next
     `generator.count` rollout batches to arrive and drops the samples that are too stale."""
-    from tidal.train.optim import set_lr, wsd_multiplier
-
     trainer, store = side.trainer, link.store
     schedule = make_schedule(cfg.rl.mode, cfg.rl.steps, cfg.rl.max_staleness)
     # With a correction the PPO ratio is taken against the trainer's own policy at the
@@ -394,7 +228,6 @@ def train_loop(
     t0 = time.perf_counter()
     future = side.publish(first_step)
     sync_s = time.perf_counter() - t0
-    lr_start = trainer.checkpoint.lr_start
     dropped_total, step_end = 0, time.perf_counter()
     for step in range(first_step + 1, cfg.rl.steps + 1):
         step_start = time.perf_counter()
@@ -428,15 +261,22 @@ def train_loop(
         sync_s += time.perf_counter() - t0
         if queue is not None:  # now, so that the generators' next batches start from it
             queue.mark_taken()
-        lr = cfg.optimizer.lr * wsd_multiplier(
-            step - lr_start, cfg.rl.steps - lr_start, cfg.lr_scheduler
-        )
-        set_lr(trainer.optimizer, lr)
+        lr = set_step_lr(trainer, cfg, step)
         train_start = time.perf_counter()
         metrics, tokens, positions = (
             ({}, 0, 0)
             if trained is None or adv is None
-            else (_train_step(side, trained, adv, loss, cfg))
+            else train_on_rollout(
+                trainer,
+                trained,
+                adv,
+                loss,
+                micro_batch_size=cfg.trainer.micro_batch_size,
+                seq_len=side.seq_len,
+                dp_rank=side.dp_rank,
+                dp_world=side.dp_world,
+                reference=side.reference,
+            )
         )
         train_s = time.perf_counter() - train_start
         trainer.step = step
@@ -581,70 +421,3 @@ def _log_evals(store: Any, pending: list[int], step: int, log_record) -> list[in
         else:
             left.append(v)
     return left
-
-
-def _train_step(
-    side: TrainerSide, rollout: RolloutBatch, adv, loss: PolicyLoss, cfg: RLConfig
-) -> tuple[dict[str, float], int, int]:
-    """One optimizer step on a rollout (nothing when dynamic sampling dropped every group).
-    Returns the loss metrics, the real token positions trained on (every kept sample's prompt
-    and completion, minus its last token, over all ranks) and the positions the trainer ran,
-    padding included."""
-    trainer = side.trainer
-    batches = rollout_batches(
-        rollout,
-        adv,
-        micro_batch_size=cfg.trainer.micro_batch_size,
-        seq_len=side.seq_len,
-        dp_rank=side.dp_rank,
-        dp_world=side.dp_world,
-    )
-    if not batches:
-        return {}, 0, 0
-    batches = [b.to(trainer.device) for b in batches]
-    if side.reference is not None:  # the KL term's frozen reference, in the same layout
-
-        def score_reference() -> None:
-            for b in batches:
-                b.extras["ref_logprobs"] = trainer.logprobs(b)
-
-        _with_weights(trainer, side.reference, score_reference)
-    n_tokens = sum(b.target_count() for b in batches)
-    result = trainer.train_step(batches, n_tokens, loss=loss)
-    metrics = {k: float(v) for k, v in result.metrics.items()}
-    lens = rollout.prompt_lens + rollout.completion_mask.sum(1)
-    real = int((lens - 1).clamp(min=0)[adv.keep].sum())
-    return metrics, real, int(result.tokens)
-
-
-@torch.no_grad()
-def _with_weights(trainer: Any, weights: list[torch.Tensor], fn: Callable[[], Any]) -> None:
-    """Run `fn` with the trainer's parameters swapped for `weights` (same layout), then put
-    the trainer's own back.
-
-    The swap writes the (sharded) parameters; FSDP2 modules that keep their gathered
-    parameters after a forward (the root and the last block, by default) are resharded on
-    both sides of it, or the next forward would reuse a copy gathered from the other
-    weights (the KL reference pass read the policy's weights, and the training step the
-    reference's)."""
-    own = [p.detach().clone() for p in trainer.params]
-    _reshard(trainer)
-    for p, w in zip(trainer.params, weights, strict=True):
-        p.copy_(w)
-    try:
-        fn()
-    finally:
-        _reshard(trainer)
-        for p, w in zip(trainer.params, own, strict=True):
-            p.copy_(w)
-
-
-def _reshard(trainer: Any) -> None:
-    """Free the gathered parameters of every FSDP2 module of the trainer (a no-op without
-    FSDP or when already resharded)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in trainer.modules:
-        for m in module.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()

@@ -24,7 +24,6 @@ store address (`tidal store serve`) on a cluster.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -36,6 +35,20 @@ from typing import Any
 
 import torch
 
+from tidal.rl.build import (
+    build_generator,
+    build_trainer,
+    check_task_text,
+    generator_device,
+    generator_dtype,
+    make_policy,
+    make_task,
+    publish_dtype,
+    reference_weights,
+    trainer_seq_len,
+    trainer_weights,
+    warm_up_generator,
+)
 from tidal.rl.config import RLConfig
 from tidal.rl.coupling import (
     DONE,
@@ -53,7 +66,6 @@ from tidal.rl.layouts import (
     generator_command,
     join_generator_group,
     leave_generator_group,
-    shard_model,
 )
 from tidal.rl.mps import mps_daemon, role_env
 from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
@@ -65,65 +77,6 @@ CHILD_GRACE_S = 20.0
 
 
 # -- checks before anything starts -------------------------------------------------------
-
-
-def make_task(cfg: RLConfig):
-    """The configured task.
-
-    Raises:
-        ValueError: an unknown task or a bad parameter (the message names it)."""
-    from tidal.rl.tasks import get_task
-
-    try:
-        return get_task(cfg.task.name, **cfg.task.params)
-    except TypeError as e:
-        raise ValueError(f"task.params: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"task.name: {e}") from e
-
-
-def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
-    """The policy's tokenizer and model cover the task's text: every id of a rendered prompt
-    and of a reference answer is inside the model's vocabulary, the text comes back from the
-    ids unchanged, and rendered prompts fit `rollout.max_prompt_tokens` (on a sample of
-    train and held-out problems).
-
-    Raises:
-        ValueError: naming the text, the ids and the vocabulary size.
-    """
-    vocab = src.args.vocab_size
-    tok = src.tokenizer
-    if tok.vocab_size > vocab:
-        raise ValueError(
-            f"the policy's tokenizer has {tok.vocab_size} tokens but the model embeds only "
-            f"{vocab}: its vocabulary does not cover the tokenizer's ids"
-        )
-    import itertools
-
-    problems = list(itertools.islice(task.problems("train", seed=cfg.rollout.seed), 16))
-    problems += task.eval_set(min(16, cfg.task.eval_problems), seed=cfg.task.eval_seed)
-    for p in problems:
-        ids = src.encoder.prompt_ids([{"role": "user", "content": p.prompt}])
-        if len(ids) > cfg.rollout.max_prompt_tokens:
-            raise ValueError(
-                f"a prompt of the task {task.name!r} renders to {len(ids)} tokens, over "
-                f"rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens}: {p.prompt[:60]!r}"
-            )
-        for text in (p.prompt, str(p.reference)):
-            got = tok.encode(text)
-            back = tok.decode(got)
-            if back != text:
-                raise ValueError(
-                    f"the policy's tokenizer cannot represent the task {task.name!r}'s text: "
-                    f"{text[:60]!r} decodes back as {back[:60]!r}"
-                )
-            ids = ids + got
-        top = max(ids)
-        if top >= vocab:
-            raise ValueError(
-                f"the model's vocabulary ({vocab} ids) does not cover the task {task.name!r}: "
-                f"its text {p.prompt[:60]!r} encodes to id {top}"
-            )
 
 
 def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
@@ -180,81 +133,6 @@ def connect_store(address: str, cfg: RLConfig, *, token: str | None = None):
 # -- the trainer ---------------------------------------------------------------------------
 
 
-def trainer_seq_len(cfg: RLConfig, src: PolicySource) -> int:
-    """Positions per sequence: the longest prompt and completion, within the model."""
-    return min(src.args.max_seq_len, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
-
-
-def trainer_config(cfg: RLConfig, src: PolicySource):
-    """The tidal.train Config of the trainer role (no data pipeline: the loop feeds it)."""
-    from tidal.train.config import (
-        CheckpointConfig,
-        Config,
-        MetricsConfig,
-        ModelConfig,
-        SampleConfig,
-        TrainingConfig,
-    )
-
-    t, c = cfg.trainer, cfg.checkpoint
-    return Config(
-        job=dataclasses.replace(cfg.job),
-        model=ModelConfig(
-            flavor=src.flavor, attention=cfg.model.attention, vocab_size=src.vocab_size
-        ),
-        training=TrainingConfig(
-            steps=cfg.rl.steps,
-            batch_size=t.micro_batch_size,
-            seq_len=trainer_seq_len(cfg, src),
-            max_norm=t.max_norm,
-            mixed_precision=t.mixed_precision,
-            compile=t.compile,
-            compile_dynamic=True,  # every step's rollouts have their own length
-            seed=t.seed,
-            deterministic=t.deterministic,
-            batch_invariant=cfg.generator.batch_invariant,
-        ),
-        optimizer=cfg.optimizer,
-        lr_scheduler=cfg.lr_scheduler,
-        parallelism=cfg.parallelism,
-        activation_checkpoint=cfg.activation_checkpoint,
-        metrics=MetricsConfig(log_every=1, val_every=0, tensorboard=cfg.metrics.tensorboard),
-        sample=SampleConfig(max_new_tokens=0),
-        # The warm start loads through the checkpoint code, which reads initial_load_path only
-        # when enabled: without policy checkpoints it is enabled to load, never to save.
-        checkpoint=CheckpointConfig(
-            enable=c.enable or src.checkpoint is not None,
-            load_only=not c.enable,
-            interval=c.interval or cfg.rl.steps,
-            keep_latest_k=c.keep_latest_k,
-            initial_load_path=str(src.checkpoint) if src.checkpoint else None,
-            # The folder's config.json is the architecture; loaded in any layout (without
-            # policy checkpoints too) and skipped when the run resumes.
-            initial_load_hf=str(src.hf_folder) if src.hf_folder else None,
-            initial_load_model_only=True,
-        ),
-    )
-
-
-def publish_dtype(cfg: RLConfig) -> torch.dtype | None:
-    """bf16 when the generators run bf16 (an fp32 trainer casts while publishing)."""
-    return torch.bfloat16 if generator_dtype(cfg) == torch.bfloat16 else None
-
-
-def generator_device(cfg: RLConfig, local_rank: int = 0) -> torch.device:
-    d = cfg.generator.device
-    if d == "auto":
-        d = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(d, local_rank) if d == "cuda" else torch.device(d)
-
-
-def generator_dtype(cfg: RLConfig) -> torch.dtype:
-    d = cfg.generator.dtype
-    if d == "auto":
-        d = "bf16" if generator_device(cfg).type == "cuda" else "fp32"
-    return torch.bfloat16 if d == "bf16" else torch.float32
-
-
 def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) -> dict:
     """The trainer role (every rank). Returns the summary rank 0 printed ({} on others)."""
     import torch.distributed as dist
@@ -262,8 +140,6 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
     from tidal.parallel.launch import DistInfo
     from tidal.rl.loop import TrainerSide, train_loop
     from tidal.rl.report import Report
-    from tidal.train.data import DataBundle
-    from tidal.train.trainer import Trainer
 
     info = dist_info or DistInfo()
     main = info.is_main
@@ -273,12 +149,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
 
     # The generators are members that come and go (tidal/rl/membership.py), not watched roles.
     link = Link(store, "trainer", watch=[], loop=cfg.rl, beat=main, log=log)
-    trainer = Trainer(
-        trainer_config(cfg, src),
-        data=DataBundle(tokenizer=src.tokenizer, train=None, val=None),
-        dist_info=info,
-        log=log,
-    )
+    trainer = build_trainer(cfg, src, dist_info=info, log=log)
     report = None
     members: Members | None = None
     try:
@@ -295,9 +166,13 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             memory = "cuda" if trainer.device.type == "cuda" and not cfg.store.address else "host"
 
         def publish(version: int):
-            sd = {k: v for m in trainer.modules for k, v in m.state_dict().items()}
             future = store.put_state_dict_async(
-                sd, POLICY, version=version, writers=writers, dtype=dtype, memory=memory
+                trainer_weights(trainer),
+                POLICY,
+                version=version,
+                writers=writers,
+                dtype=dtype,
+                memory=memory,
             )
 
             def stop_on_failure(f) -> None:
@@ -323,7 +198,7 @@ def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) 
             dp_world=trainer.dims.dp,
             is_main=main,
             seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
-            reference=[p.detach().clone() for p in trainer.params] if cfg.loss.kl_coef else None,
+            reference=reference_weights(trainer, cfg),
             members=members,
         )
         if members is not None:
@@ -379,55 +254,6 @@ def _why(e: BaseException, role: str) -> str:
 # -- a generator ---------------------------------------------------------------------------
 
 
-def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local_rank: int = 0):
-    """The generator's model (its own copy, on its device and dtype; weights from the store)
-    wrapped in a tidal.rl.Generator; with a `tp` `mesh`, this rank's shard of it."""
-    from tidal.models.transformer import Transformer
-    from tidal.rl.generate import Generator, GeneratorConfig
-
-    device, dtype = generator_device(cfg, local_rank), generator_dtype(cfg)
-    with torch.device("meta"):
-        model = Transformer(src.args)
-    shard_model(model, mesh)
-    model.to_empty(device=device)
-    model.init_weights(seed=cfg.trainer.seed)
-    model.to(dtype)
-    capacity = trainer_seq_len(cfg, src)
-    g = cfg.generator
-    config = GeneratorConfig(
-        max_batch=g.max_batch,
-        max_seq_len=capacity,
-        batch_invariant=g.batch_invariant,
-        compile=g.compile,
-        cuda_graphs=g.cuda_graphs,
-        compile_scope=g.compile_scope,
-    )
-    return Generator(model, tokenizer=src.tokenizer, config=config)
-
-
-def warm_up_generator(gen: Any, cfg: RLConfig, index: int, *, log: Log) -> None:
-    """Compile and capture now (`Generator.warm_up`) every decode bucket of the sampler
-    variants generator `index` runs: its rollouts', and greedy for generator 0's held-out
-    evaluations. Nothing is done where nothing is compiled or captured (CPU)."""
-    from tidal.rl.sampling import SamplingParams
-
-    r = cfg.rollout
-    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)]
-    if index == 0:
-        params.append(SamplingParams(temperature=0.0))
-    if gen.device.type == "cuda":  # a compile scope "step" warm-up may take minutes
-        log(
-            f"{generator_name(index)}: warming up (batch buckets {gen.buckets}, "
-            f"{len(params)} sampler variant(s)); it joins the job when done"
-        )
-    seconds = gen.warm_up(params)
-    if seconds:
-        log(
-            f"{generator_name(index)}: warmed up in {seconds:.1f} s ({gen.stats.graphs_captured} "
-            f"CUDA graphs; batch buckets {gen.buckets})"
-        )
-
-
 def run_generator(
     cfg: RLConfig, store: Any, *, index: int, dist_info=None, log: Log = print
 ) -> None:
@@ -466,7 +292,7 @@ def _generate_role(
 ) -> None:
     from tidal.rl.async_generator import generate_loop_async
     from tidal.rl.layouts import agree_start
-    from tidal.rl.loop import Policy, generate_loop
+    from tidal.rl.loop import generate_loop
     from tidal.rl.membership import leave
 
     name, main = generator_name(index), info.is_main
@@ -484,13 +310,7 @@ def _generate_role(
         gen = build_generator(cfg, src, mesh=mesh, local_rank=info.local_rank)
         warm_up_generator(gen, cfg, index, log=log)
         link.set_ready()
-        pad = src.tokenizer.eos_id
-        policy = Policy(
-            generator=gen,
-            encoder=src.encoder,
-            pad_id=pad,
-            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-        )
+        policy = make_policy(cfg, src, gen)
         start = link.wait("the trainer's start", lambda seconds: _start_of(link, seconds))
         link.follow_run()
         # A generator joining a running job starts from the newest committed version.

@@ -413,8 +413,8 @@ def test_compile_scope_blocks_traces_one_block_for_every_layer(model, monkeypatc
 def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
     """`tidal rl ... --generator.compile_scope blocks` builds the role's Generator with it."""
     from tidal.models import get_flavor
+    from tidal.rl.build import build_generator
     from tidal.rl.configs import get_rl_config
-    from tidal.rl.roles import build_generator
     from tidal.rl.warmstart import PolicySource
     from tidal.train.config_parse import apply_overrides
 
@@ -435,8 +435,8 @@ def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
 def test_the_rl_generator_warms_up_the_variants_it_runs(monkeypatch):
     """The RL role warms its rollouts' sampler variant, and greedy where it evaluates
     (generator 0), before it says it is ready; on CPU the warm-up does nothing."""
+    from tidal.rl.build import warm_up_generator
     from tidal.rl.configs import get_rl_config
-    from tidal.rl.roles import warm_up_generator
     from tidal.rl.warmup import variant_of
     from tidal.train.config_parse import apply_overrides
 

@@ -307,7 +307,7 @@ def test_ctrl_c_stops_every_role(tmp_path):
 
 
 def test_help_and_print_config(capsys):
-    from tidal.rl.rl_cli import main
+    from tidal.rl.distributed.cli import main
 
     assert main(["--config", "rl_addition", "--help"]) == 0
     text = capsys.readouterr().out

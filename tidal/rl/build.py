@@ -83,6 +83,11 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
             )
 
 
+def describe_model(src: PolicySource) -> str:
+    """The policy's model, as error messages name it."""
+    return f"the policy's model ({src.describe})" if src.describe else "the policy's model"
+
+
 # -- the trainer -----------------------------------------------------------------------------
 
 

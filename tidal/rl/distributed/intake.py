@@ -1,5 +1,5 @@
 """The trainer's end of the rollouts: which batches each step trains on, from whichever
-generators are live (tidal/rl/membership.py).
+generators are live (tidal/rl/distributed/membership.py).
 
 Trainer rank 0 chooses and announces its choice under control/intake@step, as (generator,
 batch version) pairs; the other ranks read it and fetch the same batches, so every rank
@@ -26,8 +26,8 @@ import time
 from typing import Any
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import INTAKE, Link, NotYet, RoleStopped, rollouts_key, taken_key
-from tidal.rl.membership import Members
+from tidal.rl.distributed.coupling import INTAKE, Link, NotYet, RoleStopped, rollouts_key, taken_key
+from tidal.rl.distributed.membership import Members
 from tidal.rl.rollout import RolloutBatch
 from tidal.store.errors import KeyNotFoundError
 

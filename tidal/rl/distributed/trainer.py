@@ -1,14 +1,19 @@
-"""The RL loop, as short loops over library pieces: one per role (and per mode).
+"""The trainer role (`tidal rl trainer`, every rank under torchrun): the loop's trainer side
+over the store.
 
-    trainer (tidal/train Trainer)                     generator g (tidal.rl.Generator)
+Lifecycle (`run_trainer`): builds the tidal Trainer (tidal.rl.build.build_trainer: no data
+pipeline, the warm start loaded through the checkpoint code), clears an earlier run's keys,
+announces the first step (`control/start`), publishes version 0 and runs `train_loop`; rank 0
+logs (tidal/rl/report.py).
+
+    trainer                                           generator g (sync)
       put policy@v0                           ---->     wait policy@v0, load it in place
-                                                        [g = 0: eval_pass1 of v0 -> eval@0]
       wait rollouts/<g>@1 from every g        <----     sample, grade -> rollouts/<g>@1
       step 1 (GRPO loss) -> put policy@v1     ---->     wait policy@v1, load ...
       ...                                               ...
       wait eval@steps, put control/done                 [g = 0: eval of the last version]
 
-Which version a batch must come from is the schedule's answer (tidal/rl/schedule.py). In
+Which batches a step trains on is the intake's answer (tidal/rl/distributed/intake.py). In
 async mode (`rl.mode async`) the generator runs `generate_loop_async`: it never waits for
 weights (a `Stager` prefetches them and `Generator.swap_hook` switches them between decode
 steps) and waits only for a free slot of the bounded rollout queue; the trainer takes the
@@ -20,8 +25,9 @@ trains on the rest with the loss's per-token correction:
       take the next batches, put control/taken/<g> <--  [queue slot free] rollouts/<g>@k
       drop stale samples, step s, put policy@vs ---->   (swapped in between decode steps)
 
-Every wait goes through `Link.wait` (tidal/rl/coupling.py): bounded, and stopped early when
-another role stops or dies.
+The step itself (advantages, loss, optimizer step) is tidal/rl/grpo.py's, through the same
+functions. Every wait goes through `Link.wait` (tidal/rl/distributed/coupling.py): bounded,
+and stopped early when another role stops or dies.
 
 Timing reported per step (metrics.jsonl, docs/rl.md): `sync_trainer_s` is the time the
 trainer was blocked publishing (the `put_state_dict_async` call and, before the next
@@ -40,146 +46,143 @@ from typing import Any
 
 import torch
 
-from tidal.rl.config import RLConfig
-from tidal.rl.coupling import (
-    EVAL,
-    MEMBERS,
-    POLICY,
-    Link,
-    NotYet,
-    generator_name,
-    rollouts_key,
+from tidal.rl.build import (
+    build_trainer,
+    check_task_text,
+    make_task,
+    publish_dtype,
+    reference_weights,
+    trainer_seq_len,
+    trainer_weights,
 )
-from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
-from tidal.rl.intake import AsyncIntake, take_sync
+from tidal.rl.config import RLConfig
+from tidal.rl.distributed.coupling import DONE, EVAL, POLICY, START, Link, NotYet, stop_reason
+from tidal.rl.distributed.intake import AsyncIntake, take_sync
+from tidal.rl.distributed.membership import Members
+from tidal.rl.distributed.schedule import AsyncSchedule, make_schedule
+from tidal.rl.experience import eval_versions
 from tidal.rl.loss import group_advantages
-from tidal.rl.membership import Members, share_of
 from tidal.rl.report import CORRECTION_METRICS
 from tidal.rl.rollout import RolloutBatch
-from tidal.rl.schedule import AsyncSchedule, make_schedule
-from tidal.rl.tasks.base import Task
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
-from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
+from tidal.rl.warmstart import resolve_policy
 
 Log = Callable[[str], None]
 
 
-def generate_loop(
-    policy: Policy,
-    task: Task,
-    link: Link,
-    cfg: RLConfig,
-    *,
-    index: int,
-    first_step: int,
-    log: Log,
-    main: bool = True,
-) -> None:
-    """Generator `index`'s side of the sync loop: for each policy version v from
-    `first_step` (the newest committed one for a generator joining late), load it, then
-    sample batch v + 1 when the trainer announced this process with v (its share of the
-    prompts; tidal/rl/membership.py), until the last version (which generator 0 evaluates). A
-    tensor-parallel generator runs it on every rank in lockstep; only its `main` rank puts the
-    rollouts and evaluations."""
-    store, gen, r, steps = link.store, policy.generator, cfg.rollout, cfg.rl.steps
-    grader = Grader(task)
-    eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
-    evals = set(eval_versions(steps, cfg.rl.eval_every))
+def run_trainer(cfg: RLConfig, store: Any, *, dist_info=None, log: Log = print) -> dict:
+    """The trainer role (every rank). Returns the summary rank 0 printed ({} on others)."""
+    import torch.distributed as dist
 
-    def load(version: int) -> tuple[int, float, float]:
-        """Wait for `version` (or a newer one, if it was dropped meanwhile: a generator that
-        is not a member falls behind) to be committed (idle), then copy it into the
-        parameters. Returns the version loaded and the idle and copy times."""
-        t0 = time.perf_counter()
-        version = _wait_policy(link, version)
-        t1 = time.perf_counter()
-        store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
-        gen.version = version
-        return version, t1 - t0, time.perf_counter() - t1
+    from tidal.parallel.launch import DistInfo
+    from tidal.rl.report import Report
 
-    def maybe_eval(version: int) -> None:
-        if index != 0 or version not in evals:
-            return
-        result = evaluate(
-            policy,
-            grader,
-            eval_set,
-            max_new_tokens=r.max_new_tokens,
-            log=log,
-            label=f"eval of policy version {version}",
-        )
+    info = dist_info or DistInfo()
+    main = info.is_main
+    src = resolve_policy(cfg, log=log)
+    check_task_text(cfg, src, make_task(cfg))
+    # The generators are members that come and go (tidal/rl/distributed/membership.py), not
+    # watched roles.
+    link = Link(store, "trainer", watch=[], loop=cfg.rl, beat=main, log=log)
+    trainer = build_trainer(cfg, src, dist_info=info, log=log)
+    report = None
+    members: Members | None = None
+    try:
+        first = trainer.step
+        barrier = dist.new_group(backend="gloo") if info.world_size > 1 else None
         if main:
-            store.put_state_dict(result, EVAL, version=version)
+            _clear_run(store)
+            link.start()
+        if barrier is not None:
+            dist.barrier(group=barrier)
+        dtype, writers = publish_dtype(cfg), info.world_size
+        memory = cfg.store.policy_memory
+        if memory == "auto":  # `tidal rl` resolves it for the roles it starts
+            memory = "cuda" if trainer.device.type == "cuda" and not cfg.store.address else "host"
 
-    version, member = first_step, None
+        def publish(version: int):
+            future = store.put_state_dict_async(
+                trainer_weights(trainer),
+                POLICY,
+                version=version,
+                writers=writers,
+                dtype=dtype,
+                memory=memory,
+            )
 
-    def may_leave() -> bool:
-        """Asked to leave (SIGTERM), it first makes a batch it was given prompts for with
-        the version it is at, or that step would lack its share."""
-        try:
-            members = store.get_state_dict(MEMBERS, version=version)
-        except (KeyNotFoundError, VersionNotFoundError, StoreError):
-            return True
-        return not any(
-            g == index and i == link.ident and n > 0 for g, i, n in members["generators"]
+            def stop_on_failure(f) -> None:
+                # The loop reads the put's result only after the next rollouts, which the
+                # generators cannot make without this version: stop every role now, naming
+                # the error, instead of all of them waiting out rl.wait_timeout_s.
+                if not f.cancelled() and f.exception() is not None:
+                    e = f.exception()
+                    link.stop(
+                        f"the trainer (rank {info.rank}) failed to publish policy "
+                        f"version {version}: {type(e).__name__}: {e}"[:500]
+                    )
+
+            future.add_done_callback(stop_on_failure)
+            return future
+
+        dp_rank = trainer.mesh["dp"].get_local_rank() if trainer.mesh is not None else 0
+        members = Members(store, cfg, log=log) if main else None
+        side = TrainerSide(
+            trainer=trainer,
+            publish=publish,
+            dp_rank=dp_rank,
+            dp_world=trainer.dims.dp,
+            is_main=main,
+            seq_len=trainer_seq_len(cfg, src) if trainer.dims.pp > 1 else None,
+            reference=reference_weights(trainer, cfg),
+            members=members,
         )
-
-    link.may_leave = may_leave
-    while version < steps or (index == 0 and version == steps):
-        version, idle_s, sync_s = load(version)
-        maybe_eval(version)
-        if version >= steps:
-            break
-        prompts = share_of(link, version, index)
-        if (prompts > 0) != member:
-            member = prompts > 0
+        if members is not None:
+            members.start()
+        if main:
+            report = Report(cfg, first_step=first, resumed=first > 0, log=log)
+            store.put_state_dict({"step": first, "steps": cfg.rl.steps}, START, version=0)
+            link.follow_run()
             log(
-                f"{generator_name(index)}: "
+                f"trainer: {src.describe}; steps {first + 1}..{cfg.rl.steps}, "
+                f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.group_size} samples a "
+                f"step over {cfg.generator.count} generator(s), {cfg.rl.mode} mode"
                 + (
-                    f"sampling {prompts} prompts a step from policy version {version}"
-                    if member
-                    else f"joined at policy version {version}; waiting to be given prompts"
+                    f" (max_staleness {cfg.rl.max_staleness}, queue {cfg.queue_slots()} "
+                    f"batch(es) per generator, {cfg.rl.batches_in_flight} in flight)"
+                    if cfg.rl.mode == "async"
+                    else ""
                 )
             )
-        if prompts:
-            step = version + 1
-            batch = sample_batch(
-                policy,
-                task,
-                grader,
-                cfg,
-                seeds=(r.seed, step, index),
-                n_prompts=prompts,
-                meta={"generator": index, "version": version, "idle_s": idle_s, "sync_s": sync_s},
-            )
-            if main:
-                store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
-        version += 1
+        train_loop(
+            side, link, cfg, first_step=first, log_record=report.log if report else lambda r: None
+        )
+        summary = report.finish() if report else {}
+        if main:
+            store.put_state_dict({"ok": True}, DONE, version=0)
+        return summary
+    except BaseException as e:
+        if main:
+            link.stop(stop_reason(e, "the trainer"))
+        raise
+    finally:
+        if members is not None:
+            members.close()
+        if report is not None:
+            report.close()
+        link.close()
+        trainer.close()
 
 
-def _wait_policy(link: Link, version: int) -> int:
-    """Wait for policy `version` to be committed; a newer one if `version` is no longer kept."""
-    store = link.store
-
-    def attempt(seconds: float) -> int:
-        try:
-            store.get_state_dict(POLICY, into={}, version=version, wait=seconds)
-            return version
-        except VersionNotFoundError:
-            newest = max(store.versions(POLICY), default=-1)
-            if newest > version:
-                return newest
-            raise
-
-    return link.wait(f"policy version {version}", attempt)
-
-
-# -- trainer side ----------------------------------------------------------------------------
+def _clear_run(store: Any) -> None:
+    """Delete an earlier run's keys (one run per store at a time)."""
+    for key in store.keys():
+        if key == POLICY or key.startswith(("rollouts/", "control/")) or key == "eval":
+            store.delete(key)
 
 
 @dataclass(kw_only=True)
 class TrainerSide:
-    """The trainer role's pieces the loop uses (built by tidal/rl/roles.py)."""
+    """The trainer role's pieces the loop uses (built by tidal/rl/distributed/launch.py)."""
 
     trainer: Any
     """tidal.train.trainer.Trainer, built without a data pipeline."""
@@ -192,7 +195,7 @@ class TrainerSide:
     is_main: bool = True
     """Global rank 0: it chooses the rollouts of each step for every rank."""
     members: Members | None = None
-    """The generators in the job (rank 0 only; tidal/rl/membership.py)."""
+    """The generators in the job (rank 0 only; tidal/rl/distributed/membership.py)."""
     reference: list[torch.Tensor] | None = None
     """The frozen reference weights (a copy of the trainer's parameters at the start) when
     `loss.kl_coef` > 0, else None."""

@@ -32,7 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import EVAL, POLICY, Link, generator_name, rollouts_key, taken_key
+from tidal.rl.distributed.coupling import (
+    EVAL,
+    POLICY,
+    Link,
+    generator_name,
+    rollouts_key,
+    taken_key,
+)
+from tidal.rl.distributed.generator_ranks import follow_main
+from tidal.rl.distributed.intake import first_batch
+from tidal.rl.distributed.prefetch import Stager
 from tidal.rl.experience import (
     Grader,
     Log,
@@ -43,9 +53,6 @@ from tidal.rl.experience import (
     graded_batch,
 )
 from tidal.rl.generate import Generator
-from tidal.rl.intake import first_batch
-from tidal.rl.layouts import follow_main
-from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Problem, Task
 from tidal.store.errors import KeyNotFoundError
 

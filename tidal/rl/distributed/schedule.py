@@ -21,7 +21,7 @@ token is at least version s - 1 - max_staleness; the others are dropped and coun
     trainer:          take 1 batch -> step 1 -> put v1 -> take 1 batch -> step 2 -> ...
 
 Both answer the same questions (which version a batch may start from, which tokens are too
-old for step s); tidal/rl/loop.py asks them.
+old for step s); tidal/rl/distributed/trainer.py asks them.
 """
 
 from __future__ import annotations

@@ -57,12 +57,11 @@ from tidal.rl.build import (
 )
 from tidal.rl.config import RLConfig
 from tidal.rl.distributed.coupling import DONE, EVAL, POLICY, START, Link, NotYet, stop_reason
-from tidal.rl.distributed.intake import AsyncIntake, take_sync
+from tidal.rl.distributed.intake import make_intake
 from tidal.rl.distributed.membership import Members
-from tidal.rl.distributed.schedule import AsyncSchedule, make_schedule
 from tidal.rl.experience import eval_versions
-from tidal.rl.loss import group_advantages
-from tidal.rl.report import CORRECTION_METRICS
+from tidal.rl.loss import Advantages, group_advantages
+from tidal.rl.report import Timer, eval_record, step_record
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
 from tidal.rl.warmstart import resolve_policy
@@ -211,155 +210,130 @@ def train_loop(
 ) -> None:
     """The trainer's side of the loop: steps first_step + 1 .. rl.steps, publishing each
     version, then waiting for the last evaluation. `log_record` gets one record per step and
-    one per evaluation (rank 0 writes them). In async mode each step takes the next
-    `generator.count` rollout batches to arrive and drops the samples that are too stale."""
-    trainer, store = side.trainer, link.store
-    schedule = make_schedule(cfg.rl.mode, cfg.rl.steps, cfg.rl.max_staleness)
+    one per evaluation (rank 0 writes them). Which rollouts a step takes is the intake's
+    choice (sync or async: tidal/rl/distributed/intake.py); the step is grpo.py's."""
+    trainer, timer = side.trainer, Timer()
+    intake = make_intake(link, cfg, side.members)
     # With a correction the PPO ratio is taken against the trainer's own policy at the
     # step's start: one optimizer step per batch, so that is this step's forward (detached).
     loss = PolicyLoss(cfg.loss, old_is_current=cfg.loss.corrects)
-    pending_evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
-    members = side.members
-    is_async = isinstance(schedule, AsyncSchedule)
-    queue = AsyncIntake(link, cfg, members) if is_async else None
-    announced: list[list[Any]] = []
-    if members is not None:
-        members.wait_for(link, cfg.generator.count)
-        if not is_async:
-            announced = members.announce(first_step)
+    evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
+    intake.begin(first_step)
     start = time.perf_counter()
-    t0 = time.perf_counter()
-    future = side.publish(first_step)
-    sync_s = time.perf_counter() - t0
-    dropped_total, step_end = 0, time.perf_counter()
+    with timer("sync_trainer_s"):
+        future = side.publish(first_step)
+    step_end = time.perf_counter()
     for step in range(first_step + 1, cfg.rl.steps + 1):
-        step_start = time.perf_counter()
-        if queue is None:
-            parts = take_sync(link, members, announced, step)
-        else:
-            parts = queue.take(cfg.generator.count, step)
-        idle_s = time.perf_counter() - step_start
+        with timer("trainer_idle_s"):
+            parts = intake.take(step)
         rollout = RolloutBatch.concat(parts)
-        extra: dict[str, Any] = {}
-        if isinstance(schedule, AsyncSchedule):
-            trained, extra = _drop_stale(rollout, schedule, step)
-            dropped_total += extra["stale_samples_dropped"]
-            extra["stale_samples_dropped_total"] = dropped_total
-            extra |= queue.stats(parts) if queue is not None else {}
-        else:
-            trained = rollout
-            stale = schedule.stale_tokens(rollout.versions, rollout.completion_mask, step)
-            if stale:
-                raise RuntimeError(
-                    f"step {step}: {stale} rollout tokens come from another policy version than "
-                    f"{schedule.version_for_batch(step)}; sync mode trains only on-policy tokens"
-                )
+        trained, figures = intake.select(rollout, parts, step)
         adv = (
             None
             if trained is None
             else group_advantages(trained.rewards, trained.group_ids, cfg.loss)
         )
-        t0 = time.perf_counter()
-        future.result()  # the last put read the weights: the optimizer may change them now
-        sync_s += time.perf_counter() - t0
-        if queue is not None:  # now, so that the generators' next batches start from it
-            queue.mark_taken()
+        with timer("sync_trainer_s"):
+            future.result()  # the last put read the weights: the optimizer may change them now
+        intake.committed(step - 1)
         lr = set_step_lr(trainer, cfg, step)
-        train_start = time.perf_counter()
-        metrics, tokens, positions = (
-            ({}, 0, 0)
-            if trained is None or adv is None
-            else train_on_rollout(
-                trainer,
-                trained,
-                adv,
-                loss,
-                micro_batch_size=cfg.trainer.micro_batch_size,
-                seq_len=side.seq_len,
-                dp_rank=side.dp_rank,
-                dp_world=side.dp_world,
-                reference=side.reference,
-            )
-        )
-        train_s = time.perf_counter() - train_start
+        with timer("train_s"):
+            metrics, tokens, positions = _train(side, trained, adv, loss, cfg)
         trainer.step = step
-        if members is not None and not is_async and step < cfg.rl.steps:
-            announced = members.announce(step)
-        t0 = time.perf_counter()
-        future = side.publish(step)
-        sync_s += time.perf_counter() - t0
+        intake.publishing(step)
+        with timer("sync_trainer_s"):
+            future = side.publish(step)
         trainer.checkpoint.maybe_save(step, cfg.rl.steps)
-        meta = [p.meta for p in parts]
-        gen_s = max(m["gen_s"] for m in meta)
-        lens = rollout.completion_mask.sum(1).float()
         now = time.perf_counter()
-        record: dict[str, Any] = {
-            "step": step,
-            "reward_mean": float(rollout.rewards.mean()),
-            "reward_std": float(rollout.rewards.std()) if rollout.num_samples > 1 else 0.0,
-            "response_len_mean": float(lens.mean()),
-            "entropy": metrics.get("entropy"),
-            **({"kl": metrics.get("kl")} if cfg.loss.kl_coef > 0 else {}),
-            "clip_frac": metrics.get("clip_frac"),
-            "ratio_max": metrics.get("ratio_max"),
-            "ratio_min": metrics.get("ratio_min"),
-            "ratio_mean": metrics.get("ratio_mean"),
-            **{k: v for k, v in metrics.items() if k in CORRECTION_METRICS},
-            "loss": metrics.get("loss"),
-            "groups_dropped": adv.dropped_groups if adv is not None else 0,
-            "groups": adv.groups if adv is not None else 0,
-            "samples": rollout.num_samples,
-            "samples_per_generator": [p.num_samples for p in parts],
-            "generators": [p.meta["generator"] for p in parts],
-            **(
-                {"generators_live": len(members.live()), "generators_lost": members.lost}
-                if members is not None
-                else {}
-            ),
-            "format_ok_rate": float(rollout.format_ok.float().mean()),
-            "truncated_rate": float(rollout.truncated.float().mean()),
-            "grader_errors": sum(m["grader_errors"] for m in meta),
-            "tokens_per_s_gen": sum(m["gen_tokens"] for m in meta) / max(gen_s, 1e-9),
-            "tokens_per_s_train": tokens / max(train_s, 1e-9) if tokens else 0.0,
-            "train_pad_frac": 1.0 - tokens / positions if positions else 0.0,
-            "sync_trainer_s": sync_s,
-            "sync_generator_s": max(m["sync_s"] for m in meta),
-            "trainer_idle_s": idle_s,
-            "trainer_idle_frac": idle_s / max(now - step_end, 1e-9),
-            "generator_idle_s": max(m["idle_s"] for m in meta),
-            "gen_s": gen_s,
-            "train_s": train_s,
-            "lr": lr,
-            "elapsed_s": now - start,
-            **extra,
-        }
+        seconds = timer.take("sync_trainer_s", "trainer_idle_s", "train_s")
+        record = step_record(cfg, step, rollout, adv, metrics) | _process_figures(
+            parts, side.members, seconds, tokens, positions, now - step_end
+        )
         step_end = now
-        errors = [m["grader_error"] for m in meta if m["grader_error"]]
-        if record["grader_errors"]:
-            record["grader_error"] = errors[0] if errors else ""
-        log_record(record)
-        sync_s = 0.0
-        pending_evals = _log_evals(store, pending_evals, step, log_record)
+        log_record(record | {"lr": lr, "elapsed_s": now - start} | figures)
+        evals = _log_evals(link.store, evals, step, log_record)
     future.result()
     trainer.checkpoint.finish()
-    if members is None:
-        return  # the other ranks log nothing
-    # Generator 0 scores the eval versions it held (all of them in sync mode, unless it
-    # joined late); the trainer waits only for the last version's, while generator 0 lives.
-    pending_evals = _log_evals(store, pending_evals, cfg.rl.steps, log_record)
-    if cfg.rl.steps in pending_evals:
-        v = cfg.rl.steps
-        result = _wait_eval(link, members, v)
-        if result is not None:
-            log_record(
-                {
-                    "step": v,
-                    "eval_pass1": result["pass1"],
-                    "eval_correct": result["correct"],
-                    "eval_total": result["total"],
-                    "eval_s": result["seconds"],
-                }
-            )
+    if side.members is not None:  # the other ranks log nothing
+        _log_last_eval(link, side.members, evals, cfg.rl.steps, log_record)
+
+
+def _train(
+    side: TrainerSide,
+    trained: RolloutBatch | None,
+    adv: Advantages | None,
+    loss: PolicyLoss,
+    cfg: RLConfig,
+) -> tuple[dict[str, float], int, int]:
+    """The step's optimizer step on this rank's share of the rollout (`train_on_rollout`);
+    nothing when no sample is left to train on."""
+    if trained is None or adv is None:
+        return {}, 0, 0
+    return train_on_rollout(
+        side.trainer,
+        trained,
+        adv,
+        loss,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        seq_len=side.seq_len,
+        dp_rank=side.dp_rank,
+        dp_world=side.dp_world,
+        reference=side.reference,
+    )
+
+
+def _process_figures(
+    parts: list[RolloutBatch],
+    members: Members | None,
+    seconds: dict[str, float],
+    tokens: int,
+    positions: int,
+    step_s: float,
+) -> dict[str, Any]:
+    """A step's figures of the processes (docs/rl.md, "What the user sees"): which generators
+    made its batches and how fast, the trainer's speed, the time each role was blocked
+    synchronizing weights or idle waiting for the other (`seconds`: the trainer's), and the
+    grader's errors."""
+    meta = [p.meta for p in parts]
+    gen_s, train_s, idle_s = (
+        max(m["gen_s"] for m in meta),
+        seconds["train_s"],
+        seconds["trainer_idle_s"],
+    )
+    errors = [m["grader_error"] for m in meta if m["grader_error"]]
+    figures: dict[str, Any] = {
+        "samples_per_generator": [p.num_samples for p in parts],
+        "generators": [m["generator"] for m in meta],
+        **(
+            {"generators_live": len(members.live()), "generators_lost": members.lost}
+            if members is not None
+            else {}
+        ),
+        "grader_errors": sum(m["grader_errors"] for m in meta),
+        "tokens_per_s_gen": sum(m["gen_tokens"] for m in meta) / max(gen_s, 1e-9),
+        "tokens_per_s_train": tokens / max(train_s, 1e-9) if tokens else 0.0,
+        "train_pad_frac": 1.0 - tokens / positions if positions else 0.0,
+        "sync_trainer_s": seconds["sync_trainer_s"],
+        "sync_generator_s": max(m["sync_s"] for m in meta),
+        "trainer_idle_s": idle_s,
+        "trainer_idle_frac": idle_s / max(step_s, 1e-9),
+        "generator_idle_s": max(m["idle_s"] for m in meta),
+        "gen_s": gen_s,
+        "train_s": train_s,
+    }
+    if figures["grader_errors"]:
+        figures["grader_error"] = errors[0] if errors else ""
+    return figures
+
+
+def _log_last_eval(
+    link: Link, members: Members, pending: list[int], steps: int, log_record: Callable
+) -> None:
+    """Generator 0 scores the eval versions it held (all of them in sync mode, unless it
+    joined late); the trainer waits only for the last version's, while generator 0 lives."""
+    pending = _log_evals(link.store, pending, steps, log_record)
+    if steps in pending and (result := _wait_eval(link, members, steps)) is not None:
+        log_record(eval_record(steps, result))
 
 
 def _wait_eval(link: Link, members: Members, version: int) -> dict[str, Any] | None:
@@ -382,45 +356,13 @@ def _wait_eval(link: Link, members: Members, version: int) -> dict[str, Any] | N
     return link.wait(f"the evaluation of policy version {version}", attempt)
 
 
-def _drop_stale(
-    rollout: RolloutBatch, schedule: AsyncSchedule, step: int
-) -> tuple[RolloutBatch | None, dict[str, Any]]:
-    """The samples step `step` may train on (every token new enough; a group with a stale
-    sample goes whole, its baseline needs all of them), and the staleness figures."""
-    versions, mask = rollout.versions, rollout.completion_mask
-    stale_N = schedule.stale_samples(versions, mask, step)
-    drop_N = torch.isin(rollout.group_ids, rollout.group_ids[stale_N])
-    keep_N = ~drop_N
-    kept_v = versions[keep_N][mask[keep_N]]
-    info = {
-        "stale_samples_dropped": int(drop_N.sum()),
-        "stale_dropped_frac": float(drop_N.float().mean()),
-        "staleness_hist": schedule.histogram(versions[keep_N], mask[keep_N], step),
-        "version_min": int(kept_v.min()) if kept_v.numel() else None,
-        "version_max": int(kept_v.max()) if kept_v.numel() else None,
-        "samples_trained": int(keep_N.sum()),
-    }
-    if not bool(keep_N.any()):
-        return None, info
-    return (rollout if not bool(drop_N.any()) else rollout.select(keep_N)), info
-
-
-def _log_evals(store: Any, pending: list[int], step: int, log_record) -> list[int]:
+def _log_evals(store: Any, pending: list[int], step: int, log_record: Callable) -> list[int]:
     """Log the evaluations that have arrived (of versions < step: the one of `step` is in
     the making); returns those still pending."""
     left = []
     for v in pending:
         if v < step and store.exists(EVAL, v):
-            r = store.get_state_dict(EVAL, version=v)
-            log_record(
-                {
-                    "step": v,
-                    "eval_pass1": r["pass1"],
-                    "eval_correct": r["correct"],
-                    "eval_total": r["total"],
-                    "eval_s": r["seconds"],
-                }
-            )
+            log_record(eval_record(v, store.get_state_dict(EVAL, version=v)))
         else:
             left.append(v)
     return left

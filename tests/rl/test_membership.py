@@ -208,14 +208,14 @@ def test_a_generator_warming_up_beats_and_joins_once_ready(store):
     link = Link(store, "generator 0", watch=[], loop=cfg.rl, ready=False)
     link.ident = "a"
     for _ in range(3):
-        link._put_beat()  # what its beating thread puts every rl.heartbeat_s
+        link.beat()  # what its beating thread puts every rl.heartbeat_s
         m.poll(force=True)
         clock.now += 1.0
     assert store.get_state_dict("alive/generator0")["ready"] is False
     assert m.live() == [] and lines == [] and not m.gone(0, "a")
     m.require("waiting")  # it is coming: no error
     link.set_ready()
-    link._put_beat()
+    link.beat()
     m.poll(force=True)
     assert m.is_live(0, "a") and lines == ["trainer: generator 0 joined (1 live)"]
 

@@ -158,13 +158,15 @@ class Link:
         """Put the first heartbeat now and keep beating in a daemon thread."""
         if not self._beat:
             return
-        self._put_beat()
+        self.beat()
         self._thread = threading.Thread(
             target=self._run, name=f"tidal-rl-beat-{self.name}", daemon=True
         )
         self._thread.start()
 
-    def _put_beat(self) -> None:
+    def beat(self) -> None:
+        """Put one heartbeat now (the beating thread calls it every `heartbeat_s`; a test
+        beats by hand with it, without the thread)."""
         self.store.put_state_dict(
             {"role": self.name, "t": time.time(), "id": self.ident, "ready": self.ready},
             self.key(self.name),
@@ -182,7 +184,7 @@ class Link:
     def _run(self) -> None:
         while not self._halt.wait(self.loop.heartbeat_s):
             try:
-                self._put_beat()
+                self.beat()
             except BaseException as e:  # the store is gone: the waits report it
                 self.beat_error = e
                 return

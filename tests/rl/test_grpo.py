@@ -81,3 +81,16 @@ def test_grpo_in_one_process_matches_tidal_rl_step_by_step(tmp_path, cache_dir):
                 assert x[field] == pytest.approx(y[field], abs=1e-6), (field, x, y)
     evals = [sorted((e["step"], e["eval_correct"]) for e in x) for x in (a_evals, b_evals)]
     assert evals[0] == evals[1] and [v for v, _ in evals[0]] == [0, 3]
+
+
+def test_grpo_takes_tidal_rl_configs_and_refuses_what_needs_processes(capsys):
+    from tidal.rl.grpo import main
+
+    assert main(["--config", "rl_addition", "--print-config", "--rl.steps", "7"]) == 0
+    assert '"steps": 7' in capsys.readouterr().out
+    assert main(["--config", "rl_addition", "--rl.mode", "async", "--loss.tis_cap", "2"]) == 2
+    assert "grpo.py runs the synchronous loop" in capsys.readouterr().err
+    assert main(["--config", "rl_addition", "--generator.tp", "2"]) == 2
+    assert "tensor-parallel generators run under tidal rl" in capsys.readouterr().err
+    assert main(["--config", "nope"]) == 2
+    assert "unknown RL config 'nope'" in capsys.readouterr().err

@@ -14,11 +14,12 @@ rewards and losses step by step. `tidal rl` runs these steps as processes couple
 the store (tidal/rl/distributed/), which adds what processes need: publishing the weights,
 membership, liveness, the asynchronous schedule; this file is where to read the algorithm.
 
-Where it departs from the GRPO paper (the defaults of tidal.rl.loss.LossConfig): no KL term
-(`loss.kl_coef` 0), token-level normalization of the loss, and groups whose samples all got
-the same reward are dropped (they carry no signal). One optimizer step per batch, so the PPO
-ratio is 1 at the step's start and clipping never binds; it matters for the per-token
-corrections of asynchronous runs.
+Where it departs from the GRPO paper (the defaults of tidal.rl.loss.LossConfig, whose
+docstring has the why): no KL term (`loss.kl_coef` 0), the loss averaged over the step's
+tokens (DAPO's token-mean) with clip-higher, and groups whose samples all got the same
+reward dropped (they carry no signal). One optimizer step per batch: the PPO ratio is taken
+against the generator's log-probs, so it is 1 up to the two models' rounding (exactly 1 in
+batch-invariant mode).
 
 What it writes: a line per step and per evaluation, <output_dir>/metrics.jsonl (the same
 fields as `tidal rl`'s, docs/rl.md) and rl.png at the end; checkpoints when enabled, from
@@ -98,6 +99,32 @@ def evaluate_policy(
     return eval_record(version, result)
 
 
+def figures(
+    parts: list[RolloutBatch],
+    grader: Grader,
+    tokens: int,
+    positions: int,
+    seconds: dict[str, float],
+) -> dict[str, Any]:
+    """A step's figures besides the algorithm's, as `tidal rl` reports them: samples per
+    generator, grader errors, speeds and the time of each part (`seconds`; in one process
+    one copy of the weights is both roles' sync time)."""
+    out: dict[str, Any] = {
+        "samples_per_generator": [p.num_samples for p in parts],
+        "grader_errors": sum(p.meta["grader_errors"] for p in parts),
+        "tokens_per_s_gen": sum(p.meta["gen_tokens"] for p in parts) / max(seconds["gen_s"], 1e-9),
+        "tokens_per_s_train": tokens / max(seconds["train_s"], 1e-9) if tokens else 0.0,
+        "train_pad_frac": 1.0 - tokens / positions if positions else 0.0,
+        "sync_trainer_s": seconds["sync_s"],
+        "sync_generator_s": seconds["sync_s"],
+        "gen_s": seconds["gen_s"],
+        "train_s": seconds["train_s"],
+    }
+    if out["grader_errors"]:
+        out["grader_error"] = grader.first_error
+    return out
+
+
 def train(cfg: RLConfig, trainer: Any, policy: Policy, task: Task, *, log: Log) -> dict[str, Any]:
     """Steps trainer.step + 1 .. rl.steps (a resumed run starts past its checkpoint), then
     the summary; returns the summary's numbers."""
@@ -117,12 +144,12 @@ def train(cfg: RLConfig, trainer: Any, policy: Policy, task: Task, *, log: Log) 
         for step in range(first + 1, steps + 1):
             if step - 1 in evals:
                 report.log(evaluate_policy(policy, grader, held_out, cfg, step - 1, log))
-            with timer("gen_s"):
+            with timer("gen_s"):  # task -> generate -> grade
                 parts = generate_and_grade(policy, task, grader, cfg, step)
             rollout = RolloutBatch.concat(parts)
             adv = group_advantages(rollout.rewards, rollout.group_ids, cfg.loss)
             lr = set_step_lr(trainer, cfg, step)
-            with timer("train_s"):
+            with timer("train_s"):  # loss -> optimizer step
                 metrics, tokens, positions = train_on_rollout(
                     trainer,
                     rollout,
@@ -132,27 +159,13 @@ def train(cfg: RLConfig, trainer: Any, policy: Policy, task: Task, *, log: Log) 
                     reference=reference,
                 )
             trainer.step = step
-            with timer("sync_s"):
+            with timer("sync_s"):  # the new version into the generator
                 load_weights(policy, trainer, step)
             trainer.checkpoint.maybe_save(step, steps)
             seconds = timer.take("gen_s", "train_s", "sync_s")
-            record = step_record(cfg, step, rollout, adv, metrics) | {
-                "samples_per_generator": [p.num_samples for p in parts],
-                "grader_errors": sum(p.meta["grader_errors"] for p in parts),
-                "tokens_per_s_gen": sum(p.meta["gen_tokens"] for p in parts)
-                / max(seconds["gen_s"], 1e-9),
-                "tokens_per_s_train": tokens / max(seconds["train_s"], 1e-9) if tokens else 0.0,
-                "train_pad_frac": 1.0 - tokens / positions if positions else 0.0,
-                "sync_trainer_s": seconds["sync_s"],  # one copy serves both roles here
-                "sync_generator_s": seconds["sync_s"],
-                "gen_s": seconds["gen_s"],
-                "train_s": seconds["train_s"],
-                "lr": lr,
-                "elapsed_s": time.perf_counter() - start,
-            }
-            if record["grader_errors"]:
-                record["grader_error"] = grader.first_error
-            report.log(record)
+            record = step_record(cfg, step, rollout, adv, metrics)
+            record |= figures(parts, grader, tokens, positions, seconds)
+            report.log(record | {"lr": lr, "elapsed_s": time.perf_counter() - start})
         if steps in evals:
             report.log(evaluate_policy(policy, grader, held_out, cfg, steps, log))
         trainer.checkpoint.finish()

@@ -63,6 +63,7 @@ from tidal.rl.distributed.generator_ranks import (
 )
 from tidal.rl.distributed.membership import share_of
 from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
+from tidal.rl.report import Timer
 from tidal.rl.tasks.base import Task
 from tidal.rl.warmstart import PolicySource, resolve_policy
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
@@ -230,17 +231,18 @@ def generate_loop(
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
     evals = set(eval_versions(steps, cfg.rl.eval_every))
+    timer = Timer()
 
-    def load(version: int) -> tuple[int, float, float]:
+    def load(version: int) -> tuple[int, dict[str, float]]:
         """Wait for `version` (or a newer one, if it was dropped meanwhile: a generator that
         is not a member falls behind) to be committed (idle), then copy it into the
         parameters. Returns the version loaded and the idle and copy times."""
-        t0 = time.perf_counter()
-        version = _wait_policy(link, version)
-        t1 = time.perf_counter()
-        store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
+        with timer("idle_s"):
+            version = _wait_policy(link, version)
+        with timer("sync_s"):
+            store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
         gen.version = version
-        return version, t1 - t0, time.perf_counter() - t1
+        return version, timer.take("idle_s", "sync_s")
 
     def maybe_eval(version: int) -> None:
         if index != 0 or version not in evals:
@@ -271,7 +273,7 @@ def generate_loop(
 
     link.may_leave = may_leave
     while version < steps or (index == 0 and version == steps):
-        version, idle_s, sync_s = load(version)
+        version, seconds = load(version)
         maybe_eval(version)
         if version >= steps:
             break
@@ -295,7 +297,7 @@ def generate_loop(
                 cfg,
                 seeds=(r.seed, step, index),
                 n_prompts=prompts,
-                meta={"generator": index, "version": version, "idle_s": idle_s, "sync_s": sync_s},
+                meta={"generator": index, "version": version, **seconds},
             )
             if main:
                 store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)

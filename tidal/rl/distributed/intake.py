@@ -6,12 +6,13 @@ of schedule: the trainer's loop (tidal/rl/distributed/trainer.py) asks its intak
 An intake's lifecycle, in the trainer (every rank; `members` only on rank 0):
 
     intake = make_intake(link, cfg, members)
-    intake.begin(first_step)            # rank 0: wait for generator.count generators
-    for step in ...:
-        parts = intake.take(step)       # the step's batches, committed
-        trained, figures = intake.select(RolloutBatch.concat(parts), parts, step)
-        (the last publish has read the weights)  intake.committed(step - 1)
-        (optimizer step)                intake.publishing(step); publish version step
+    intake.begin(first_step)      # rank 0: wait for the generators (sync: and announce)
+    for step in first_step + 1 .. rl.steps:
+        parts = intake.take(step)                           # the step's committed batches
+        trained, figures = intake.select(concat(parts), parts, step)   # what it trains on
+        (wait for the last publish)   intake.committed(step - 1)  # async: free queue slots
+        (optimizer step)              intake.publishing(step)     # sync: announce next batch
+        (publish version step)
 
 Trainer rank 0 chooses and announces its choice under control/intake@step, as (generator,
 batch version) pairs; the other ranks read it and fetch the same batches, so every rank

@@ -24,11 +24,12 @@ the ratios against the targets:
 The reward curves of all runs go to one PNG (`--png`).
 
 Runs named `..._mps` are the same runs with `--rl.mps true`: `tidal rl` starts a CUDA MPS
-daemon for their roles alone (tidal/rl/mps.py). On one GPU without MPS the trainer's and the
-generator's processes time-slice the GPU: their kernels never run at the same time, so the
-asynchronous loop can only overlap their host-side gaps. Under MPS their kernels may share the
-GPU's SMs at once; the `s4_t50` and `s4_t30` runs also cap the trainer at 50% and 30% of the
-SMs (`--trainer.sm_percent`), leaving the rest to the generator's decode kernels. Measured on
+daemon for their roles alone (tidal/rl/distributed/mps.py). On one GPU without MPS the
+trainer's and the generator's processes time-slice the GPU: their kernels never run at the
+same time, so the asynchronous loop can only overlap their host-side gaps. Under MPS their
+kernels may share the GPU's SMs at once; the `s4_t50` and `s4_t30` runs also cap the trainer
+at 50% and 30% of the SMs (`--trainer.sm_percent`), leaving the rest to the generator's decode
+kernels. Measured on
 an H200 (benchmarks/README.md), MPS alone changed the async run by under 1% and slowed the
 sync run by 11%, so the MPS runs are left out unless named.
 
@@ -129,9 +130,9 @@ def tidal_summary(fig: dict, target: float | None) -> dict:
 
 def export_for_trl(config: str, overrides: list[str], folder: Path) -> Path:
     """The SFT warm start as a Hugging Face folder, and the run's prompts as JSON."""
+    from tidal.rl.build import make_task
     from tidal.rl.configs import get_rl_config
-    from tidal.rl.loop import request_seed
-    from tidal.rl.roles import make_task
+    from tidal.rl.experience import request_seed
     from tidal.rl.warmstart import resolve_policy
     from tidal.train.checkpoint.hf import dcp_to_hf
     from tidal.train.config_parse import apply_overrides

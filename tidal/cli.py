@@ -528,7 +528,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _rl(argv: list[str]) -> int:
-    from tidal.rl.rl_cli import main as rl_main
+    from tidal.rl.distributed.cli import main as rl_main
 
     return rl_main(argv)
 

@@ -178,7 +178,7 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
     from torch.distributed.tensor import DTensor
 
     import tidal.generate.generator
-    import tidal.rl.staging
+    import tidal.rl.distributed.prefetch
     import tidal.store.client
 
     def full(sd: dict, dtype: torch.dtype | None = None) -> dict:
@@ -236,7 +236,7 @@ def _write_weights(folder: str, *, stall_cycles: int = 0) -> None:
             write(self.version, self.model.state_dict(), "generate")
         return generate(self, prompts, params)
 
-    Stager = tidal.rl.staging.Stager
+    Stager = tidal.rl.distributed.prefetch.Stager
     start, swap, at_batch_start = Stager.start, Stager.swap, Stager.at_batch_start
     where = ["in flight"]  # where the next swap is called from
 

@@ -14,11 +14,11 @@ from tests.generate.conftest import tiny_model
 from tests.rl.test_loop import CONFIG, records, tidal_rl
 from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.rl.config import LoopConfig
+from tidal.rl.distributed.prefetch import Stager
+from tidal.rl.distributed.schedule import AsyncSchedule, SyncSchedule
 from tidal.rl.loss import LossConfig, policy_loss
 from tidal.rl.report import ASYNC_FIELDS
 from tidal.rl.rollout import RolloutBatch
-from tidal.rl.schedule import AsyncSchedule, SyncSchedule
-from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Grade
 
 # -- the schedule ------------------------------------------------------------------------

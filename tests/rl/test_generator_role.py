@@ -1,5 +1,5 @@
 """The RL generator role's Generator: built from an RL config, warmed up for the variants it
-runs (tidal/rl/roles.py)."""
+runs (tidal/rl/build.py)."""
 
 import pytest
 
@@ -10,8 +10,8 @@ from tidal.generate import Generator, GeneratorConfig
 def test_compile_scope_reaches_the_rl_generator_from_the_command_line():
     """`tidal rl ... --generator.compile_scope blocks` builds the role's Generator with it."""
     from tidal.models import get_flavor
+    from tidal.rl.build import build_generator
     from tidal.rl.configs import get_rl_config
-    from tidal.rl.roles import build_generator
     from tidal.rl.warmstart import PolicySource
     from tidal.train.config_parse import apply_overrides
 
@@ -33,8 +33,8 @@ def test_the_rl_generator_warms_up_the_variants_it_runs(monkeypatch):
     """The RL role warms its rollouts' sampler variant, and greedy where it evaluates
     (generator 0), before it says it is ready; on CPU the warm-up does nothing."""
     from tidal.generate.sampler import variant_of
+    from tidal.rl.build import warm_up_generator
     from tidal.rl.configs import get_rl_config
-    from tidal.rl.roles import warm_up_generator
     from tidal.train.config_parse import apply_overrides
 
     gen = Generator(tiny_model(), config=GeneratorConfig(max_batch=4, max_seq_len=64))

@@ -1,7 +1,7 @@
-"""Generators in layouts of their own (tidal/rl/layouts.py): the config of each generator's
-layout, the checks that refuse a layout before anything starts, and one job in three
-layouts (the trainer FSDP on 2 ranks, generator 0 tensor parallel on 2 ranks, generator 1
-on one) whose generators hold the trainer's weights bit for bit at every version."""
+"""Generators in layouts of their own (tidal/rl/distributed/generator_ranks.py): the config of
+each generator's layout, the checks that refuse a layout before anything starts, and one job in
+three layouts (the trainer FSDP on 2 ranks, generator 0 tensor parallel on 2 ranks, generator
+1 on one) whose generators hold the trainer's weights bit for bit at every version."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from tests.rl.loop_configs import tiny
 from tests.rl.test_loop import records, tidal_rl
 from tidal.models import get_flavor
 from tidal.parallel.launch import DistInfo
-from tidal.rl.layouts import check_generator_layouts, generator_command, join_generator_group
+from tidal.rl.distributed.generator_ranks import (
+    check_generator_layouts,
+    generator_command,
+    join_generator_group,
+)
 from tidal.train.config_parse import apply_overrides, help_text
 
 LAYOUTS = "tests/rl/loop_configs.py:layouts"
@@ -225,13 +229,13 @@ def _stagers_agree(rank, world):
 
     from tests.generate.conftest import tiny_model
     from tidal.models import Transformer
-    from tidal.rl.staging import Stager
+    from tidal.rl.distributed.prefetch import Stager
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.device("meta"):
         model = Transformer(get_flavor("tiny", max_seq_len=128))
-    from tidal.rl.layouts import shard_model
+    from tidal.rl.distributed.generator_ranks import shard_model
 
     shard_model(model, mesh)
     model.to_empty(device="cpu")

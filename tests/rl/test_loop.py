@@ -307,7 +307,7 @@ def test_ctrl_c_stops_every_role(tmp_path):
 
 
 def test_help_and_print_config(capsys):
-    from tidal.rl.rl_cli import main
+    from tidal.rl.distributed.cli import main
 
     assert main(["--config", "rl_addition", "--help"]) == 0
     text = capsys.readouterr().out
@@ -337,7 +337,7 @@ def test_the_warm_start_weights_reach_the_trainer(tmp_path):
 
     from tests.rl.loop_configs import tiny
     from tidal.models import Transformer, get_flavor
-    from tidal.rl.roles import trainer_config
+    from tidal.rl.build import trainer_config
     from tidal.rl.warmstart import resolve_policy
     from tidal.train.config_parse import apply_overrides
     from tidal.train.data import DataBundle

@@ -40,11 +40,11 @@ def hf_folder(tmp_path_factory) -> Path:
     """The loop config's model (the tiny flavor, vocabulary 512) as save_hf writes it, seeded
     apart from the loop's seed init, with the config's BPE tokenizer and a chat template in
     tokenizer_config.json."""
-    from tidal.rl.warmstart import _tokenizer
+    from tidal.rl.warmstart import policy_tokenizer
 
     folder = tmp_path_factory.mktemp("hf") / "model"
     save_hf(_model(seed=3), folder)
-    _tokenizer("sft:sft_addition", tiny()).save(folder / "tokenizer.json")
+    policy_tokenizer("sft:sft_addition", tiny()).save(folder / "tokenizer.json")
     config = {"chat_template": BUILTIN_TEMPLATE, "eos_token": "<|im_end|>"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder

@@ -1,7 +1,7 @@
 """Generator membership through the store, in one process: the trainer's view of heartbeats
 (joined, lost, back, restarted, left), the sync announcement of each generator's prompts,
 the async batch numbering of a restarted generator, and a torn policy version that a
-prefetching generator never swaps in (tidal/rl/membership.py, intake.py, staging.py).
+prefetching generator never swaps in (tidal/rl/distributed/membership.py, intake.py, staging.py).
 The multi-process faults are in test_faults.py."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 import tidal.store
 from tests.generate.conftest import tiny_model
 from tests.rl.loop_configs import tiny
-from tidal.rl.coupling import MEMBERS, Link, RoleStopped, left_key
-from tidal.rl.intake import first_batch
-from tidal.rl.membership import Members, leave, share_of
-from tidal.rl.staging import Stager
+from tidal.rl.distributed.coupling import MEMBERS, Link, RoleStopped, left_key
+from tidal.rl.distributed.intake import first_batch
+from tidal.rl.distributed.membership import Members, leave, share_of
+from tidal.rl.distributed.prefetch import Stager
 from tidal.store import ops, testing
 from tidal.train.config_parse import apply_overrides
 
@@ -208,14 +208,14 @@ def test_a_generator_warming_up_beats_and_joins_once_ready(store):
     link = Link(store, "generator 0", watch=[], loop=cfg.rl, ready=False)
     link.ident = "a"
     for _ in range(3):
-        link._put_beat()  # what its beating thread puts every rl.heartbeat_s
+        link.beat()  # what its beating thread puts every rl.heartbeat_s
         m.poll(force=True)
         clock.now += 1.0
     assert store.get_state_dict("alive/generator0")["ready"] is False
     assert m.live() == [] and lines == [] and not m.gone(0, "a")
     m.require("waiting")  # it is coming: no error
     link.set_ready()
-    link._put_beat()
+    link.beat()
     m.poll(force=True)
     assert m.is_live(0, "a") and lines == ["trainer: generator 0 joined (1 live)"]
 

@@ -1,6 +1,7 @@
 """The roles of one `tidal rl` job under a CUDA MPS daemon of their own (rl.mps,
-tidal/rl/mps.py): the config checks, the daemon's start and quit (a stand-in control program
-here: this machine has no GPU), and each role's SM share in its processes' environment."""
+tidal/rl/distributed/mps.py): the config checks, the daemon's start and quit (a stand-in
+control program here: this machine has no GPU), and each role's SM share in its processes'
+environment."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 
 from tests.rl.loop_configs import tiny
 from tests.rl.test_loop import tidal_rl
-from tidal.rl import roles
 from tidal.rl.config import GeneratorRoleConfig, TrainerConfig
-from tidal.rl.mps import mps_daemon, role_env
+from tidal.rl.distributed.launch import run_roles
+from tidal.rl.distributed.mps import mps_daemon, role_env
 from tidal.train.config_parse import apply_overrides
 
 CONFIG = "tests/rl/loop_configs.py:tiny"
@@ -96,14 +97,13 @@ class _Done:
         return 0
 
 
-def test_each_role_gets_the_daemon_and_its_share(monkeypatch):
+def test_each_role_gets_the_daemon_and_its_share():
     started: list[_Done] = []
 
     def popen(argv, env):
         started.append(_Done(argv, env))
         return started[-1]
 
-    monkeypatch.setattr(roles.subprocess, "Popen", popen)
     cfg = apply_overrides(
         tiny(), ["--rl.mps", "true", "--trainer.sm_percent", "30", "--generator.count", "2"]
     )
@@ -112,7 +112,7 @@ def test_each_role_gets_the_daemon_and_its_share(monkeypatch):
     class Store:
         address = "tcp://127.0.0.1:1"
 
-    assert roles._run_roles(cfg, Store(), ["--config", CONFIG], 1, print, daemon) == 0
+    assert run_roles(cfg, Store(), ["--config", CONFIG], mps=daemon, popen=popen) == 0
     assert len(started) == 3
     for p in started:
         assert p.env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/x/pipe"

@@ -8,8 +8,8 @@ the same parser as `tidal train`). Sections shared with training reuse its datac
 as the string under it; `tidal rl --help` prints it.
 
 Checks that need no file, model or process live in `__post_init__`; those that do (the task
-exists, the tokenizer covers its text, the store answers) run in `tidal.rl.roles.check_rl_job`
-before any role starts.
+exists, the tokenizer covers its text, the store answers) run in
+`tidal.rl.distributed.launch.check_rl_job` before any role starts.
 """
 
 from __future__ import annotations

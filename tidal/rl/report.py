@@ -11,13 +11,17 @@ to a step the run already reached is refused with one line.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from statistics import fmean
 from typing import Any
 
 from tidal.rl.config import RLConfig
+from tidal.rl.loss import Advantages
+from tidal.rl.rollout import RolloutBatch
 from tidal.train.metrics import MetricsLogger
 
 Log = Callable[[str], None]
@@ -327,3 +331,79 @@ class _LineSink:
 
     def flush(self) -> None:
         pass
+
+
+CORRECTION_METRICS = ("tis_weight_mean", "tis_capped_frac", "is_masked_frac")
+"""The loss's per-token correction figures, in a step's record when the correction is on."""
+
+
+def step_record(
+    cfg: RLConfig,
+    step: int,
+    rollout: RolloutBatch,
+    adv: Advantages | None,
+    metrics: dict[str, float],
+) -> dict[str, Any]:
+    """The algorithm's figures of step `step` (docs/rl.md, "What the user sees"): the
+    rollout's rewards, lengths and rates, the loss's metrics (`metrics`: {} when nothing was
+    trained) and the groups kept by dynamic sampling (`adv`: None when none was)."""
+    lens = rollout.completion_mask.sum(1).float()
+    return {
+        "step": step,
+        "reward_mean": float(rollout.rewards.mean()),
+        "reward_std": float(rollout.rewards.std()) if rollout.num_samples > 1 else 0.0,
+        "response_len_mean": float(lens.mean()),
+        "entropy": metrics.get("entropy"),
+        **({"kl": metrics.get("kl")} if cfg.loss.kl_coef > 0 else {}),
+        "clip_frac": metrics.get("clip_frac"),
+        "ratio_max": metrics.get("ratio_max"),
+        "ratio_min": metrics.get("ratio_min"),
+        "ratio_mean": metrics.get("ratio_mean"),
+        **{k: v for k, v in metrics.items() if k in CORRECTION_METRICS},
+        "loss": metrics.get("loss"),
+        "groups_dropped": adv.dropped_groups if adv is not None else 0,
+        "groups": adv.groups if adv is not None else 0,
+        "samples": rollout.num_samples,
+        "format_ok_rate": float(rollout.format_ok.float().mean()),
+        "truncated_rate": float(rollout.truncated.float().mean()),
+    }
+
+
+def eval_record(version: int, result: dict[str, Any]) -> dict[str, Any]:
+    """The record of an evaluation (`tidal.rl.experience.evaluate`'s result) of `version`."""
+    return {
+        "step": version,
+        "eval_pass1": result["pass1"],
+        "eval_correct": result["correct"],
+        "eval_total": result["total"],
+        "eval_s": result["seconds"],
+    }
+
+
+class Timer:
+    """Named durations, summed until taken: `with timer("train_s"): ...` adds the block's
+    wall time to "train_s"; `timer.take()` returns the sums (0.0 for a name not timed since)
+    and starts over.
+
+    Example::
+
+        timer = Timer()
+        with timer("gen_s"):
+            groups = generator.generate(prompts, params)
+        record |= timer.take("gen_s", "train_s")
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def take(self, *names: str) -> dict[str, float]:
+        """The sums of `names` (in that order), which start over from 0."""
+        return {name: self.seconds.pop(name, 0.0) for name in names}

@@ -1,5 +1,6 @@
-"""What the RL loop hands the trainer's step: rollouts as trainer `Batch`es, and the GRPO-family
-loss as a `TokenLoss`.
+"""What the RL loop hands the trainer's step: rollouts as trainer `Batch`es, the GRPO-family
+loss as a `TokenLoss`, and the policy update itself (`train_on_rollout`: one optimizer step
+on a rollout; `set_step_lr`: the step's learning rate).
 
 Shapes: N samples, P the longest prompt, C the longest completion, L = P + C; B rows and T
 positions of a trainer batch (T = L - 1, or a fixed `seq_len`).
@@ -33,10 +34,13 @@ advantages from the generator and tidal.rl.loss)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from tidal.rl.config import RLConfig
 from tidal.rl.loss import Advantages, LossConfig, policy_loss
 from tidal.rl.rollout import RolloutBatch
 from tidal.train.data import Batch
@@ -232,3 +236,95 @@ class PolicyLoss:
         )
         share = m["num_tokens"] / norms.tokens  # this micro-batch's part of the step's tokens
         return loss, {k: v * share if k in _TOKEN_MEANS else v for k, v in m.items()}
+
+
+def set_step_lr(trainer: Any, cfg: RLConfig, step: int) -> float:
+    """Set and return the learning rate of optimizer step `step`: `optimizer.lr` under the
+    `lr_scheduler` (warmup, stable, decay) over the run's steps, counted from the step the
+    schedule started at (`trainer.checkpoint.lr_start`)."""
+    from tidal.train.optim import set_lr, wsd_multiplier
+
+    lr_start = trainer.checkpoint.lr_start
+    lr = cfg.optimizer.lr * wsd_multiplier(
+        step - lr_start, cfg.rl.steps - lr_start, cfg.lr_scheduler
+    )
+    set_lr(trainer.optimizer, lr)
+    return lr
+
+
+def train_on_rollout(
+    trainer: Any,
+    rollout: RolloutBatch,
+    advantages: Advantages,
+    loss: PolicyLoss,
+    *,
+    micro_batch_size: int,
+    seq_len: int | None = None,
+    dp_rank: int = 0,
+    dp_world: int = 1,
+    reference: list[torch.Tensor] | None = None,
+) -> tuple[dict[str, float], int, int]:
+    """One optimizer step of `trainer` (a tidal.train Trainer, every rank) on a rollout
+    (nothing when dynamic sampling dropped every group). `reference`: the frozen weights of
+    the KL term (tidal.rl.build.reference_weights), scored in the trainer's own layout.
+
+    Returns the loss metrics, the real token positions trained on (every kept sample's
+    prompt and completion, minus its last token, over all ranks) and the positions the
+    trainer ran, padding included."""
+    batches = rollout_batches(
+        rollout,
+        advantages,
+        micro_batch_size=micro_batch_size,
+        seq_len=seq_len,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+    )
+    if not batches:
+        return {}, 0, 0
+    batches = [b.to(trainer.device) for b in batches]
+    if reference is not None:  # the KL term's frozen reference, in the same layout
+
+        def score_reference() -> None:
+            for b in batches:
+                b.extras["ref_logprobs"] = trainer.logprobs(b)
+
+        _with_weights(trainer, reference, score_reference)
+    n_tokens = sum(b.target_count() for b in batches)
+    result = trainer.train_step(batches, n_tokens, loss=loss)
+    metrics = {k: float(v) for k, v in result.metrics.items()}
+    lens = rollout.prompt_lens + rollout.completion_mask.sum(1)
+    real = int((lens - 1).clamp(min=0)[advantages.keep].sum())
+    return metrics, real, int(result.tokens)
+
+
+@torch.no_grad()
+def _with_weights(trainer: Any, weights: list[torch.Tensor], fn: Callable[[], Any]) -> None:
+    """Run `fn` with the trainer's parameters swapped for `weights` (same layout), then put
+    the trainer's own back.
+
+    The swap writes the (sharded) parameters; FSDP2 modules that keep their gathered
+    parameters after a forward (the root and the last block, by default) are resharded on
+    both sides of it, or the next forward would reuse a copy gathered from the other
+    weights (the KL reference pass read the policy's weights, and the training step the
+    reference's)."""
+    own = [p.detach().clone() for p in trainer.params]
+    _reshard(trainer)
+    for p, w in zip(trainer.params, weights, strict=True):
+        p.copy_(w)
+    try:
+        fn()
+    finally:
+        _reshard(trainer)
+        for p, w in zip(trainer.params, own, strict=True):
+            p.copy_(w)
+
+
+def _reshard(trainer: Any) -> None:
+    """Free the gathered parameters of every FSDP2 module of the trainer (a no-op without
+    FSDP or when already resharded)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in trainer.modules:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()

@@ -104,7 +104,7 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
                 f"policy.init: no tokenizer.json in {folder}; name one with policy.tokenizer"
             )
         tok_spec = p.tokenizer or str(folder / "tokenizer.json")
-        tok = _tokenizer(tok_spec, cfg)
+        tok = policy_tokenizer(tok_spec, cfg)
         tok_path = None if tok_spec.startswith("sft:") else tok_spec
         encoder = build_encoder(tok, p.chat_template, tok_path)
         return PolicySource(
@@ -116,7 +116,7 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
             hf_folder=folder,
             describe=f"Hugging Face folder {folder}",
         )
-    tok = _tokenizer(p.tokenizer, cfg)
+    tok = policy_tokenizer(p.tokenizer, cfg)
     tok_path = p.tokenizer if not p.tokenizer.startswith("sft:") else None
     encoder = build_encoder(tok, p.chat_template, tok_path)
     if p.kind == "checkpoint":
@@ -253,7 +253,12 @@ def prepare_policy(cfg: RLConfig, *, log: Log = print) -> None:
     log(f"warm start: SFT done in {last.get('elapsed_s', 0):.0f}s, loss {last.get('loss', 0):.3f}")
 
 
-def _tokenizer(spec: str, cfg: RLConfig) -> Tokenizer:
+def policy_tokenizer(spec: str, cfg: RLConfig) -> Tokenizer:
+    """The tokenizer `spec` names, as `policy.tokenizer` does: "sft:NAME" for that training
+    config's (built in `policy.cache_dir` when not cached yet), or a tokenizer.json path.
+
+    Raises:
+        FileNotFoundError: no such file."""
     if spec.startswith("sft:"):
         from tidal.train.config_parse import apply_overrides
         from tidal.train.configs import get_config

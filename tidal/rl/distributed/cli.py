@@ -7,8 +7,8 @@
 
 The first form starts an embedded store, trains the SFT warm start if it is not cached,
 then runs the generators and the trainer (`--nproc` ranks) as processes of this machine
-(tidal/rl/roles.py). `--prepare` only trains the warm start. The role forms join a store
-started elsewhere (`tidal store serve`); every role of a run gets the same config and
+(tidal/rl/distributed/launch.py). `--prepare` only trains the warm start. The role forms join a
+store started elsewhere (`tidal store serve`); every role of a run gets the same config and
 overrides. Environment: TIDAL_STORE_TOKEN (the store's shared secret, for non-loopback stores),
 TIDAL_CACHE_DIR (the default of policy.cache_dir), torchrun's RANK / LOCAL_RANK / WORLD_SIZE.
 Errors a user can cause print one line and exit with status 2; Ctrl-C stops every
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError, ImportError, TimeoutError) as e:
         return fail(e)
     except Exception as e:
-        from tidal.rl.coupling import RoleStopped
+        from tidal.rl.distributed.coupling import RoleStopped
         from tidal.store.errors import StoreError
 
         if isinstance(e, RoleStopped):
@@ -103,28 +103,33 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
         print(to_json(cfg))
         return 0
 
-    from tidal.rl import roles
+    from tidal.rl.distributed.launch import connect_store, launch_local
 
     token = os.environ.get("TIDAL_STORE_TOKEN") or None  # a store's secret, as `tidal store`
 
     if role is None:
         if args.prepare:
+            from tidal.rl.build import make_task
             from tidal.rl.warmstart import prepare_policy
 
-            roles.make_task(cfg)
+            make_task(cfg)
             prepare_policy(cfg)
             return 0
         role_argv = _without_launcher_flags(argv)
-        return roles.launch_local(cfg, role_argv, nproc=args.nproc, token=token)
+        return launch_local(cfg, role_argv, nproc=args.nproc, token=token)
     address = cfg.store.address
     if not address:
         raise ValueError(f"{prog} needs the run's store: --store tcp://HOST:PORT")
-    store = roles.connect_store(address, cfg, token=token)
+    store = connect_store(address, cfg, token=token)
     try:
         if role == "trainer":
-            roles.run_trainer(cfg, store, dist_info=dist_info)
+            from tidal.rl.distributed.trainer import run_trainer
+
+            run_trainer(cfg, store, dist_info=dist_info)
         else:
-            roles.run_generator(cfg, store, index=args.index, dist_info=dist_info)
+            from tidal.rl.distributed.generator import run_generator
+
+            run_generator(cfg, store, index=args.index, dist_info=dist_info)
     finally:
         store.close()
     return 0

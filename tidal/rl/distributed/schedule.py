@@ -1,4 +1,4 @@
-"""Which policy version each role may use: the one place the sync/async choice lives.
+"""Which policy version each role may use, in sync and in async mode.
 
 Versions: the trainer's step is the policy version. Version 0 is the starting weights; after
 optimizer step s the trainer publishes version s. The trainer holds version s - 1 while it
@@ -21,7 +21,7 @@ token is at least version s - 1 - max_staleness; the others are dropped and coun
     trainer:          take 1 batch -> step 1 -> put v1 -> take 1 batch -> step 2 -> ...
 
 Both answer the same questions (which version a batch may start from, which tokens are too
-old for step s); tidal/rl/loop.py asks them.
+old for step s); the trainer's intakes (tidal/rl/distributed/intake.py) ask them.
 """
 
 from __future__ import annotations
@@ -94,14 +94,3 @@ class AsyncSchedule:
         lag = self.staleness(versions, step)[mask]
         lag = lag[(lag >= 0) & (lag <= self.max_staleness)]
         return torch.bincount(lag, minlength=self.max_staleness + 1).tolist()
-
-
-Schedule = SyncSchedule | AsyncSchedule
-
-
-def make_schedule(mode: str, steps: int, max_staleness: int) -> Schedule:
-    """The schedule of `rl.mode`."""
-    if mode == "async":
-        return AsyncSchedule(steps, max_staleness)
-    assert mode == "sync", f"unknown rl.mode {mode!r}"
-    return SyncSchedule(steps)

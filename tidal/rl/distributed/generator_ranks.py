@@ -20,8 +20,8 @@ Lifecycle:
   model. Every rank then runs the same loop in lockstep (same prompts, same seeds, so the
   same tokens from the replicated logits); only rank 0 beats, puts rollouts and
   evaluations. In async mode the ranks' Stagers agree on every weight switch
-  (tidal/rl/staging.py) and `follow_main` gives every rank rank 0's answer to a question
-  asked of the store (is a queue slot free). `leave_generator_group` frees the group at
+  (tidal/rl/distributed/prefetch.py) and `follow_main` gives every rank rank 0's answer to a
+  question asked of the store (is a queue slot free). `leave_generator_group` frees the group at
   the end.
 """
 

@@ -13,7 +13,8 @@ Keys of a run (one run per store at a time; the trainer clears an earlier run's 
     control/intake       plain values, version s: the (generator, batch) pairs trainer
                          rank 0 took for step s; the other ranks read the same
     control/members      plain values, version v (sync): the generators that make batch
-                         v + 1 from policy version v, and their prompts (tidal/rl/membership.py)
+                         v + 1 from policy version v, and their prompts
+                         (tidal/rl/distributed/membership.py)
     control/left/<g>     plain values: generator g left the job, and why
     alive/<role>         plain values, a new version every `rl.heartbeat_s`: "I am alive",
                          with the process's random id (a restarted generator has a new one)
@@ -28,7 +29,7 @@ is dead, once it was seen to advance; a role that never beat, or whose heartbeat
 run's) has not advanced since the waiter started, is dead once `wait_timeout_s` has passed.
 Every wait ends within `wait_timeout_s` with an error naming what it waited for.
 Generators are not watched this way: the trainer tracks them as members that come and go
-(tidal/rl/membership.py). Once a role has seen the run's `control/start` (`follow_run`),
+(tidal/rl/distributed/membership.py). Once a role has seen the run's `control/start` (`follow_run`),
 each check also asks that it is still there: a store whose controller was restarted holds
 nothing of the run, and every role then stops saying so.
 
@@ -85,6 +86,13 @@ def generator_name(index: int) -> str:
     return f"generator {index}"
 
 
+def stop_reason(e: BaseException, role: str) -> str:
+    """What `role` tells the others (`Link.stop`) when `e` ends it."""
+    if isinstance(e, KeyboardInterrupt):
+        return f"{role} was interrupted (Ctrl-C)"
+    return f"{role} failed: {type(e).__name__}: {e}"[:500]
+
+
 class RoleStopped(RuntimeError):
     """Another role asked every role to stop, or died; the message says which and why."""
 
@@ -108,7 +116,7 @@ class Link:
         beat: put heartbeats (one process per role does: trainer rank 0, each generator).
         ready: what the heartbeats say until `set_ready()`: a generator beats from its
             start, not ready while it builds and warms up its Generator (the trainer counts
-            it as a member only once it is ready: tidal/rl/membership.py).
+            it as a member only once it is ready: tidal/rl/distributed/membership.py).
     """
 
     def __init__(
@@ -150,13 +158,15 @@ class Link:
         """Put the first heartbeat now and keep beating in a daemon thread."""
         if not self._beat:
             return
-        self._put_beat()
+        self.beat()
         self._thread = threading.Thread(
             target=self._run, name=f"tidal-rl-beat-{self.name}", daemon=True
         )
         self._thread.start()
 
-    def _put_beat(self) -> None:
+    def beat(self) -> None:
+        """Put one heartbeat now (the beating thread calls it every `heartbeat_s`; a test
+        beats by hand with it, without the thread)."""
         self.store.put_state_dict(
             {"role": self.name, "t": time.time(), "id": self.ident, "ready": self.ready},
             self.key(self.name),
@@ -174,7 +184,7 @@ class Link:
     def _run(self) -> None:
         while not self._halt.wait(self.loop.heartbeat_s):
             try:
-                self._put_beat()
+                self.beat()
             except BaseException as e:  # the store is gone: the waits report it
                 self.beat_error = e
                 return

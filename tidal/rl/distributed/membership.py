@@ -25,7 +25,7 @@ own id (`share_of`), so each step asks the whole prompts_per_step of whoever is 
 member lost during a step is dropped from that step (its batch is never read: a rollout is
 one version of a key, readable only once completely written), and the next step's shares go
 to the others. Async mode needs no announcement: the trainer takes the next batches from any
-generator (tidal/rl/intake.py).
+generator (tidal/rl/distributed/intake.py).
 
 Lifecycle: trainer rank 0 makes `Members(store, cfg, log=)` and `start()`s its thread,
 which polls every half heartbeat (so a loss is reported within about rl.lost_after_s even
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import ALIVE, MEMBERS, Link, NotYet, RoleStopped, left_key
+from tidal.rl.distributed.coupling import ALIVE, MEMBERS, Link, NotYet, RoleStopped, left_key
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
 
 Log = Callable[[str], None]

@@ -33,10 +33,18 @@ from typing import Any
 
 from tidal.generate import Generator
 from tidal.rl.config import RLConfig
-from tidal.rl.coupling import EVAL, POLICY, Link, generator_name, rollouts_key, taken_key
-from tidal.rl.intake import first_batch
-from tidal.rl.layouts import follow_main
-from tidal.rl.loop import (
+from tidal.rl.distributed.coupling import (
+    EVAL,
+    POLICY,
+    Link,
+    generator_name,
+    rollouts_key,
+    taken_key,
+)
+from tidal.rl.distributed.generator_ranks import follow_main
+from tidal.rl.distributed.intake import first_batch
+from tidal.rl.distributed.prefetch import Stager
+from tidal.rl.experience import (
     Grader,
     Log,
     Policy,
@@ -45,7 +53,6 @@ from tidal.rl.loop import (
     evaluate,
     graded_batch,
 )
-from tidal.rl.staging import Stager
 from tidal.rl.tasks.base import Problem, Task
 from tidal.store.errors import KeyNotFoundError
 
@@ -87,8 +94,6 @@ class _Feed:
     first_step: int
     """The policy version it started from (part of every batch's seed)."""
     log: Log
-    stop: tuple[int, ...]
-    """The policy's stop token ids, every batch's."""
     evals: set[int]
     evaluated: set[int] = field(default_factory=set)
     over: bool = False
@@ -124,7 +129,7 @@ class _Feed:
         self.number += 1
         seeds = (cfg.rollout.seed, self.first_step, self.number, self.index)
         problems, prompts, params = batch_requests(
-            self.policy, self.task, cfg, seeds, self.stop, cfg.prompts_of(self.index)
+            self.policy, self.task, cfg, seeds, cfg.prompts_of(self.index)
         )
         self.fed.append(_Fed(self.number, problems, version, overlapped=bool(self.fed)))
         return prompts, params
@@ -249,7 +254,6 @@ def generate_loop_async(
         first=first,
         first_step=first_step,
         log=log,
-        stop=tuple(sorted(policy.encoder.stop_ids)),
         evals=set(eval_versions(steps, cfg.rl.eval_every)),
         idle_s=idle_s,
         since=since,

@@ -2,7 +2,7 @@
 
     python -m tidal.rl.grpo --config rl_addition [--section.field VALUE ...]
 
-One trainer (a tidal.train Trainer) and one generator (tidal.rl.Generator, with its own copy
+One trainer (a tidal.train Trainer) and one generator (tidal.generate.Generator, with its own copy
 of the model) in this process: no store, no subprocesses. Each step runs
 
     task -> generate -> grade -> advantages -> loss -> optimizer step -> load weights -> log/eval

@@ -402,3 +402,22 @@ def test_torchtitan_models_are_tidal_flavors(family, titan_name, flavor):
             args.k, 2, titan_args.rope_theta, titan_args.rope_scaling_args
         )
         torch.testing.assert_close(angles[1].angle(), rope_frequencies(args), rtol=1e-6, atol=0)
+
+
+def test_generate_reads_torchtitan_with_layout(tmp_path, capsys):
+    """`tidal generate --checkpoint` of torchtitan's folder: refused without --layout (the
+    flag named), read in torchtitan's layout with it (the run then stops at the next check:
+    this test model's 64-token vocabulary is smaller than the config's tokenizer)."""
+    model = titan_model(titan_llama_args(scaling=1.0), seed=3)
+    manager = titan_manager(model, tmp_path / "titan")
+    manager.save(5, last_step=True)
+    manager.close()
+    src = str(tmp_path / "titan" / "checkpoint")
+    cmd = ["generate", "--config", "sft_addition", "--checkpoint", src]
+    cmd += ["--prompt", "1+1", "--model.flavor", "tiny", "--model.vocab_size", str(VOCAB)]
+    capsys.readouterr()
+    assert main(cmd) == 2
+    assert "pass --layout torchtitan or --layout tidal" in capsys.readouterr().err
+    assert main([*cmd, "--layout", "torchtitan"]) == 2
+    err = capsys.readouterr().err
+    assert "layout" not in err and "embeds only 64" in err, err

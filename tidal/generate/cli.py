@@ -21,7 +21,8 @@ The model:
 - `--checkpoint DIR`: a DCP checkpoint of a tidal run (a `step-N` folder, or the run's
   checkpoint folder for its newest), model-only or a full training save; the architecture
   comes from its tidal.json, the tokenizer from the config's data as for `--config` (pass the
-  run's `--config` and `--data.*`).
+  run's `--config` and `--data.*`). A torchtitan checkpoint (no tidal.json) needs `--layout
+  torchtitan` and the config's `--model.*` for its architecture.
 
 With `--config` and `--checkpoint` a plain prompt is encoded as BOS + text, as the trainer
 packs documents, and generation stops at the tokenizer's EOS. `--chat` renders each prompt (or
@@ -52,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face folder (weights, tokenizer)")
     source.add_argument(
         "--checkpoint", metavar="DIR", help="a tidal run's DCP checkpoint (step-N, or its folder)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("tidal", "torchtitan"),
+        help="the weights' layout of a --checkpoint without tidal.json (another tool's DCP)",
     )
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts", help='JSON lines: {"prompt": ...} or {"messages": [...]}')
@@ -188,6 +194,7 @@ def _build_model(args: argparse.Namespace, cfg: Any, device: Any, dtype: Any) ->
         margs, state_dict, _ = read_model(
             path,
             None if recorded is not None else model_args_for(cfg),
+            layout_name=args.layout,
             log=lambda line: print(line, file=sys.stderr),
             progress=False,
         )

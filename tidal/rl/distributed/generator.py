@@ -207,7 +207,7 @@ def _check_index_free(store: Any, name: str, cfg: RLConfig) -> None:
         return  # it left meanwhile
 
 
-# -- the local launcher ----------------------------------------------------------------------
+# -- the synchronous loop ------------------------------------------------------------------
 
 
 def generate_loop(
@@ -319,6 +319,3 @@ def _wait_policy(link: Link, version: int) -> int:
             raise
 
     return link.wait(f"policy version {version}", attempt)
-
-
-# -- trainer side ----------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def connect_store(address: str, cfg: RLConfig, *, token: str | None = None):
         ) from e
 
 
-# -- the trainer ---------------------------------------------------------------------------
+# -- the launcher --------------------------------------------------------------------------
 
 
 def run_local(config: str = "rl_addition", overrides: Sequence[str] = (), *, nproc: int = 1) -> int:

@@ -337,8 +337,9 @@ def test_a_failed_publish_stops_every_role_at_once(tmp_path):
 
 
 def test_the_warm_start_cache_key_ignores_tools_but_not_float8():
-    """Profiler and debug settings never change the trained weights: the SFT warm start's
-    cache folder stays; turning float8 on (or any training setting) moves it."""
+    """Profiler, debug and checkpoint-saving settings never change the trained weights: the
+    SFT warm start's cache folder stays; float8, an initial load or any training setting
+    moves it."""
     from tidal.rl.configs import get_rl_config
     from tidal.rl.warmstart import sft_run
 
@@ -349,5 +350,7 @@ def test_the_warm_start_cache_key_ignores_tools_but_not_float8():
 
     plain = folder("")
     assert folder("profiler.enable=true debug.flight_recorder=false metrics.wandb=true") == plain
+    assert folder("checkpoint.enable=true checkpoint.interval=50") == plain  # saves only
+    assert folder("checkpoint.enable=true checkpoint.initial_load_path=elsewhere") != plain
     assert folder("quantize.float8=tensorwise") != plain
     assert folder("training.steps=301") != plain

@@ -191,6 +191,9 @@ def sft_run(cfg: RLConfig):
         described["metrics"].pop(field)
     if not sft.quantize.enabled:
         described.pop("quantize", None)
+    # Checkpoint settings change the trained weights only through an initial load.
+    if sft.checkpoint.initial_load_path is None and sft.checkpoint.initial_load_hf is None:
+        described.pop("checkpoint", None)
     # Bumped when the data a config names changes under it (2: add problems' split follows
     # the RL addition task's), so a warm start trained on the old data is not reused.
     described["warmstart_data_version"] = 2

@@ -48,7 +48,7 @@ from tidal.rl.build import (
 from tidal.rl.config import RLConfig
 from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
 from tidal.rl.loss import group_advantages
-from tidal.rl.report import Report, Timer, eval_record, step_record
+from tidal.rl.report import Report, Timer, check_run_folder, eval_record, step_record
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.tasks.base import Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
@@ -199,6 +199,8 @@ def run(cfg: RLConfig, *, log: Log = print) -> dict[str, Any]:
     Raises:
         ValueError, FileNotFoundError: bad input (the message names the field)."""
     check_one_process(cfg)
+    if check_run_folder(cfg, log=log):  # finished there: its figures printed, nothing to run
+        return {}
     task = make_task(cfg)
     prepare_policy(cfg, log=log)
     src = resolve_policy(cfg, log=log)

@@ -62,7 +62,7 @@ def dp_degree(overrides: list[str], n: int) -> int:
 def markov_tokens(vocab: int, n: int, successors: int = 4, seed: int = 0):
     """A learnable token stream: each token is followed by one of `successors` fixed random
     tokens. Uniformly random tokens carry no signal, and a 20-step parity run on them turned
-    chaotic by step 12 (benchmarks/README.md); on this stream the loss falls from ln(vocab)
+    chaotic by step 12 (benchmarks/trainer.md); on this stream the loss falls from ln(vocab)
     towards ln(successors), as on real text."""
     import numpy as np
 

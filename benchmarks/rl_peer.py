@@ -30,7 +30,7 @@ same time, so the asynchronous loop can only overlap their host-side gaps. Under
 kernels may share the GPU's SMs at once; the `s4_t50` and `s4_t30` runs also cap the trainer
 at 50% and 30% of the SMs (`--trainer.sm_percent`), leaving the rest to the generator's decode
 kernels. Measured on
-an H200 (benchmarks/README.md), MPS alone changed the async run by under 1% and slowed the
+an H200 (benchmarks/rl.md), MPS alone changed the async run by under 1% and slowed the
 sync run by 11%, so the MPS runs are left out unless named.
 
     python benchmarks/rl_peer.py --png rl_peer.png --json rl_peer.json   # one GPU

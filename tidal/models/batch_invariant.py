@@ -42,7 +42,7 @@ CUDA).
 On CPU, the elementwise ops are exact as long as ATen's threads split tensors at multiples of
 its vector width, true for power-of-two thread counts and the model widths used here.
 
-Cost: see benchmarks/README.md ("Batch-invariant mode"); it is a mode for exact parity, not
+Cost: see benchmarks/generate.md (batch-invariant rows); it is a mode for exact parity, not
 the fast path.
 
 Shape legend: B batch, H query heads, G key/value heads, J = H / G query heads per key head,

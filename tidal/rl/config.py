@@ -288,7 +288,7 @@ class LoopConfig:
     the decode batch stays full instead of shrinking to one batch's longest samples; tokens
     then lag one version more (keep max_staleness >= queue slots + 2). It pays where decoding
     is latency-bound on a GPU of its own; on one H200 shared with the trainer it was slower
-    (more rows and prefills per batch: benchmarks/README.md), hence 1."""
+    (more rows and prefills per batch: benchmarks/rl.md), hence 1."""
     steps: int = 20
     """Optimizer steps (policy versions 1..steps are published)."""
     eval_every: int = 5

@@ -113,7 +113,7 @@ def rl_addition_135m() -> RLConfig:
         sft_overrides="model.flavor=smollm2_135m optimizer.lr=1e-3 training.steps=400",
     )
     cfg.optimizer = OptimizerConfig(lr=3e-5, weight_decay=0.0)
-    # Compiled blocks: 0.301 s a sync step against 0.389 eager on an H200 (benchmarks/README.md).
+    # Compiled blocks: 0.301 s a sync step against 0.389 eager on an H200 (benchmarks/rl.md).
     cfg.trainer = TrainerConfig(micro_batch_size=128, compile=True)
     # The generator compiles one block for every layer: seconds to warm up, not minutes.
     cfg.generator.compile_scope = "blocks"

@@ -309,7 +309,7 @@ class CheckpointConfig:
     chunks a load reads against them, so that damaged bytes of the right size fail the load
     naming the file and key. Costs a read-back of the files at commit (the pinned mode's
     writer process hashes as it writes instead) and a pass over the bytes at load, on up to
-    8 threads (benchmarks/README.md has the H200 figures)."""
+    8 threads (benchmarks/checkpoint.md has the H200 figures)."""
     initial_load_path: str | None = None
     """A checkpoint folder (a step-N folder, e.g. of another run) to start from when `folder`
     holds no complete checkpoint: fine-tuning. Ignored when resuming. Needs `enable`."""

@@ -358,7 +358,7 @@ class Trainer:
             # pinned memory the copy is queued and the call returns. The pinned blocks come
             # from torch's caching host allocator, which reuses a block only after the copies
             # reading it have finished, so `host` may be dropped at once. Measured on an H200
-            # (benchmarks/README.md, llama3_1b 4 x 4096): no throughput difference either way
+            # (benchmarks/trainer.md, llama3_1b 4 x 4096): no throughput difference either way
             # there, where the GPU is the bound; kept for hosts that run ahead.
             batches = [b.pin_memory().to(self.device, non_blocking=True) for b in host]
         else:

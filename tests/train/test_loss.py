@@ -4,7 +4,16 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.parallel._launch import run_ranks
-from tidal.train.loss import IGNORE_INDEX, cross_entropy_sum, token_logprobs
+from tidal.train.loss import (
+    IGNORE_INDEX,
+    CompiledChunk,
+    chunk_cross_entropy,
+    chunk_cross_entropy_in_place,
+    chunk_logprobs,
+    chunk_logprobs_in_place,
+    cross_entropy_sum,
+    token_logprobs,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,14 +45,14 @@ def test_no_grad_path():
 
 def test_fused_and_in_place_formulations_agree():
     # The fused form runs compiled on CUDA, the in-place one on CPU: keep both checked here.
-    from tidal.train.loss import _chunk_eager, _chunk_loss_and_grad
-
     torch.manual_seed(1)
     x = 4 * torch.randn(33, 40)
     y = torch.randint(0, 40, (33,))
     y[3] = -100
     g1, g2 = torch.empty_like(x), torch.empty_like(x)
-    torch.testing.assert_close(_chunk_loss_and_grad(x, y, g1), _chunk_eager(x, y, g2))
+    torch.testing.assert_close(
+        chunk_cross_entropy(x, y, g1), chunk_cross_entropy_in_place(x, y, g2)
+    )
     torch.testing.assert_close(g1, g2)
 
 
@@ -75,13 +84,13 @@ def test_weighted_cross_entropy_matches_reference(dtype):
 
 
 def test_weighted_fused_and_in_place_formulations_agree():
-    from tidal.train.loss import _chunk_eager, _chunk_loss_and_grad
-
     torch.manual_seed(3)
     x, y, w = 4 * torch.randn(33, 40), torch.randint(0, 40, (33,)), torch.rand(33)
     y[5] = IGNORE_INDEX
     g1, g2 = torch.empty_like(x), torch.empty_like(x)
-    torch.testing.assert_close(_chunk_loss_and_grad(x, y, g1, w), _chunk_eager(x, y, g2, w))
+    torch.testing.assert_close(
+        chunk_cross_entropy(x, y, g1, w), chunk_cross_entropy_in_place(x, y, g2, w)
+    )
     torch.testing.assert_close(g1, g2)
 
 
@@ -129,8 +138,6 @@ def test_token_logprobs_without_grad_or_entropy():
 
 def test_fused_and_in_place_logprob_formulations_agree():
     # The fused form is compiled on CUDA, the in-place one runs on CPU: both checked here.
-    from tidal.train.loss import _chunk_logprobs, _chunk_logprobs_eager
-
     torch.manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         x = (4 * torch.randn(33, 40)).to(dtype)
@@ -138,8 +145,8 @@ def test_fused_and_in_place_logprob_formulations_agree():
         y[3] = IGNORE_INDEX
         g1, g2 = torch.empty_like(x), torch.empty_like(x)
         (lp1, e1), (lp2, e2) = (
-            _chunk_logprobs(x, y, g1, True),
-            _chunk_logprobs_eager(x, y, g2, True),
+            chunk_logprobs(x, y, g1, True),
+            chunk_logprobs_in_place(x, y, g2, True),
         )
         torch.testing.assert_close(lp1, lp2)
         torch.testing.assert_close(e1, e2)
@@ -276,9 +283,7 @@ def test_vocabulary_sharded_logprobs_match_one_process(tmp_path):
 def test_compiled_logprob_chunk_matches_eager():
     """The fused chunk as CUDA compiles it, compiled by inductor on CPU here (a cold compile
     per variant takes seconds: slow-marked)."""
-    from tidal.train.loss import _chunk_logprobs, _chunk_logprobs_eager
-
-    compiled = torch.compile(_chunk_logprobs, dynamic=False)
+    compiled = torch.compile(chunk_logprobs, dynamic=False)
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for entropy in (False, True):
@@ -288,7 +293,7 @@ def test_compiled_logprob_chunk_matches_eager():
             g1, g2 = torch.empty_like(x), torch.empty_like(x)
             (lp1, e1), (lp2, e2) = (
                 compiled(x, y, g1, entropy),
-                _chunk_logprobs_eager(x, y, g2, entropy),
+                chunk_logprobs_in_place(x, y, g2, entropy),
             )
             torch.testing.assert_close(lp1, lp2)
             torch.testing.assert_close(g1, g2)
@@ -299,15 +304,13 @@ def test_compiled_logprob_chunk_matches_eager():
 def test_cuda_chunk_kernels_compile_once_for_every_row_count(monkeypatch):
     """Full chunks run the static-shape kernel, shorter ones the dynamic one: an RL step's
     changing sequence length does not recompile per length."""
-    from tidal.train import loss as loss_mod
-
     calls = []
 
     def fake_compile(fn, dynamic):
         return lambda x, *a: calls.append((dynamic, x.shape[0]))
 
-    monkeypatch.setattr(loss_mod.torch, "compile", fake_compile)
-    kernel = loss_mod._Compiled(lambda *a: None, rows=8)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    kernel = CompiledChunk(lambda *a: None, rows=8)
     for rows in (8, 5, 8, 3):
         kernel(torch.zeros(rows, 2))
     assert calls == [(False, 8), (True, 5), (False, 8), (True, 3)]

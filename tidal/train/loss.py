@@ -40,6 +40,12 @@ Variants:
   blocks of rows), so the values are bitwise those the RL generator reports for the same
   logits (chunk sizes are multiples of the mode's row block). Eager.
 
+The per-chunk kernels are public so that their two formulations can be checked against each
+other on any machine: `chunk_cross_entropy` and `chunk_logprobs` are the fused forms that
+CUDA runs compiled (`CompiledChunk`), `chunk_cross_entropy_in_place` and
+`chunk_logprobs_in_place` the same math with in-place kernels that CPU runs eagerly. Each
+takes one chunk of rows and writes its gradient into a buffer the caller owns.
+
 `TokenLoss` is the protocol of a loss injected into the trainer's step (tidal/train/step.py):
 it gets a micro-batch's per-token log-probs and returns its loss and metrics.
 
@@ -72,13 +78,16 @@ CUDA, where the fused kernels want long chunks); a multiple of every batch-invar
 # -- cross entropy -------------------------------------------------------------------------
 
 
-def _chunk_loss_and_grad(
+def chunk_cross_entropy(
     x_CV: torch.Tensor,
     labels_C: torch.Tensor,
     grad_CV: torch.Tensor | None,
     weights_C: torch.Tensor | None = None,
 ):
-    """Summed loss of one chunk of rows; writes softmax - onehot into `grad_CV` if given."""
+    """Summed cross entropy of one chunk of rows `x_CV` (any float dtype) against `labels_C`
+    (IGNORE_INDEX: left out), each row's term times `weights_C` if given; writes
+    d(loss)/d(x) = (softmax - onehot) x weight into `grad_CV` if given. The fused form that
+    CUDA runs compiled; `chunk_cross_entropy_in_place` is the CPU one."""
     xf_CV = x_CV.float()
     valid_C = labels_C != IGNORE_INDEX
     safe_C = labels_C.clamp(min=0)
@@ -94,14 +103,14 @@ def _chunk_loss_and_grad(
     return loss
 
 
-def _chunk_eager(
+def chunk_cross_entropy_in_place(
     x_CV: torch.Tensor,
     labels_C: torch.Tensor,
     grad_CV: torch.Tensor | None,
     weights_C: torch.Tensor | None = None,
 ):
-    """The same as `_chunk_loss_and_grad` with in-place kernels, for uncompiled (CPU) runs:
-    2.5x faster than the fused formulation run eagerly."""
+    """`chunk_cross_entropy` with in-place kernels, for uncompiled (CPU) runs: 2.5x faster
+    than the fused formulation run eagerly, with the same results."""
     xf_CV = x_CV.float()
     valid_C = labels_C != IGNORE_INDEX
     safe_C = labels_C.clamp(min=0)[:, None]
@@ -118,12 +127,19 @@ def _chunk_eager(
     return loss
 
 
-class _Compiled:
-    """A chunk kernel compiled twice: with static shapes for full chunks of `rows` rows (the
-    fastest code) and with a dynamic row count for any shorter one. A row count that changes
-    from call to call (an RL step's longest rollout sets its sequence length) then costs one
-    compile in all, not one per length (dynamo stops recompiling after its limit of 8 and
-    runs the rest eagerly)."""
+class CompiledChunk:
+    """A chunk kernel (`chunk_cross_entropy`, `chunk_logprobs`) compiled twice: with static
+    shapes for full chunks of `rows` rows (the fastest code) and with a dynamic row count for
+    any shorter one. A row count that changes from call to call (an RL step's longest rollout
+    sets its sequence length) then costs one compile in all, not one per length (dynamo stops
+    recompiling after its limit of 8 and runs the rest eagerly). The losses make one per
+    chunk size, on CUDA.
+
+    Example::
+
+        kernel = CompiledChunk(chunk_logprobs, rows=4096)
+        logp_C, ent_C = kernel(x_CV, labels_C, grad_CV, True)
+    """
 
     def __init__(self, fn: Callable, rows: int) -> None:
         self.rows = rows
@@ -135,8 +151,8 @@ class _Compiled:
 
 
 @functools.cache
-def _compiled_chunk(rows: int) -> _Compiled:
-    return _Compiled(_chunk_loss_and_grad, rows)
+def _compiled_chunk(rows: int) -> CompiledChunk:
+    return CompiledChunk(chunk_cross_entropy, rows)
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -144,7 +160,7 @@ class _CrossEntropySum(torch.autograd.Function):
     def forward(ctx, logits_NV, labels_N, chunk, weights_N):
         N = logits_NV.shape[0]
         want_grad = logits_NV.requires_grad
-        chunk_fn = _compiled_chunk(chunk) if logits_NV.is_cuda else _chunk_eager
+        chunk_fn = _compiled_chunk(chunk) if logits_NV.is_cuda else chunk_cross_entropy_in_place
         loss = torch.zeros((), dtype=torch.float32, device=logits_NV.device)
         grad_NV = torch.empty_like(logits_NV) if want_grad else None
         for start in range(0, N, chunk):
@@ -209,7 +225,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # no_grad call (validation) runs one GEMM per chunk, not three.
         want_h = grad_enabled and ctx.needs_input_grad[0]
         want_w = grad_enabled and ctx.needs_input_grad[1]
-        chunk_fn = _compiled_chunk(chunk) if h_ND.is_cuda else _chunk_eager
+        chunk_fn = _compiled_chunk(chunk) if h_ND.is_cuda else chunk_cross_entropy_in_place
         N = h_ND.shape[0]
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_ND = torch.empty(h_ND.shape, dtype=dtype, device=h_ND.device) if want_h else None
@@ -295,9 +311,11 @@ def linear_cross_entropy_sum(
 # -- per-token log-probs -------------------------------------------------------------------
 
 
-def _chunk_logprobs(x_CV, labels_C, grad_CV, entropy: bool):
-    """log p(label) [C] (0 where ignored), entropy [C] or None; writes (onehot - softmax)
-    masked to valid rows into `grad_CV` if given. The form compiled on CUDA."""
+def chunk_logprobs(x_CV, labels_C, grad_CV, entropy: bool):
+    """Per-row log p(label) of one chunk of rows `x_CV` (fp32 [C], 0 where the label is
+    IGNORE_INDEX) and, with `entropy`, each row's entropy (fp32 [C], else None); writes
+    d logp / d x = onehot - softmax, masked to valid rows, into `grad_CV` if given. The fused
+    form that CUDA runs compiled; `chunk_logprobs_in_place` is the CPU one."""
     xf_CV = x_CV.float()
     valid_C = labels_C != IGNORE_INDEX
     safe_C = labels_C.clamp(min=0)
@@ -316,8 +334,9 @@ def _chunk_logprobs(x_CV, labels_C, grad_CV, entropy: bool):
     return logp_C, ent_C
 
 
-def _chunk_logprobs_eager(x_CV, labels_C, grad_CV, entropy: bool):
-    """The same as `_chunk_logprobs` with in-place kernels (CPU)."""
+def chunk_logprobs_in_place(x_CV, labels_C, grad_CV, entropy: bool):
+    """`chunk_logprobs` with in-place kernels, for uncompiled (CPU) runs, with the same
+    results."""
     xf_CV = x_CV.float()  # x itself when fp32: never written below
     invalid_C = labels_C == IGNORE_INDEX
     safe_C1 = labels_C.clamp(min=0)[:, None]
@@ -386,8 +405,8 @@ def _chunk_logprobs_sharded(x_CV, labels_C, grad_CV, entropy: bool, group, offse
 
 
 @functools.cache
-def _compiled_logprobs(rows: int) -> _Compiled:
-    return _Compiled(_chunk_logprobs, rows)
+def _compiled_logprobs(rows: int) -> CompiledChunk:
+    return CompiledChunk(chunk_logprobs, rows)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -487,7 +506,7 @@ def token_logprobs(
                 )
             fn = _chunk_logprobs_bi
         else:
-            fn = _compiled_logprobs(chunk_rows) if logits_BTV.is_cuda else _chunk_logprobs_eager
+            fn = _compiled_logprobs(chunk_rows) if logits_BTV.is_cuda else chunk_logprobs_in_place
     logp_N, ent_N = _TokenLogprobs.apply(logits_NV, labels_N, chunk_rows, entropy, fn)
     return logp_N.view(B, T), (ent_N.view(B, T) if entropy else None)
 

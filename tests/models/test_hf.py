@@ -19,8 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tidal.models import FLAVORS, RopeScaling, load_hf, save_hf
-from tidal.models.hf import ADAPTERS, hf_model_args, load_hf_state_dict
-from tidal.models.hf.checkpoint import _adapter_for_args
+from tidal.models.hf import ADAPTERS, adapter_for, hf_model_args, load_hf_state_dict
 from tidal.models.hf.common import ConfigFields
 
 DATA = Path(__file__).parent / "data"
@@ -106,7 +105,7 @@ def test_tiny_configs_map_to_model_args():
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
 def test_every_flavor_survives_config_json(flavor):
     args = FLAVORS[flavor]
-    adapter = _adapter_for_args(args)
+    adapter = adapter_for(args)
     config = adapter.hf_config(args)
     back = adapter.model_args(ConfigFields(json.loads(json.dumps(config)), "config.json"))
     assert back == args

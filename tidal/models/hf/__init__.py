@@ -6,6 +6,7 @@
 - `hf_model_args(path)` and `load_hf_state_dict(path, state_dict)`: build a (sharded) model
   from the config, then let every rank read only the slices its DTensor shards hold.
 - `save_hf_state_dict(sd, args, path)`: save a full state dict gathered elsewhere.
+- `adapter_for(args)`: the family's adapter (`ADAPTERS`): config.json fields and tensor names.
 - `gguf_to_hf(gguf, folder)` (tidal/models/hf/from_gguf.py): dequantize a llama.cpp GGUF file into
   such a folder, with tokenizer.json and the chat template; `tidal fetch smollm2-135m` uses it.
 
@@ -16,6 +17,7 @@ qwen3.py (Qwen 3 dense). `safetensors` (and `gguf` for GGUF files) come with
 
 from tidal.models.hf.checkpoint import (
     ADAPTERS,
+    adapter_for,
     check_hf,
     hf_model_args,
     load_hf,
@@ -26,6 +28,7 @@ from tidal.models.hf.checkpoint import (
 
 __all__ = [
     "ADAPTERS",
+    "adapter_for",
     "check_hf",
     "hf_model_args",
     "load_hf",

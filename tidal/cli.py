@@ -158,7 +158,7 @@ def _train_command(argv: list[str]) -> int:
             )
         except (ValueError, FileNotFoundError, ImportError) as e:
             return fail(e)
-        return _launch(args.nproc, argv)
+        return launch_train(args.nproc, argv)
 
     from tidal.train.trainer import Trainer
 
@@ -288,10 +288,14 @@ def _report_first_step(trainer) -> None:
     trainer.train_step = first_step
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
+def launch_train(nproc: int, argv: list[str]) -> int:
     """Run `tidal train` on `nproc` local ranks with torchrun's launcher, in this process
     (what `python -m torch.distributed.run --standalone` does), so that Ctrl-C ends with the
-    ranks' one-line messages rather than torchrun's traceback.
+    ranks' one-line messages rather than torchrun's traceback. `argv` is the command line
+    after `tidal train` (its `--nproc` is dropped); returns the exit status.
+
+    `tidal train --nproc N` calls it once every check that needs no rank has passed (tests
+    replace it to check that a bad command line starts no rank).
 
     The ranks record a user error in torchrun's error files instead of printing it; this
     prints the first one, once, and returns 2. torchrun's own report (a traceback naming every

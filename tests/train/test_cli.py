@@ -32,7 +32,7 @@ def one_error(err: str, expected: str) -> None:
 
 
 def test_bad_nproc_and_layouts_fail_before_any_rank_starts(capsys, monkeypatch) -> None:
-    monkeypatch.setattr(cli, "_launch", lambda *a: pytest.fail("launched torchrun"))
+    monkeypatch.setattr(cli, "launch_train", lambda *a: pytest.fail("launched torchrun"))
     rc, _, err = run(["--nproc", "0"], capsys)
     assert rc == 2
     one_error(err, "--nproc must be at least 1, got 0")
@@ -43,7 +43,7 @@ def test_bad_nproc_and_layouts_fail_before_any_rank_starts(capsys, monkeypatch) 
 
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_checks_that_come_before_any_data(tmp_path: Path, capsys, monkeypatch, nproc) -> None:
-    monkeypatch.setattr(cli, "_launch", lambda *a: pytest.fail("launched torchrun"))
+    monkeypatch.setattr(cli, "launch_train", lambda *a: pytest.fail("launched torchrun"))
     (tmp_path / "a_file").write_text("")
     out = ["--job.output_dir", str(tmp_path / "out"), "--nproc", nproc, *NO_DATA]
     cases = [
@@ -250,14 +250,15 @@ def test_launched_ranks_report_one_error_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_an_interrupt_in_set_up_is_reported_once_per_job(monkeypatch, capsys, rank, printed):
-    """A Ctrl-C reaches every rank of a `--nproc` job; only rank 0 says so."""
+    """A Ctrl-C reaches every rank of a `--nproc` job; only rank 0 says so. Here it comes
+    while the config is built."""
 
-    def interrupted(argv):
+    def interrupted(name):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_train_command", interrupted)
+    monkeypatch.setattr("tidal.train.configs.get_config", interrupted)
     monkeypatch.setenv("RANK", rank)
-    assert cli._train([]) == 130
+    assert main(["train"]) == 130
     assert ("tidal train: interrupted" in capsys.readouterr().err) == printed
 
 

@@ -26,7 +26,7 @@ from tests.train.test_checkpoint import (
 from tidal.cli import main
 from tidal.models import Transformer, get_flavor, load_hf, save_hf
 from tidal.train.checkpoint import save_model
-from tidal.train.checkpoint.hf import dcp_to_hf, hf_to_dcp, read_model
+from tidal.train.checkpoint.hf import dcp_to_hf, hf_to_dcp, read_in_chunks, read_model
 from tidal.train.checkpoint.plan import model_info
 from tidal.train.trainer import Trainer
 
@@ -479,13 +479,10 @@ def test_the_doc_example_runs():
         exec(compile(code, f"{doc}:block{i}", "exec"), {"__name__": "docs_checkpoint"})
 
 
-def test_conversion_progress_counts_up_once(monkeypatch):
-    import tidal.train.checkpoint.hf as ckpt_hf
-
-    monkeypatch.setattr(ckpt_hf, "_CHUNK_BYTES", 1000)
+def test_conversion_progress_counts_up_once():
     sd = {f"t{i}": torch.zeros(100 if i < 9 else 3) for i in range(10)}  # 400 B each, then 12
     lines: list[str] = []
-    ckpt_hf._fill_in_chunks(sd, lambda chunk: None, Path("src"), lines.append)
+    read_in_chunks(sd, lambda chunk: None, Path("src"), lines.append, chunk_bytes=1000)
     percents = [int(line.split("%")[0].split()[-1]) for line in lines[:-1]]
     assert percents == sorted(set(percents)) and percents[-1] < 100, lines
     assert lines[-1].startswith("read 10 tensors (0.0 MB) from src in"), lines

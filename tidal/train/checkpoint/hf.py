@@ -70,7 +70,9 @@ TOKENIZER_FILES = (
 )
 """Files beside the weights that an export copies from the tokenizer's folder, if present."""
 
-_CHUNK_BYTES = 512 * 2**20  # DCP reads per call when converting (bounds nothing but progress)
+READ_CHUNK_BYTES = 512 * 2**20
+"""Bytes of tensors `read_in_chunks` reads per call when converting (it sets how often
+progress is logged, and bounds nothing else: the state dict is allocated whole)."""
 
 
 # -- the architecture ----------------------------------------------------------------------
@@ -286,20 +288,30 @@ def read_model(
     def read(chunk: dict[str, torch.Tensor]) -> None:
         load_flat(chunk, path, no_dist=True)  # this process alone, whatever the process group
 
-    _fill_in_chunks(state_dict, read, path, log if progress else None)
+    read_in_chunks(state_dict, read, path, log if progress else None)
     if weights == tt.TORCHTITAN:
         state_dict = tt.to_tidal(state_dict, args)
     return args, state_dict, {**info, "layout": weights}
 
 
-def _fill_in_chunks(
+def read_in_chunks(
     state_dict: dict[str, torch.Tensor],
     read: Callable[[dict[str, torch.Tensor]], None],
     where: Path,
     log: Log | None,
+    *,
+    chunk_bytes: int = READ_CHUNK_BYTES,
 ) -> None:
-    """`read` the tensors of `state_dict` in place, about _CHUNK_BYTES at a time, logging the
-    progress of large models."""
+    """Fill the tensors of `state_dict` in place by calling `read` on successive sub-dicts of
+    about `chunk_bytes` each (in key order; a chunk ends at the first tensor that reaches the
+    size). With `log`, a line per chunk gives the percentage read of a state dict larger than
+    one chunk, and a last line the tensors, megabytes and seconds read from `where` (the
+    source named in those lines).
+
+    Example (what the DCP -> Hugging Face conversion does)::
+
+        read_in_chunks(sd, lambda chunk: load_flat(chunk, src, no_dist=True), src, print)
+    """
     total = sum(t.numel() * t.element_size() for t in state_dict.values())
     start, done, size = time.perf_counter(), 0, 0
     chunk: dict[str, torch.Tensor] = {}
@@ -307,11 +319,11 @@ def _fill_in_chunks(
     for i, key in enumerate(keys):
         chunk[key] = state_dict[key]
         size += state_dict[key].numel() * state_dict[key].element_size()
-        if size >= _CHUNK_BYTES or i == len(keys) - 1:
+        if size >= chunk_bytes or i == len(keys) - 1:
             read(chunk)
             done += size
             # Progress of large models; the summary below says when all is read.
-            if log is not None and total >= _CHUNK_BYTES and i < len(keys) - 1:
+            if log is not None and total >= chunk_bytes and i < len(keys) - 1:
                 log(
                     f"  read {100 * done // total:3d}% ({done / 1e9:.2f} / {total / 1e9:.2f} "
                     f"GB) of {where}"
@@ -536,9 +548,7 @@ def _read_hf(
         for key, hf in names.items()
     }
     # strict=False: each chunk is a subset; check_hf has matched the whole folder already.
-    _fill_in_chunks(
-        state_dict, lambda chunk: load_hf_state_dict(src, chunk, strict=False), src, log
-    )
+    read_in_chunks(state_dict, lambda chunk: load_hf_state_dict(src, chunk, strict=False), src, log)
     return state_dict
 
 

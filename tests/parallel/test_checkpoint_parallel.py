@@ -73,8 +73,7 @@ def _train_runs(rank: int, world: int, runs: list[Run]) -> None:
         if i == len(runs) - 1:
             trainer.close()  # leaves the process group
         else:
-            trainer.checkpoint.finish()
-            trainer._release_locks()
+            trainer.release_run_folder()  # the process group stays for the next run
 
 
 @pytest.fixture(scope="module")

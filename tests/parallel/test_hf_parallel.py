@@ -49,8 +49,7 @@ def _hf_runs(rank: int, world: int, hf: str, runs: list[tuple[str, list[str], in
             log=lambda *a: None,
         )
         trainer.train()
-        trainer.checkpoint.finish()
-        trainer._release_locks()
+        trainer.release_run_folder()  # the process group stays for the next run
 
 
 @pytest.fixture(scope="module")

@@ -324,6 +324,15 @@ class Trainer:
             self._release_locks()
             raise
 
+    def release_run_folder(self) -> None:
+        """Wait for a background checkpoint save, then release the run folder (and the lock of
+        a checkpoint folder outside it), keeping the model, the mesh and the process group:
+        another Trainer of this process may then open the folder, as when several runs follow
+        each other on the same ranks. `close` does this too but also leaves the process group,
+        after which no trainer of the process can run."""
+        self.checkpoint.finish()
+        self._release_locks()
+
     def _release_locks(self) -> None:
         for lock in self._locks:
             lock.release()

@@ -26,7 +26,7 @@ from tidal.rl.tools import (
     python_tool,
     run_python,
 )
-from tidal.rl.tools._launcher import THROWAWAY_UID_BASE
+from tidal.rl.tools.sandbox import THROWAWAY_UID_BASE
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the sandbox's guarantees are Linux ones"

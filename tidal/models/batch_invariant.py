@@ -174,6 +174,10 @@ _IMPLS: dict = {
 if hasattr(_aten, "_fused_rms_norm"):  # the fused RMSNorm kernel of newer torch on CUDA
     _IMPLS[_aten._fused_rms_norm.default] = _fused_rms_norm
 
+REPLACED_OPS: frozenset = frozenset(_IMPLS)
+"""The aten overloads `BatchInvariantMode` replaces (the list in the module docstring, as this
+torch names them); every other op runs its normal kernel."""
+
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 

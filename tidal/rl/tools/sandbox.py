@@ -19,9 +19,10 @@ mounts):
   it fails (Python raises MemoryError). Not a cgroup: `processes` x `memory_bytes` bounds
   the total.
 - Processes (`processes`): RLIMIT_NPROC. As root the code runs as a throwaway uid
-  (``1_900_000_000 + launcher pid``), as non-root in its own user namespace: both count only
-  the run's own processes. Without either (no user namespaces), the limit is set to the
-  user's current process count plus `processes`, which other processes of the user race.
+  (`THROWAWAY_UID_BASE` + the launcher's pid, ``1_900_000_000 + pid``), as non-root in its
+  own user namespace: both count only the run's own processes. Without either (no user
+  namespaces), the limit is set to the user's current process count plus `processes`, which
+  other processes of the user race.
 - Output (`output_bytes`): stdout plus stderr; the parent stops reading and kills the run
   at the limit, keeping what came first.
 - Files: the code runs in a minimal root built in its mount namespace (``pivot_root``, the

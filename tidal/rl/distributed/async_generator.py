@@ -53,6 +53,7 @@ from tidal.rl.experience import (
     evaluate,
     graded_batch,
 )
+from tidal.rl.report import Timer
 from tidal.rl.tasks.base import Problem, Task
 from tidal.store.errors import KeyNotFoundError
 
@@ -101,7 +102,9 @@ class _Feed:
     eval_due: int | None = None
     """The version to evaluate once the batches in flight are done."""
     fed: deque[_Fed] = field(default_factory=deque)
-    idle_s: float = 0.0
+    timer: Timer = field(default_factory=Timer)
+    """Since the last batch completed: "idle_s" waiting for a queue slot (or, for the first
+    batch, the first version), "eval_s" evaluating (not part of the next batch's time)."""
     since: float = field(default_factory=time.perf_counter)
     asked: float = 0.0  # when the store was last asked about the queue while decoding
     swaps: int = 0
@@ -151,9 +154,8 @@ class _Feed:
             if store.exists(POLICY, steps):
                 return _OVER
             return _FEED if _slot_free(store, self.index, taken) else _WAIT
-        t0 = time.perf_counter()
-        free = _queue_slot(self.link, self.index, taken, steps)
-        self.idle_s += time.perf_counter() - t0
+        with self.timer("idle_s"):
+            free = _queue_slot(self.link, self.index, taken, steps)
         return _FEED if free else _OVER
 
     def _report_torn(self) -> None:
@@ -167,23 +169,25 @@ class _Feed:
 
     def completed(self) -> tuple[_Fed, dict[str, Any]]:
         """The oldest batch in flight, now complete, and its figures: `wall_s` since the last
-        batch completed, of which `idle_s` waiting for a queue slot and `gen_s` the rest;
-        the in-flight swaps and the time blocked in them (`sync_s`) meanwhile."""
+        batch completed (evaluations meanwhile left out), of which `idle_s` waiting for a
+        queue slot and `gen_s` the rest; the in-flight swaps and the time blocked in them
+        (`sync_s`) meanwhile."""
         now, st = time.perf_counter(), self.stager
-        wall = now - self.since
+        idle_s, eval_s = self.timer.take("idle_s", "eval_s").values()
+        wall = now - self.since - eval_s
         meta = {
             "generator": self.index,
             "version": self.fed[0].version,
-            "idle_s": self.idle_s,
+            "idle_s": idle_s,
             "wall_s": wall,
-            "gen_s": wall - self.idle_s,
+            "gen_s": wall - idle_s,
             "swaps_in_flight": st.swaps - self.swaps,
             "sync_s": st.swap_s - self.swap_s,
             "prefetch_hits": st.hits,
             "prefetch_misses": st.misses,
             "overlapped": self.fed[0].overlapped,
         }
-        self.since, self.idle_s, self.swaps, self.swap_s = now, 0.0, st.swaps, st.swap_s
+        self.since, self.swaps, self.swap_s = now, st.swaps, st.swap_s
         return self.fed.popleft(), meta
 
 
@@ -204,32 +208,31 @@ def generate_loop_async(
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
     key, keep = rollouts_key(index), cfg.queue_slots() + cfg.rl.batches_in_flight + 1
 
-    def load_exactly(version: int) -> float:
-        t0 = time.perf_counter()
+    def load_exactly(version: int) -> None:
         link.wait_version(POLICY, version, f"policy version {version}", into={})
         store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
         gen.version = version
-        return time.perf_counter() - t0
 
     def evaluate_held(feed: _Feed, version: int) -> None:
         """Score the version held; swaps are off (the feed paused them, or the stream ended)."""
         assert gen.swap_hook is None and gen.version == version, (gen.version, version)
-        t0 = time.perf_counter()
-        result = evaluate(
-            policy,
-            grader,
-            eval_set,
-            log=log,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            label=f"eval of policy version {version}",
-        )
-        if main:
-            store.put_state_dict(result, EVAL, version=version)
+        with feed.timer("eval_s"):  # not counted as the next batch's time
+            result = evaluate(
+                policy,
+                grader,
+                eval_set,
+                log=log,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                label=f"eval of policy version {version}",
+            )
+            if main:
+                store.put_state_dict(result, EVAL, version=version)
         feed.evaluated.add(version)
-        feed.since += time.perf_counter() - t0  # not counted as the next batch's time
 
     since = time.perf_counter()  # the first batch's wall time includes the first wait
-    idle_s = load_exactly(first_step)
+    timer = Timer()
+    with timer("idle_s"):
+        load_exactly(first_step)
     # GPU slots when the versions live in the trainer's GPU memory (read device to device).
     on_device = gen.device.type == "cuda" and cfg.store.policy_memory == "cuda"
     stager = Stager(
@@ -255,7 +258,7 @@ def generate_loop_async(
         first_step=first_step,
         log=log,
         evals=set(eval_versions(steps, cfg.rl.eval_every)),
-        idle_s=idle_s,
+        timer=timer,
         since=since,
     )
     stager.start()

@@ -424,3 +424,29 @@ def test_reader_unmaps_deleted_segments(store):
         reader.get("gone")
         reader.get("gone")
         assert testing.mapped_segments(reader) == 1  # the deleted slot's mapping was dropped
+
+
+def test_a_transport_implements_write_read_and_close():
+    """`Transport`'s three methods are abstract; its hooks have working defaults."""
+    from tidal.store.transports import Transport, WriteJob
+
+    class Partial(Transport):
+        def write(self, vol, jobs, progress, grant):
+            pass
+
+    with pytest.raises(TypeError, match="abstract"):  # read and close are missing
+        Partial()
+
+    class Whole(Partial):
+        def read(self, vol, jobs, gate):
+            pass
+
+        def close(self):
+            pass
+
+    t = Whole()
+    jobs = [WriteJob(slot=i, src=torch.zeros(4), dtype=torch.float32) for i in range(3)]
+    t.prepare_write(jobs)
+    t.slots_freed([0])
+    early, rest = t.split_early(jobs)
+    assert early + rest == jobs and early

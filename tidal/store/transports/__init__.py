@@ -29,6 +29,7 @@ a get of that handle.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ class ReadJob:
         return n
 
 
-class Transport:
+class Transport(abc.ABC):
     """Moves bytes of one kind of volume (``vol`` is the controller's record of it,
     tidal/store/ops.py ``s_volume``).
 
@@ -99,34 +100,37 @@ class Transport:
        nothing (a volume frees its own segments).
 
     Get lifecycle: ``read``, in the thread running the get. ``close`` when the store handle
-    closes. A new transport implements ``write``, ``read`` and ``close`` and overrides a
-    hook only where its memory needs one; the put path has no branch per transport.
+    closes. A new transport implements ``write``, ``read`` and ``close`` (abstract: a class
+    without them cannot be made) and overrides a hook only where its memory needs one; the
+    put path has no branch per transport.
     """
 
-    def prepare_write(self, jobs: list[WriteJob]) -> None:
+    def prepare_write(self, jobs: list[WriteJob]) -> None:  # noqa: B027 - a hook, no-op here
         """Make the slots of ``jobs`` ready to be written and opened by readers."""
 
     def split_early(self, jobs: list[WriteJob]) -> tuple[list[WriteJob], list[WriteJob]]:
         """The jobs to copy before ``put_begin``'s reply, and the rest."""
         return split_jobs(jobs, progress_.PROGRESS_BYTES)  # read per put: tests lower it
 
-    def slots_freed(self, slots: list[int]) -> None:
+    def slots_freed(self, slots: list[int]) -> None:  # noqa: B027 - a hook, no-op here
         """The controller destroyed ``slots`` of this transport's memory."""
 
+    @abc.abstractmethod
     def write(
         self, vol: VolumeInfo, jobs: list[WriteJob], progress: Progress, grant: bytes
     ) -> None:
         """Copy every job's bytes into its slot; report each slot to ``progress``. On
         return the bytes are in place (device copies synchronized)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, vol: VolumeInfo, jobs: list[ReadJob], gate: Gate | None) -> None:
         """Copy every job into its destination (after ``gate(slot)`` when streaming); on
         return the copies are done."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Release what the transport holds (connections, mappings, device memory); called
+        once, when the store handle closes."""
 
 
 def split_jobs(jobs: list[WriteJob], nbytes: int) -> tuple[list[WriteJob], list[WriteJob]]:

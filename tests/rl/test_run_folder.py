@@ -50,7 +50,7 @@ def test_a_finished_run_is_reported_and_a_resume_to_a_reached_step_refused(tmp_p
     # Run again: the finished run's figures, from its metrics.jsonl; no role starts.
     r = _run(out, "--rl.steps", "2", "--rl.eval_every", "2", "--checkpoint.enable", "true")
     assert r.returncode == 0, r.stdout
-    assert f"the run in {out} is finished (step 2 of rl.steps=2)" in r.stdout
+    assert f"tidal rl: the run in {out} is finished (step 2 of rl.steps=2)" in r.stdout
     assert want in r.stdout and f"plot: {out / 'rl.png'}" in r.stdout
     assert not any(x in r.stdout for x in NO_ROLE), r.stdout
     assert {name: (out / name).read_bytes() for name in files} == files  # nothing overwritten
@@ -88,7 +88,7 @@ def test_the_run_folder_checks_in_process(tmp_path):
     cfg = RLConfig()
     cfg.job.output_dir = str(tmp_path)
     cfg.rl.steps = 2
-    assert check_run_folder(cfg, log=lambda line: None) is False  # empty: a fresh run
+    assert check_run_folder(cfg, prog="tidal rl", log=lambda line: None) is False  # a fresh run
     step = tmp_path / "checkpoint" / "step-2"
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("")  # the marker of a complete checkpoint
@@ -102,15 +102,35 @@ def test_the_run_folder_checks_in_process(tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines: list[str] = []
-    assert check_run_folder(cfg, log=lines.append) is True
+    assert check_run_folder(cfg, prog="tidal rl", log=lines.append) is True
+    assert lines[0].startswith(f"tidal rl: the run in {tmp_path} is finished (step 2 of ")
     assert "pass@1 25.0% (version 0) -> 75.0% (version 2), +50.0 points" in lines[1]
     assert "reward 0.100 -> 0.500" in lines[1]
     cfg.rl.steps = 1
     with pytest.raises(ValueError, match="holds a run at step 2, past rl.steps=1"):
-        check_run_folder(cfg, log=lines.append)
+        check_run_folder(cfg, prog="tidal rl", log=lines.append)
     cfg.rl.steps = 2
     with pytest.raises(ValueError, match="the run is finished"):
         check_resume_step(cfg, 2)  # a trainer role started on its own, at its last step
+
+
+def test_grpo_py_reports_a_finished_run_under_its_own_name(tmp_path):
+    """`python -m tidal.rl.grpo` reads the run folder as `tidal rl` does; the lines name it."""
+    from tidal.rl.grpo import PROG, run
+
+    cfg = RLConfig()
+    cfg.job.output_dir, cfg.rl.steps = str(tmp_path), 1
+    step = tmp_path / "checkpoint" / "step-1"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "reward_mean": 0.5, "elapsed_s": 1.0}) + "\n"
+    )
+    lines: list[str] = []
+    assert run(cfg, log=lines.append) == {}  # nothing built, nothing run
+    assert PROG == "python -m tidal.rl.grpo"
+    assert lines[0].startswith(f"{PROG}: the run in {tmp_path} is finished (step 1 of ")
+    assert not any(line.startswith("tidal rl") for line in lines)
 
 
 def _step(step: int, **kw) -> dict:

@@ -56,6 +56,9 @@ from tidal.rl.warmstart import prepare_policy, resolve_policy
 
 Log = Callable[[str], None]
 
+PROG = "python -m tidal.rl.grpo"
+"""The command that runs this file: its lines and errors begin with it."""
+
 
 def generate_and_grade(
     policy: Policy, task: Task, grader: Grader, cfg: RLConfig, step: int
@@ -199,7 +202,7 @@ def run(cfg: RLConfig, *, log: Log = print) -> dict[str, Any]:
     Raises:
         ValueError, FileNotFoundError: bad input (the message names the field)."""
     check_one_process(cfg)
-    if check_run_folder(cfg, log=log):  # finished there: its figures printed, nothing to run
+    if check_run_folder(cfg, prog=PROG, log=log):  # finished: its figures printed, no run
         return {}
     task = make_task(cfg)
     prepare_policy(cfg, log=log)
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.train.config_parse import apply_overrides, help_text, to_json
 
     parser = argparse.ArgumentParser(
-        prog="python -m tidal.rl.grpo",
+        prog=PROG,
         add_help=False,
         description="GRPO in one process (the algorithm of `tidal rl`, sync mode).",
     )
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run(cfg)
     except (ValueError, FileNotFoundError) as e:
-        print(f"python -m tidal.rl.grpo: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -4,9 +4,10 @@ TensorBoard when enabled, and at the end rl.png with a summary line.
 Lifecycle: the trainer's rank 0 makes one `Report`, passes `report.log` to the loop (one
 record per step, one per evaluation), and calls `finish()` then `close()`.
 
-Before any role starts, `tidal rl` reads the run folder (`check_run_folder`): a finished run
-there is reported from its metrics.jsonl (nothing runs, nothing is overwritten), and a resume
-to a step the run already reached is refused with one line.
+Before any role starts, `tidal rl` (and `python -m tidal.rl.grpo`) reads the run folder
+(`check_run_folder`): a finished run there is reported from its metrics.jsonl (nothing runs,
+nothing is overwritten), and a resume to a step the run already reached is refused with one
+line.
 """
 
 from __future__ import annotations
@@ -187,12 +188,13 @@ def summarize(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[
     return summary
 
 
-def check_run_folder(cfg: RLConfig, *, log: Log = print) -> bool:
+def check_run_folder(cfg: RLConfig, *, prog: str, log: Log = print) -> bool:
     """What `job.output_dir` allows this run, decided before any role starts, from the folder
     alone: its newest complete policy checkpoint is the step a run there resumes from. Returns
     True for a run already finished there (step rl.steps reached): its figures are printed from
-    its metrics.jsonl, and nothing runs or is overwritten. False: this run starts, fresh or
-    resuming.
+    its metrics.jsonl, after a first line beginning with `prog` (the command that was run:
+    "tidal rl", "python -m tidal.rl.grpo"), and nothing runs or is overwritten. False: this
+    run starts, fresh or resuming.
 
     Raises:
         ValueError: the folder is a file, cannot be created or is in use by another run; it
@@ -220,7 +222,7 @@ def check_run_folder(cfg: RLConfig, *, log: Log = print) -> bool:
     steps = [r for r in records if "reward_mean" in r]
     evals = sorted((r for r in records if "eval_pass1" in r), key=lambda r: r["step"])
     log(
-        f"tidal rl: the run in {out} is finished (step {reached} of rl.steps={cfg.rl.steps}); "
+        f"{prog}: the run in {out} is finished (step {reached} of rl.steps={cfg.rl.steps}); "
         "nothing to run, nothing overwritten. Its figures:"
     )
     log(summary_line(summarize(steps, evals)))

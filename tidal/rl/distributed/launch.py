@@ -128,7 +128,7 @@ def launch_local(
 
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
-    if check_run_folder(cfg, log=log):  # finished there: its figures printed, nothing to run
+    if check_run_folder(cfg, prog="tidal rl", log=log):  # finished: figures printed, no run
         return 0
     src = check_rl_job(cfg, log=log)
     if cfg.rl.mps and generator_device(cfg).type != "cuda":

@@ -177,3 +177,48 @@ def test_the_step_line_says_what_it_dropped_and_the_first_step_its_time(tmp_path
     report.log(_step(1, groups_dropped=0))
     report.close()
     assert "dropped" not in lines[0]
+
+
+def test_a_run_continued_past_its_end_plots_and_sums_up_every_step(tmp_path, monkeypatch):
+    """Resumed with a larger rl.steps, the run's end draws rl.png and its summary from the
+    whole metrics.jsonl: the earlier run's steps and evaluations too, not only its own."""
+    import tidal.rl.report as report_mod
+    from tidal.rl.report import Report
+
+    drawn = []
+    monkeypatch.setattr(
+        report_mod, "plot", lambda steps, evals, path, *, title="": drawn.append((steps, evals))
+    )
+
+    def ev(step: int, pass1: float) -> dict:
+        return {
+            "step": step,
+            "eval_pass1": pass1,
+            "eval_correct": 1,
+            "eval_total": 4,
+            "eval_s": 1.0,
+        }
+
+    cfg = RLConfig()
+    cfg.job.output_dir, cfg.rl.steps, cfg.metrics.plot = str(tmp_path), 2, True
+    report = Report(cfg, first_step=0, resumed=False, log=lambda line: None)
+    for record in (ev(0, 0.25), _step(1, reward_mean=0.1), _step(2, reward_mean=0.3), ev(2, 0.5)):
+        report.log(record)
+    first = report.finish()
+    report.close()
+    assert [s["step"] for s in drawn[-1][0]] == [1, 2] and first["pass1_after"] == 0.5
+
+    cfg.rl.steps = 4  # `--rl.steps 4` on the finished run: it resumes at step 2
+    lines: list[str] = []
+    report = Report(cfg, first_step=2, resumed=True, log=lines.append)
+    for record in (_step(3, reward_mean=0.5), _step(4, reward_mean=0.7), ev(4, 0.75)):
+        report.log(record)
+    summary = report.finish()
+    report.close()
+    steps, evals = drawn[-1]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert [s["reward_mean"] for s in steps] == [0.1, 0.3, 0.5, 0.7]
+    assert [(e["step"], e["eval_pass1"]) for e in evals] == [(0, 0.25), (2, 0.5), (4, 0.75)]
+    assert summary["steps"] == 4
+    assert (summary["version_before"], summary["pass1_before"]) == (0, 0.25)
+    assert "pass@1 25.0% (version 0) -> 75.0% (version 4), +50.0 points" in "\n".join(lines)

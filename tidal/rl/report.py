@@ -75,13 +75,12 @@ class Report:
             stream=_LineSink(log),
         )
         self.steps: list[dict[str, Any]] = []
-        self.evals: dict[int, dict[str, Any]] = {}
+        """This process's step records (the summary reads the whole run's from the file)."""
         self.grader_errors = 0
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record (a step's or an evaluation's) and print its line."""
         if "eval_pass1" in record:
-            self.evals[record["step"]] = record
             line = (
                 f"eval  step {record['step']:>4}: pass@1 {100 * record['eval_pass1']:5.1f}% "
                 f"({record['eval_correct']}/{record['eval_total']} held-out, greedy, "
@@ -124,14 +123,16 @@ class Report:
             self.log_line(first_step_line(record, self.cfg.rl.steps))
 
     def finish(self) -> dict[str, Any]:
-        """The summary line and rl.png; returns the summary's numbers."""
-        evals = [r for _, r in sorted(self.evals.items())]
-        summary = summarize(self.steps, evals)
+        """The summary line and rl.png, both of the whole run as metrics.jsonl holds it
+        (`run_records`): a run that resumed an earlier one past its end (a larger rl.steps)
+        plots and sums up the earlier steps too. Returns the summary's numbers."""
+        steps, evals = run_records(self.dir)
+        summary = summarize(steps, evals)
         text = summary_line(summary)
         if self.cfg.metrics.plot:
             path = self.dir / "rl.png"
             title = f"{self.cfg.job.name}: " + text.replace("; ", "\n")
-            plot(self.steps, evals, path, title=title)
+            plot(steps, evals, path, title=title)
             summary["plot"] = str(path)
         self.log_line(text)
         if "plot" in summary:
@@ -204,7 +205,7 @@ def check_run_folder(cfg: RLConfig, *, prog: str, log: Log = print) -> bool:
     from tidal.train.checkpoint.layout import scan
     from tidal.train.checkpoint.plan import checkpoint_folder
     from tidal.train.config import CheckpointConfig
-    from tidal.train.run_folder import RunLock, check_fresh, check_output_dir, read_records
+    from tidal.train.run_folder import RunLock, check_fresh, check_output_dir
 
     out = check_output_dir(cfg.job.output_dir)
     RunLock(out).release()  # another run still writing here: RunFolderError, naming it
@@ -218,9 +219,7 @@ def check_run_folder(cfg: RLConfig, *, prog: str, log: Log = print) -> bool:
         return False
     if reached > cfg.rl.steps:
         check_resume_step(cfg, reached)  # raises, naming both steps
-    records = read_records(out)
-    steps = [r for r in records if "reward_mean" in r]
-    evals = sorted((r for r in records if "eval_pass1" in r), key=lambda r: r["step"])
+    steps, evals = run_records(out)
     log(
         f"{prog}: the run in {out} is finished (step {reached} of rl.steps={cfg.rl.steps}); "
         "nothing to run, nothing overwritten. Its figures:"
@@ -234,6 +233,18 @@ def check_run_folder(cfg: RLConfig, *, prog: str, log: Log = print) -> bool:
         "--job.output_dir"
     )
     return True
+
+
+def run_records(output_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The step records and the evaluation records (one per version, the last written; in
+    step order) of the run in `output_dir`, from its metrics.jsonl as the run stands: the
+    steps an earlier run wrote and a resume did not redo are in, the redone ones only once
+    (tidal.train.run_folder.read_records). ([], []) without a metrics.jsonl."""
+    from tidal.train.run_folder import read_records
+
+    records = read_records(output_dir)
+    evals = {r["step"]: r for r in records if "eval_pass1" in r}
+    return [r for r in records if "reward_mean" in r], [r for _, r in sorted(evals.items())]
 
 
 def check_resume_step(cfg: RLConfig, reached: int) -> None:

@@ -205,10 +205,20 @@ class Env:
             out.append({"role": "tool", "name": call.name, "content": result})
         return out
 
-    def parse(self, text: str, index: int, *, last: bool, calls_left: int, finish: str) -> Turn:
-        """The `Turn` of a model's text: its tool calls parsed against `tools()` (with no
-        tools declared, a ``<tool_call>`` block is an error for an unknown tool)."""
+    def parse(
+        self,
+        text: str,
+        index: int = 0,
+        *,
+        last: bool = False,
+        calls_left: int | None = None,
+        finish: str = "stop",
+    ) -> Turn:
+        """The `Turn` of a model's text: its tool calls parsed against `tools()` (a call to
+        a tool not declared is a call error). Without tools, the whole text is the content.
+        `calls_left` defaults to `max_tool_calls`."""
         specs = [t.spec() for t in self.tools()]
+        calls_left = self.max_tool_calls if calls_left is None else calls_left
         content, calls, errors = parse_tool_calls(text, specs)
         return Turn(
             text=text,
@@ -266,7 +276,15 @@ class TaskEnv(Env):
     def eval_set(self, n: int, *, seed: int = 0) -> list[Problem]:
         return self.task.eval_set(n, seed=seed)
 
-    def parse(self, text: str, index: int, *, last: bool, calls_left: int, finish: str) -> Turn:
+    def parse(
+        self,
+        text: str,
+        index: int = 0,
+        *,
+        last: bool = False,
+        calls_left: int | None = None,
+        finish: str = "stop",
+    ) -> Turn:
         return Turn(text=text, index=index, content=text, last=last, finish_reason=finish)
 
     def step(self, turn: Turn) -> Step:

@@ -18,7 +18,7 @@ from tidal.rl.config import RolloutConfig
 from tidal.rl.envs import get_env, sample_env_batch
 from tidal.rl.experience import Grader, Policy, sample_batch
 from tidal.rl.loss import LossConfig, group_advantages
-from tidal.rl.tasks import Problem, get_task
+from tidal.rl.tasks import Grade, Problem, get_task
 from tidal.rl.trainer_inputs import PolicyLoss, rollout_batches
 from tidal.train.data.chat import build_encoder
 from tidal.train.data.config import CHAT_SPECIAL_TOKENS
@@ -133,3 +133,27 @@ def test_multi_turn_trajectories_are_token_exact_and_ratios_are_one(tmp_path, to
         assert int(result.metrics["num_tokens"]) == int(rollout.train_mask.sum())
     finally:
         trainer.close()
+
+
+def test_evaluate_env_scores_a_task_as_evaluate_does(tok):
+    from tidal.rl.envs import evaluate_env
+    from tidal.rl.experience import evaluate
+
+    model = tiny_model(vocab_size=tok.vocab_size, max_seq_len=96)
+    policy = Policy(
+        generator=Generator(model, tokenizer=tok, config=GeneratorConfig(max_batch=4)),
+        encoder=build_encoder(tok, "builtin", None),
+        pad_id=tok.eos_id,
+        max_prompt_tokens=48,
+    )
+    env = get_env("addition", digits=1)
+    problems = env.eval_set(6)
+    # a random model is never right: a grader that credits references over 4 instead
+    env.task.grade = lambda text, ref: Grade(  # type: ignore[method-assign]
+        reward=float(int(ref) > 4), answer=None, format_ok=bool(text)
+    )
+    old = evaluate(policy, Grader(env.task), problems, max_new_tokens=8, log=print, label="e")
+    new = evaluate_env(policy, env, problems, max_new_tokens=8)
+    assert 0 < old["correct"] < 6
+    assert (new["pass1"], new["correct"], new["total"]) == (old["pass1"], old["correct"], 6)
+    assert new["turns_mean"] == 1.0 and new["env_errors"] == 0

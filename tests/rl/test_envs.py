@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -430,3 +431,64 @@ def test_python_env_problems_and_grading():
     assert env.grade(Turn(text="", content=f"#### {problems[0].reference}", index=0)).reward == 1.0
     assert env.grade(Turn(text="", content=str(problems[0].reference), index=0)).reward == 0.0
     assert [t.name for t in env.tools()] == ["python"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox's limits")
+def test_python_env_runs_model_code_in_the_sandbox(encoder):
+    from tidal.rl.tools import SandboxConfig
+
+    env = get_env("python", sandbox=SandboxConfig(wall_seconds=20.0, cpu_seconds=1))
+    problem = Problem("What is the sum of the squares of the integers from 1 to 10?", "385")
+    code = {0: "print(sum(i * i for i in range(1, 11)))", 1: "while True: pass"}
+
+    def reply(r: TurnRequest, k: int) -> str:
+        j = k if r.params.n > 1 else r.key[1]
+        if r.new_from == 0:
+            return call("python", code=code[j])
+        return "#### 385" if j == 0 else "I cannot tell."
+
+    codec = TurnCodec(encoder, [t.spec() for t in env.tools()])
+    (group,), counts = run_trajectories(
+        env,
+        [problem],
+        codec,
+        Script(encoder, reply),
+        [params(max_new_tokens=200)],
+        max_context=4096,
+    )
+    good, bad = group
+    assert [m["content"] for m in good.messages if m["role"] == "tool"] == ["385"]
+    assert (good.reward, good.turns) == (1.0, 2)
+    (result,) = [m["content"] for m in bad.messages if m["role"] == "tool"]
+    assert result.startswith("Tool error:") and "CPU time" in result
+    assert (bad.reward, bad.tool_errors, counts["tool_errors"]) == (0.0, 1, 1)
+
+
+@register_env("test_steps")
+@dataclass(kw_only=True)
+class Steps(Env):
+    """Pays 0.25 a turn, then 0.5 at the end of the third."""
+
+    max_turns: int = 5
+
+    def problem(self, rng):
+        return Problem("Count to three.", 3)
+
+    def step(self, turn):
+        if turn.index == 2:
+            return Step(done=True, reward=0.5, answer="3", format_ok=True)
+        return Step(messages=[{"role": "user", "content": "Go on."}], reward=0.25)
+
+
+def test_per_turn_rewards_add_up(encoder):
+    (group,), _ = run_trajectories(
+        Steps(),
+        [Problem("Count.", 3)],
+        TurnCodec(encoder),
+        Script(encoder, lambda r, k: "one"),
+        [params(n=1)],
+        max_context=512,
+    )
+    (t,) = group
+    assert t.turn_rewards == [0.25, 0.25, 0.5] and t.reward == 1.0 and t.finish == "done"
+    assert (t.answer, t.format_ok) == ("3", True)

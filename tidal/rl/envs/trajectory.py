@@ -452,3 +452,60 @@ def _requests(
         for i in range(n_prompts)
     ]
     return problems, params
+
+
+def evaluate_env(
+    policy: Policy,
+    env: Env,
+    problems: Sequence[Problem],
+    *,
+    max_new_tokens: int,
+    generate_turn: GenerateTurn | None = None,
+    log: Callable[[str], None] | None = None,
+    label: str = "eval",
+) -> dict[str, Any]:
+    """`experience.evaluate` for an environment: one greedy trajectory per held-out problem,
+    in chunks of the generator's `max_batch`. "pass1" counts trajectories with reward >= 1;
+    also the means of reward, turns and tool calls per trajectory, and the driver's counts
+    (summed). A one-turn `TaskEnv` scores what `evaluate` scores."""
+    start = time.perf_counter()
+    codec = TurnCodec(policy.encoder, [t.spec() for t in env.tools()])
+    params = SamplingParams(
+        temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=policy.stop
+    )
+    engine = generate_turn or resubmit(policy.generator)
+    trajs: list[Trajectory] = []
+    totals: dict[str, Any] = {}
+    chunk = max(1, policy.generator.config.max_batch)
+    for lo in range(0, len(problems), chunk):
+        part = problems[lo : lo + chunk]
+        groups, counts = run_trajectories(
+            env,
+            part,
+            codec,
+            engine,
+            [params] * len(part),
+            max_context=policy.generator.capacity,
+            max_prompt_tokens=policy.max_prompt_tokens,
+        )
+        trajs += [g[0] for g in groups]
+        for k, v in counts.items():  # sums, and the first error message
+            if isinstance(v, str):
+                totals[k] = totals.get(k) or v
+            else:
+                totals[k] = totals.get(k, 0) + v
+        if log is not None and lo + len(part) < len(problems):
+            right = sum(t.reward >= 1.0 for t in trajs)
+            log(f"{label}: {len(trajs)}/{len(problems)} problems, {right} right so far")
+    n = max(len(trajs), 1)
+    correct = sum(t.reward >= 1.0 for t in trajs)
+    return {
+        "pass1": correct / n,
+        "correct": correct,
+        "total": len(trajs),
+        "reward_mean": sum(t.reward for t in trajs) / n,
+        "turns_mean": sum(t.turns for t in trajs) / n,
+        "tool_calls_mean": sum(t.tool_calls for t in trajs) / n,
+        **totals,
+        "seconds": time.perf_counter() - start,
+    }

@@ -492,3 +492,17 @@ def test_per_turn_rewards_add_up(encoder):
     (t,) = group
     assert t.turn_rewards == [0.25, 0.25, 0.5] and t.reward == 1.0 and t.finish == "done"
     assert (t.answer, t.format_ok) == ("3", True)
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tok):
+    # an assistant turn is written one way when last, another when a turn follows it
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m['role'] }}: "
+        "{% if m['role'] == 'assistant' and not loop.last %}(said) {% endif %}"
+        "{{ m['content'] }}{{ '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}",
+        name="said.jinja",
+    )
+    encoder = ChatEncoder(tok, template)  # one assistant turn: fine for SFT
+    with pytest.raises(ValueError, match="said.jinja rewrites earlier turns when a turn is"):
+        TurnCodec(encoder)

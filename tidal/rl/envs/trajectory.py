@@ -127,7 +127,9 @@ class TurnCodec:
     observation alone with the template's turn markers around it.
 
     Raises (constructor):
-        ValueError: the environment has tools and the template has no tool support.
+        ValueError: the environment has tools and the template has no tool support, or the
+            template rewrites earlier turns when one is added (observations could not be
+            appended as tokens).
     """
 
     def __init__(self, encoder: ChatEncoder, tools: list[dict[str, Any]] | None = None) -> None:
@@ -138,6 +140,9 @@ class TurnCodec:
         stop = encoder.stop_text
         ids = tok.encode(stop, special_tokens=True) if stop else []
         self._stop_id = ids[0] if len(ids) == 1 else None
+        # A template that rewrites earlier turns fails here, before any work.
+        reply = {"role": "tool" if self.tools else "user", "content": "Probe."}
+        self.observation([{"role": "user", "content": "Hi"}, {}], [reply], None)
 
     def _render(self, messages: Messages, generation_prompt: bool) -> str:
         return render_chat(

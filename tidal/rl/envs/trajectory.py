@@ -424,6 +424,9 @@ def sample_env_batch(
         "gen_tokens": sum(sum(t.loss_mask) for t in trajs),
         "obs_tokens": sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs),
         **counts,
+        # the loop reports these for tasks: an environment's failures are its grader's
+        "grader_errors": counts["env_errors"],
+        "grader_error": counts["env_error"],
     }
     return RolloutBatch.from_trajectories(
         trajs,

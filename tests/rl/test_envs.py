@@ -6,6 +6,7 @@ counted failure; the built-in environments' problems and graders."""
 from __future__ import annotations
 
 import json
+import random
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -523,3 +524,18 @@ def test_template_that_rewrites_earlier_turns_is_refused(tok):
     encoder = ChatEncoder(tok, template)  # one assistant turn: fine for SFT
     with pytest.raises(ValueError, match="said.jinja rewrites earlier turns when a turn is"):
         TurnCodec(encoder)
+
+
+def test_reset_must_depend_on_the_problem_only(encoder):
+    env = get_env("guess")
+    rng = random.Random(0)
+    env.reset = lambda problem: [{"role": "user", "content": f"Guess {rng.random()}"}]
+    with pytest.raises(ValueError, match="reset gave different opening messages"):
+        run_trajectories(
+            env,
+            [Problem("Guess.", {"target": 3, "high": 9})],
+            TurnCodec(encoder),
+            Script(encoder, lambda r, k: "3"),
+            [params(n=2)],
+            max_context=256,
+        )

@@ -512,18 +512,47 @@ def test_per_turn_rewards_add_up(encoder):
     assert (t.answer, t.format_ok) == ("3", True)
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(tok):
-    # an assistant turn is written one way when last, another when a turn follows it
+def test_template_that_rewrites_the_assistant_text_is_refused(tok):
     template = ChatTemplate(
-        "{% for m in messages %}{{ m['role'] }}: "
-        "{% if m['role'] == 'assistant' and not loop.last %}(said) {% endif %}"
-        "{{ m['content'] }}{{ '\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}",
-        name="said.jinja",
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}{{ '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
+        name="shout.jinja",
     )
-    encoder = ChatEncoder(tok, template)  # one assistant turn: fine for SFT
-    with pytest.raises(ValueError, match="said.jinja rewrites earlier turns when a turn is"):
+    encoder = ChatEncoder(tok, template)  # fine for SFT: its turns are prefixes
+    with pytest.raises(ValueError, match="shout.jinja does not write an assistant turn's text"):
         TurnCodec(encoder)
+
+
+# Qwen 3's way: the last assistant turn after the last user query gets an (empty) think
+# block; once a turn follows, it is written without one. Earlier turns change, and that is
+# fine: they are never re-tokenized.
+QWEN3_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_turns_still_appends_tokens(tok):
+    encoder = ChatEncoder(tok, ChatTemplate(QWEN3_LIKE, name="qwen3-like"))
+    env = get_env("guess", max_turns=2)
+    script = Script(encoder, lambda r, k: "5")
+    (group,), _ = run_trajectories(
+        env,
+        [Problem("Guess.", {"target": 3, "high": 9})],
+        TurnCodec(encoder),
+        script,
+        [params(n=1)],
+        max_context=256,
+    )
+    (t,) = group
+    text = encoder.tokenizer.decode(t.token_ids(), skip_special_tokens=False)
+    assert text.endswith(
+        "<|im_start|>user\nGuess.<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
+        "<|im_start|>user\nLower.<|im_end|>\n<|im_start|>assistant\n5<|im_end|>"
+    )
+    assert "<think>" not in text  # what the model saw: no think block was ever given
 
 
 def test_reset_must_depend_on_the_problem_only(encoder):
@@ -539,3 +568,33 @@ def test_reset_must_depend_on_the_problem_only(encoder):
             [params(n=2)],
             max_context=256,
         )
+
+
+def test_a_template_with_its_own_tool_format(tok):
+    from tests.rl.test_tool_calls import QWEN_LIKE
+
+    encoder = ChatEncoder(tok, ChatTemplate(QWEN_LIKE, name="qwen-like"))
+    env = get_env("calculator")
+    replies = [call("calc", expression="12 * 34"), "#### 408"]
+
+    def reply(r: TurnRequest, k: int) -> str:
+        return replies[0 if r.new_from == 0 else 1]
+
+    codec = TurnCodec(encoder, [t.spec() for t in env.tools()])
+    (group,), _ = run_trajectories(
+        env,
+        [Problem("What is 12 * 34?", "408")],
+        codec,
+        Script(encoder, reply),
+        [params(n=1, max_new_tokens=100)],
+        max_context=2048,
+    )
+    (t,) = group
+    assert (t.reward, t.tool_calls, t.turns) == (1.0, 1, 2)
+    prompt = encoder.tokenizer.decode(t.prompt_ids, skip_special_tokens=False)
+    assert "# Tools" not in prompt and "<tools>\n" in prompt  # the template's own block
+    obs = [i for i, m in zip(t.completion_ids, t.loss_mask, strict=True) if not m]
+    assert encoder.tokenizer.decode(obs, skip_special_tokens=False) == (
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )

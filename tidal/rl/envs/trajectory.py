@@ -128,8 +128,8 @@ class TurnCodec:
 
     Raises (constructor):
         ValueError: the environment has tools and the template has no tool support, or the
-            template rewrites earlier turns when one is added (observations could not be
-            appended as tokens).
+            template does not write an assistant turn's text as it is (what follows it could
+            not be appended as tokens).
     """
 
     def __init__(self, encoder: ChatEncoder, tools: list[dict[str, Any]] | None = None) -> None:
@@ -140,7 +140,7 @@ class TurnCodec:
         stop = encoder.stop_text
         ids = tok.encode(stop, special_tokens=True) if stop else []
         self._stop_id = ids[0] if len(ids) == 1 else None
-        # A template that rewrites earlier turns fails here, before any work.
+        # A template that rewrites the assistant's text fails here, before any work.
         reply = {"role": "tool" if self.tools else "user", "content": "Probe."}
         self.observation([{"role": "user", "content": "Hi"}, {}], [reply], None)
 
@@ -161,22 +161,25 @@ class TurnCodec:
     def observation(self, history: Messages, new: Messages, last_id: int | None) -> list[int]:
         """The ids that follow a sampled turn: the rest of the assistant turn's end marker
         (what the model did not sample of it), the `new` messages and the next generation
-        prompt. `history` ends with the assistant turn; `last_id` is its last sampled id."""
-        convo = [*history[:-1], {"role": "assistant", "content": _PLACEHOLDER}]
-        before = self._render(convo, False)
-        after = self._render([*convo, *new], True)
-        if not after.startswith(before):
+        prompt. `history` ends with the assistant turn; `last_id` is its last sampled id.
+
+        The text is what the template writes after the assistant's content when the
+        conversation goes on with `new` (the turn's content stands in as a placeholder): the
+        turns before are never rendered into ids again, so a template that writes earlier
+        turns differently once more follow (Qwen 3 drops their reasoning) is fine."""
+        convo = [*history[:-1], {"role": "assistant", "content": _PLACEHOLDER}, *new]
+        text = self._render(convo, True)
+        if text.count(_PLACEHOLDER) != 1:
             raise ValueError(
-                f"chat template {self.encoder.template.name} rewrites earlier turns when a "
-                "turn is added, so observations cannot be appended as tokens; use "
-                "--data.chat_template builtin or a template without that behaviour"
+                f"chat template {self.encoder.template.name} does not write an assistant "
+                "turn's text as it is, so what follows it cannot be found and appended as "
+                "tokens; use --data.chat_template builtin or a template that does"
             )
-        tail = before[before.rfind(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        tail = text[text.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         stop = self.encoder.stop_text
         if last_id is not None and last_id == self._stop_id and tail.startswith(stop):
             tail = tail[len(stop) :]  # the model sampled the end-of-turn token itself
-        text = tail + after[len(before) :]
-        return self.encoder.tokenizer.encode(text, special_tokens=True)
+        return self.encoder.tokenizer.encode(tail, special_tokens=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@ multi-turn game) trains and reports, and environments refuse async mode before a
 
 from __future__ import annotations
 
+import pytest
+
 from tests.rl.test_loop import CONFIG, records, tidal_rl
 
 
@@ -40,18 +42,21 @@ def test_tidal_rl_trains_on_a_multi_turn_environment(tmp_path):
     assert [e["step"] for e in evals] == [0, 2] and evals[0]["eval_total"] == 4
 
 
-def test_an_environment_in_async_mode_is_refused(tmp_path):
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(tmp_path / "run"),
-        "--task.name",
-        "guess",
-        "--rl.mode",
-        "async",
-        "--loss.tis_cap",
-        "2.0",
-    )
-    assert r.returncode != 0
-    assert "environment 'guess' runs in rl.mode sync only" in r.stdout
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--task.name", "guess", "--rl.mode", "async", "--loss.tis_cap", "2.0"],
+            "task.name: environment 'guess' runs in rl.mode sync only",
+        ),
+        # the opening with the calc tool's listing: checked before any role starts
+        (["--task.name", "calculator"], "over rollout.max_prompt_tokens=32"),
+        (["--task.name", "guess", "--task.params", '{"size": 3}'], "has no parameter 'size'"),
+        (["--task.name", "gues"], "or an environment: ['calculator', 'guess', 'python']"),
+    ],
+)
+def test_bad_environment_settings_fail_before_any_role_starts(tmp_path, args, message):
+    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"), *args)
+    assert r.returncode == 2, r.stdout
+    assert "tidal rl: error:" in r.stdout and message in r.stdout
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

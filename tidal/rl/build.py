@@ -27,29 +27,44 @@ Log = Callable[[str], None]
 
 
 def make_task(cfg: RLConfig):
-    """The configured task.
+    """The configured task, or the environment `task.name` names (tidal/rl/envs).
 
     Raises:
-        ValueError: an unknown task or a bad parameter (the message names it)."""
+        ValueError: an unknown task or a bad parameter (the message names it); an
+            environment in async mode (its turns need the sync loop)."""
+    from tidal.rl.envs import ENVS, get_env
     from tidal.rl.tasks import get_task
 
+    if cfg.task.name in ENVS:
+        if cfg.rl.mode != "sync":
+            raise ValueError(
+                f"task.name: environment {cfg.task.name!r} runs in rl.mode sync only (the async "
+                "generator streams single-turn batches)"
+            )
+        try:
+            return get_env(cfg.task.name, **cfg.task.params)
+        except TypeError as e:
+            raise ValueError(f"task.params: {e}") from e
     try:
         return get_task(cfg.task.name, **cfg.task.params)
     except TypeError as e:
         raise ValueError(f"task.params: {e}") from e
     except ValueError as e:
-        raise ValueError(f"task.name: {e}") from e
+        raise ValueError(f"task.name: {e}; or an environment: {sorted(ENVS)}") from e
 
 
 def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
     """The policy's tokenizer and model cover the task's text: every id of a rendered prompt
     and of a reference answer is inside the model's vocabulary, the text comes back from the
     ids unchanged, and rendered prompts fit `rollout.max_prompt_tokens` (on a sample of
-    train and held-out problems).
+    train and held-out problems). For an environment, the prompt is its opening with its
+    tools listed (a chat template without tool support is an error here).
 
     Raises:
         ValueError: naming the text, the ids and the vocabulary size.
     """
+    from tidal.rl.envs import Env, TurnCodec
+
     vocab = src.args.vocab_size
     tok = src.tokenizer
     if tok.vocab_size > vocab:
@@ -59,8 +74,14 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
         )
     problems = list(itertools.islice(task.problems("train", seed=cfg.rollout.seed), 16))
     problems += task.eval_set(min(16, cfg.task.eval_problems), seed=cfg.task.eval_seed)
+    codec = None
+    if isinstance(task, Env):  # its openings, tools listed: a template without them fails here
+        codec = TurnCodec(src.encoder, [t.spec() for t in task.tools()])
     for p in problems:
-        ids = src.encoder.prompt_ids([{"role": "user", "content": p.prompt}])
+        if codec is not None:
+            ids = codec.opening(task.episode().reset(p))
+        else:
+            ids = src.encoder.prompt_ids([{"role": "user", "content": p.prompt}])
         if len(ids) > cfg.rollout.max_prompt_tokens:
             raise ValueError(
                 f"a prompt of the task {task.name!r} renders to {len(ids)} tokens, over "
@@ -92,8 +113,10 @@ def describe_model(src: PolicySource) -> str:
 
 
 def trainer_seq_len(cfg: RLConfig, src: PolicySource) -> int:
-    """Positions per sequence: the longest prompt and completion, within the model."""
-    return min(src.args.max_seq_len, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    """Positions per sequence: the longest prompt and completion (a multi-turn trajectory's
+    `rollout.max_context`), within the model."""
+    r = cfg.rollout
+    return min(src.args.max_seq_len, max(r.max_context, r.max_prompt_tokens + r.max_new_tokens))
 
 
 def trainer_config(cfg: RLConfig, src: PolicySource):

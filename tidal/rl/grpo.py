@@ -48,7 +48,14 @@ from tidal.rl.build import (
 from tidal.rl.config import RLConfig
 from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
 from tidal.rl.loss import group_advantages
-from tidal.rl.report import Report, Timer, check_run_folder, eval_record, step_record
+from tidal.rl.report import (
+    Report,
+    Timer,
+    check_run_folder,
+    env_figures,
+    eval_record,
+    step_record,
+)
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.tasks.base import Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
@@ -122,6 +129,7 @@ def figures(
         "sync_generator_s": seconds["sync_s"],
         "gen_s": seconds["gen_s"],
         "train_s": seconds["train_s"],
+        **env_figures(parts),
     }
     if out["grader_errors"]:
         out["grader_error"] = grader.first_error

@@ -379,17 +379,40 @@ def step_record(
         "samples": rollout.num_samples,
         "format_ok_rate": float(rollout.format_ok.float().mean()),
         "truncated_rate": float(rollout.truncated.float().mean()),
+        # multi-turn trajectories: the sampled (trained) tokens; the rest are observations
+        **(
+            {"sampled_len_mean": float(rollout.loss_mask.sum(1).float().mean())}
+            if rollout.loss_mask is not None
+            else {}
+        ),
     }
 
 
 def eval_record(version: int, result: dict[str, Any]) -> dict[str, Any]:
-    """The record of an evaluation (`tidal.rl.experience.evaluate`'s result) of `version`."""
+    """The record of an evaluation (`tidal.rl.experience.evaluate`'s result) of `version`;
+    an environment's (`evaluate_env`) adds its turns and tool calls per trajectory."""
     return {
         "step": version,
         "eval_pass1": result["pass1"],
         "eval_correct": result["correct"],
         "eval_total": result["total"],
         "eval_s": result["seconds"],
+        **{f"eval_{k}": result[k] for k in ("turns_mean", "tool_calls_mean") if k in result},
+    }
+
+
+def env_figures(parts: list[RolloutBatch]) -> dict[str, Any]:
+    """A step's environment figures (tidal/rl/envs: the driver's counts in each batch's meta),
+    {} for tasks: turns and tool calls per trajectory, tool errors and trajectories cut by
+    the context (sums)."""
+    if not parts or not all("turns" in p.meta for p in parts):
+        return {}
+    n = max(sum(p.num_samples for p in parts), 1)
+    return {
+        "turns_mean": sum(p.meta["turns"] for p in parts) / n,
+        "tool_calls_mean": sum(p.meta["tool_calls"] for p in parts) / n,
+        "tool_errors": sum(p.meta["tool_errors"] for p in parts),
+        "context_truncated": sum(p.meta["context_truncated"] for p in parts),
     }
 
 

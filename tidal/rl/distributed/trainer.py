@@ -61,7 +61,7 @@ from tidal.rl.distributed.intake import make_intake
 from tidal.rl.distributed.membership import Members
 from tidal.rl.experience import eval_versions
 from tidal.rl.loss import Advantages, group_advantages
-from tidal.rl.report import Timer, eval_record, step_record
+from tidal.rl.report import Timer, env_figures, eval_record, step_record
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
 from tidal.rl.warmstart import resolve_policy
@@ -321,6 +321,7 @@ def _process_figures(
         "generator_idle_s": max(m["idle_s"] for m in meta),
         "gen_s": gen_s,
         "train_s": train_s,
+        **env_figures(parts),
     }
     if figures["grader_errors"]:
         figures["grader_error"] = errors[0] if errors else ""

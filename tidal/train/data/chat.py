@@ -121,6 +121,7 @@ class ChatTemplate:
         self, source: str, *, name: str = "chat template", bos_token: str = "", eos_token: str = ""
     ) -> None:
         import jinja2
+        from jinja2 import meta
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
@@ -140,6 +141,8 @@ class ChatTemplate:
                 f"chat template {name} does not compile: line {e.lineno}: {e.message}"
             ) from None
         self._vars = {"bos_token": bos_token, "eos_token": eos_token}
+        # Templates with tool support (HF's) read a `tools` variable: render passes it then.
+        self.declares_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
 
     def check(self) -> None:
         """Render a small conversation (with and without the generation prompt); raises
@@ -149,12 +152,25 @@ class ChatTemplate:
         self.render(_PROBE[:1], add_generation_prompt=True, where=where)
 
     def render(
-        self, messages: Messages, *, add_generation_prompt: bool = False, where: str = "a sample"
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = False,
+        where: str = "a sample",
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The template's text for `messages`; ValueError (naming `where`) if it fails."""
+        """The template's text for `messages`; ValueError (naming `where`) if it fails.
+
+        `tools` (OpenAI-style function specs) is passed as the template's `tools` variable
+        when given; tidal/rl/envs/tool_calls.py decides when a template can take it.
+        """
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._vars
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self._vars,
+                **extra,
             )
         except self._errors as e:
             raise ValueError(

@@ -5,7 +5,7 @@
 - api.py: `Served`, the endpoints without the web stack (request body -> prompts and
   SamplingParams -> response body, with the token-id extension).
 - schema.py: which request fields are read, ignored or refused; `ApiError`.
-- chat.py: chat messages and tools (Hermes `<tool_call>` form) to prompt ids, tool calls
+- chat.py: chat messages and tools (the RL environments' tool format) to prompt ids, tool calls
   parsed back.
 - app.py: the FastAPI routes; cli.py: the command line.
 

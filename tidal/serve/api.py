@@ -24,7 +24,7 @@ from typing import Any
 
 from tidal.generate import Sample, SamplingParams
 from tidal.serve import schema
-from tidal.serve.chat import ChatFormat, parse_tool_calls
+from tidal.serve.chat import ChatFormat, split_tool_calls
 from tidal.serve.engine import Engine
 from tidal.serve.schema import ApiError
 
@@ -98,13 +98,10 @@ class Served:
         def respond(groups: list[list[Sample]]) -> dict[str, Any]:
             choices = []
             for s in groups[0]:
-                content, calls = parse_tool_calls(s.text or "") if tools else (s.text, [])
+                content, calls = split_tool_calls(s.text or "", tools)
                 message: dict[str, Any] = {"role": "assistant", "content": content}
                 if calls:
-                    message["tool_calls"] = [
-                        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": c}
-                        for c in calls
-                    ]
+                    message["tool_calls"] = calls
                 choice: dict[str, Any] = {
                     "index": s.sample_index,
                     "message": message,

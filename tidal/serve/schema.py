@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tidal.rl.envs.tool_calls import check_tool_specs
+
 MAX_STOP_STRINGS = 4
 """Stop strings per request, as OpenAI allows."""
 
@@ -248,30 +250,16 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
 
 
 def tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The checked tool declarations (`{"type": "function", "function": {"name", ...}}`), or
-    None when there are none or tool_choice is "none"."""
+    """The checked tool declarations (`{"type": "function", "function": {"name", ...}}`, as
+    tidal/rl/envs/tool_calls.py checks them), or None when there are none or tool_choice is
+    "none"."""
     raw = body.get("tools")
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        raise ApiError("tools must be a list of tools", param="tools")
-    out = []
-    for i, tool in enumerate(raw):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ApiError(
-                f'{where} must be {{"type": "function", "function": ...}}', param="tools"
-            )
-        fn = tool.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ApiError(f"{where}.function needs a non-empty string 'name'", param="tools")
-        if not isinstance(fn.get("description", ""), str):
-            raise ApiError(f"{where}.function.description must be a string", param="tools")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise ApiError(
-                f"{where}.function.parameters must be a JSON schema object", param="tools"
-            )
-        out.append({"type": "function", "function": fn})
+    try:
+        out = check_tool_specs(raw)
+    except ValueError as e:
+        raise ApiError(str(e), param="tools") from None
     if body.get("tool_choice") == "none" or not out:
         return None
     return out

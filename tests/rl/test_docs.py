@@ -4,6 +4,7 @@ namespace (blocks fenced ```py are signatures, not run)."""
 import re
 from pathlib import Path
 
+from tidal.rl.envs import ENVS
 from tidal.rl.tasks import TASKS
 
 DOC = Path(__file__).parents[2] / "docs" / "rl.md"
@@ -12,7 +13,7 @@ DOC = Path(__file__).parents[2] / "docs" / "rl.md"
 def test_rl_doc_examples_run(capsys):
     blocks = re.findall(r"^```python\n(.*?)^```$", DOC.read_text(), re.DOTALL | re.MULTILINE)
     assert len(blocks) >= 4
-    before = dict(TASKS)
+    before, envs_before = dict(TASKS), dict(ENVS)
     try:
         namespace: dict = {"__name__": "docs_rl"}
         for i, code in enumerate(blocks):
@@ -20,4 +21,6 @@ def test_rl_doc_examples_run(capsys):
     finally:
         TASKS.clear()
         TASKS.update(before)
+        ENVS.clear()
+        ENVS.update(envs_before)
     assert "Grade(reward=1.0, answer='4691', format_ok=True)" in capsys.readouterr().out

@@ -14,6 +14,11 @@ Versions: every completion token carries the policy version that produced it
 (`versions`, from `Sample.versions`, or `Sample.weight_version` for every token when the
 weights did not change during the sample); in async mode one sample may span versions. -1
 stands for padding and unversioned weights.
+
+Multi-turn trajectories (tidal/rl/envs) use the same layout: the completion is every token
+after the opening prompt, sampled turns and the environment's observations alike, and
+`loss_mask` is true only on the sampled ones (observations carry log-prob 0 and version -1).
+Single-turn batches leave it None: every completion token is trained on (`train_mask`).
 """
 
 from __future__ import annotations
@@ -92,6 +97,9 @@ class RolloutBatch:
     task: str
     """The task's registered name."""
     pad_id: int = 0
+    loss_mask: torch.Tensor | None = None
+    """[N, C] bool: the completion tokens trained on (the sampled ones of a multi-turn
+    trajectory, not its observations), a subset of `completion_mask`; None: all of them."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Plain values (str, int, float, bool, None, lists and string-keyed dicts) the producer
     adds: a generator id, a seed, timings."""
@@ -109,6 +117,15 @@ class RolloutBatch:
         _check_tensor("prompt_ids", self.prompt_ids, (N, P), torch.int64)
         if len(self.answers) != N:
             raise ValueError(f"answers must hold {N} entries, got {len(self.answers)}")
+        if self.loss_mask is not None:
+            _check_tensor("loss_mask", self.loss_mask, (N, C), torch.bool)
+            if bool((self.loss_mask & ~self.completion_mask).any()):
+                raise ValueError("RolloutBatch.loss_mask must be false outside completion_mask")
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """[N, C] bool: the tokens the loss sees (`loss_mask`, else `completion_mask`)."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     # -- building ---------------------------------------------------------------------------
 
@@ -192,6 +209,74 @@ class RolloutBatch:
             meta=dict(meta or {}),
         )
 
+    @classmethod
+    def from_trajectories(
+        cls,
+        trajectories: Sequence[Any],
+        *,
+        task: str,
+        group_ids: Sequence[int],
+        pad_id: int = 0,
+        meta: Mapping[str, Any] | None = None,
+    ) -> RolloutBatch:
+        """Pack multi-turn trajectories (tidal.rl.envs.Trajectory): the opening prompt as the
+        prompt, every later token as the completion, `loss_mask` on the sampled ones, the
+        trajectory's reward, answer and truncation.
+
+        Raises:
+            ValueError: no trajectories, `group_ids` of another length, or a trajectory whose
+                per-token lists differ in length.
+        """
+        N = len(trajectories)
+        if N == 0:
+            raise ValueError("a RolloutBatch needs at least one trajectory")
+        if len(group_ids) != N:
+            raise ValueError(f"got {N} trajectories and {len(group_ids)} group ids")
+        P = max(len(t.prompt_ids) for t in trajectories)
+        C = max(len(t.completion_ids) for t in trajectories)
+        prompt_ids = torch.full((N, P), pad_id, dtype=torch.int64)
+        completion_ids = torch.full((N, C), pad_id, dtype=torch.int64)
+        mask = torch.zeros(N, C, dtype=torch.bool)
+        loss_mask = torch.zeros(N, C, dtype=torch.bool)
+        logprobs, sampling_logprobs = torch.zeros(N, C), torch.zeros(N, C)
+        versions = torch.full((N, C), -1, dtype=torch.int64)
+        for i, t in enumerate(trajectories):
+            p, c = len(t.prompt_ids), len(t.completion_ids)
+            per_token = (t.loss_mask, t.logprobs, t.sampling_logprobs, t.versions)
+            if any(len(x) != c for x in per_token):
+                raise ValueError(
+                    f"trajectory {i}: {c} completion tokens but per-token lists of lengths "
+                    f"{[len(x) for x in per_token]} (loss_mask, logprobs, sampling_logprobs, "
+                    "versions)"
+                )
+            prompt_ids[i, :p] = torch.tensor(t.prompt_ids, dtype=torch.int64)
+            completion_ids[i, :c] = torch.tensor(t.completion_ids, dtype=torch.int64)
+            mask[i, :c] = True
+            loss_mask[i, :c] = torch.tensor(t.loss_mask, dtype=torch.bool)
+            logprobs[i, :c] = torch.tensor(t.logprobs)
+            sampling_logprobs[i, :c] = torch.tensor(t.sampling_logprobs)
+            versions[i, :c] = torch.tensor(t.versions, dtype=torch.int64)
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_lens=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.int64),
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            logprobs=logprobs,
+            sampling_logprobs=sampling_logprobs,
+            versions=versions,
+            rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            group_ids=torch.tensor(list(group_ids), dtype=torch.int64),
+            format_ok=torch.tensor([t.format_ok for t in trajectories], dtype=torch.bool),
+            truncated=torch.tensor([t.truncated for t in trajectories], dtype=torch.bool),
+            answers=[
+                None if t.answer is None else t.answer[:MAX_ANSWER_CHARS] for t in trajectories
+            ],
+            task=task,
+            pad_id=pad_id,
+            loss_mask=loss_mask,
+            meta=dict(meta or {}),
+        )
+
     # -- through the store ------------------------------------------------------------------
 
     def to_state_dict(self) -> dict[str, Any]:
@@ -205,6 +290,8 @@ class RolloutBatch:
         }
         for name in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC):
             sd[name] = getattr(self, name)
+        if self.loss_mask is not None:  # multi-turn only: single-turn state dicts unchanged
+            sd["loss_mask"] = self.loss_mask
         return sd
 
     @classmethod
@@ -224,7 +311,7 @@ class RolloutBatch:
             raise ValueError("rollout state dict: 'task' must be a str and 'pad_id' an int")
         if not isinstance(sd["answers"], list) or not isinstance(sd["meta"], dict):
             raise ValueError("rollout state dict: 'answers' must be a list and 'meta' a dict")
-        return cls(**{k: sd[k] for k in names})
+        return cls(**{k: sd[k] for k in names}, loss_mask=sd.get("loss_mask"))
 
     # -- for the trainer --------------------------------------------------------------------
 
@@ -248,7 +335,8 @@ class RolloutBatch:
     def completion_values(self, per_position: torch.Tensor) -> torch.Tensor:
         """[N, C] the completion tokens' entries of a per-position tensor [N, L - 1] computed
         on `token_ids()`, such as `tidal.generate.logprobs(model, batch.token_ids())` (where column
-        j scores token j + 1); 0 at padding. Differentiable.
+        j scores token j + 1); 0 at padding and observations (outside `train_mask`).
+        Differentiable.
 
         Example::
 
@@ -260,7 +348,7 @@ class RolloutBatch:
         idx_NC = (self.prompt_lens[:, None] - 1 + torch.arange(C)).to(per_position.device)
         idx_NC = idx_NC.clamp(max=per_position.shape[1] - 1)
         vals = per_position.gather(1, idx_NC)
-        return torch.where(self.completion_mask.to(per_position.device), vals, 0.0)
+        return torch.where(self.train_mask.to(per_position.device), vals, 0.0)
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> RolloutBatch:
         """The samples at `rows` (indices, or a [N] bool mask such as
@@ -271,8 +359,13 @@ class RolloutBatch:
             rows = rows.nonzero()[:, 0]
         idx = rows.tolist()
         tensors = {n: getattr(self, n)[rows] for n in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC)}
+        loss_mask = None if self.loss_mask is None else self.loss_mask[rows]
         return replace(
-            self, answers=[self.answers[i] for i in idx], meta=dict(self.meta), **tensors
+            self,
+            answers=[self.answers[i] for i in idx],
+            meta=dict(self.meta),
+            loss_mask=loss_mask,
+            **tensors,
         )
 
     @classmethod
@@ -312,6 +405,12 @@ class RolloutBatch:
             groups.append(inverse + offset)
             offset += int(inverse.max()) + 1 if inverse.numel() else 0
         out["group_ids"] = torch.cat(groups)
+        if any(b.loss_mask is not None for b in batches):
+            parts = []
+            for b in batches:
+                t = b.train_mask
+                parts.append(torch.cat([t, t.new_zeros((t.shape[0], C - t.shape[1]))], 1))
+            out["loss_mask"] = torch.cat(parts)
         answers = [a for b in batches for a in b.answers]
         return cls(
             **out, answers=answers, task=first.task, pad_id=first.pad_id, meta=dict(first.meta)

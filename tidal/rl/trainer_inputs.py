@@ -91,7 +91,8 @@ def rollout_batches(
     Returns:
         Batches with `extras`: "advantages" [B] fp32, "old_logprobs", "gen_logprobs" (the
         generator's) and, if given, "ref_logprobs" [B, T] fp32, and "mask" [B, T] bool (true
-        on completion tokens: labels != IGNORE_INDEX). Empty when no row is kept.
+        on the completion tokens trained on, `rollout.train_mask`: labels != IGNORE_INDEX).
+        Empty when no row is kept.
 
     Raises:
         ValueError: a shape that does not match the rollout, a prompt of length 0, a
@@ -131,8 +132,9 @@ def rollout_batches(
         )
     ids_NL = torch.cat([ids_NL, ids_NL.new_full((N, T + 1 - L), rollout.pad_id)], 1)
     # Completion token k of row i is label position prompt_len - 1 + k: (row, position) of
-    # every completion token, in the completion layout's order.
-    mask_NC = rollout.completion_mask
+    # every trained completion token (a multi-turn trajectory's observations are inputs
+    # only), in the completion layout's order.
+    mask_NC = rollout.train_mask
     row_M = torch.arange(N)[:, None].expand(N, C)[mask_NC]
     pos_M = (rollout.prompt_lens[:, None] - 1 + torch.arange(C))[mask_NC]
     mask_NT = torch.zeros(N, T, dtype=torch.bool)

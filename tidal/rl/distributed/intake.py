@@ -86,7 +86,7 @@ class SyncIntake:
 
         Raises:
             RuntimeError: a token of another policy version than step - 1."""
-        stale = self.schedule.stale_tokens(rollout.versions, rollout.completion_mask, step)
+        stale = self.schedule.stale_tokens(rollout.versions, rollout.train_mask, step)
         if stale:
             raise RuntimeError(
                 f"step {step}: {stale} rollout tokens come from another policy version than "
@@ -278,7 +278,7 @@ def drop_stale(
 ) -> tuple[RolloutBatch | None, dict[str, Any]]:
     """The samples step `step` may train on (every token new enough; a group with a stale
     sample goes whole, its baseline needs all of them), and the staleness figures."""
-    versions, mask = rollout.versions, rollout.completion_mask
+    versions, mask = rollout.versions, rollout.train_mask
     stale_N = schedule.stale_samples(versions, mask, step)
     drop_N = torch.isin(rollout.group_ids, rollout.group_ids[stale_N])
     keep_N = ~drop_N

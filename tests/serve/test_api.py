@@ -258,3 +258,22 @@ def test_api_key(served):
         assert client.get("/v1/models").status_code == 401
         ok = client.post("/v1/completions", json=req, headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200, ok.text
+
+
+def test_an_engine_failure_is_a_500_body(served):
+    class Failing(ScriptedEngine):
+        def submit(self, prompts, params):
+            future: Future = Future()
+            future.set_exception(RuntimeError("device lost"))
+            return future
+
+    served.engine = Failing(served.engine.generator, "")
+    with TestClient(create_app(served)) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "1 +"})
+    assert r.status_code == 500
+    assert r.json()["error"] == {
+        "message": "the engine failed: RuntimeError: device lost",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }

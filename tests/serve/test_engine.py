@@ -44,3 +44,31 @@ def test_bad_requests_fail_at_submit_and_stop_refuses_more(tiny_model, chat_toke
     assert engine.stats.restarts == 0
     with pytest.raises(RuntimeError, match="stopped"):
         engine.submit([[0, 5]], [SamplingParams()])
+
+
+def test_an_engine_failure_fails_the_requests_in_flight_and_serves_on(
+    tiny_model, chat_tokenizer, monkeypatch
+):
+    gen = Generator(tiny_model, tokenizer=chat_tokenizer, config=GeneratorConfig(max_batch=4))
+    engine = Engine(gen)
+    real_stream, calls = gen.stream, []
+
+    def stream(feed):
+        calls.append(1)
+        if len(calls) == 1:  # the first stream dies once it has taken a batch
+            while feed(True) is None:
+                pass
+            raise RuntimeError("device lost")
+        return real_stream(feed)
+
+    monkeypatch.setattr(gen, "stream", stream)
+    first = engine.submit([[0, 5]], [SamplingParams(max_new_tokens=3)])
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            first.result(timeout=60)
+        again = engine.submit([[0, 5]], [SamplingParams(max_new_tokens=3, stop_token_ids=())])
+        assert len(again.result(timeout=60)[0][0].completion_ids) == 3
+    finally:
+        engine.stop()
+    assert engine.stats.restarts == 1 and engine.stats.requests == 2

@@ -78,7 +78,14 @@ def create_app(served: Served, *, api_key: str | None = None, manage_engine: boo
             return error(e)
         except ValueError as e:  # the Generator's own checks, if ours missed one
             return error(ApiError(str(e)))
-        groups = await asyncio.wrap_future(future)
+        try:
+            groups = await asyncio.wrap_future(future)
+        except Exception as e:  # the engine failed (it serves on): this request gets a 500
+            return error(
+                ApiError(
+                    f"the engine failed: {type(e).__name__}: {e}", status=500, type="server_error"
+                )
+            )
         return JSONResponse(prepared.respond(groups))
 
     @app.post("/v1/chat/completions")

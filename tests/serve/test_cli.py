@@ -78,3 +78,56 @@ def test_only_tidal_serve_imports_the_web_stack():
                     assert rel.startswith("serve/"), f"tidal/{rel} imports {name}"
                 if name.startswith("tidal.serve") and not rel.startswith("serve/"):
                     assert rel == "cli.py", f"tidal/{rel} imports {name}"
+
+
+def test_build_from_a_hugging_face_folder(text_corpus, cache_dir, tmp_path):
+    """--hf: the folder's weights, tokenizer.json and chat template (one that reads `tools`:
+    the template writes the tools itself), config.json's eos_token_id ending a turn."""
+    import json
+
+    import torch
+
+    from tidal.models import Transformer, get_flavor, save_hf
+    from tidal.train.data import DataConfig, build_tokenizer
+
+    bpe = build_tokenizer(
+        DataConfig(
+            dataset="jsonl", path=str(text_corpus), vocab_size=384, cache_dir=str(cache_dir)
+        ),
+        log=lambda line: None,
+    )
+    with torch.device("meta"):
+        model = Transformer(get_flavor("tiny"))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=3)
+    folder = tmp_path / "tiny-hf"
+    save_hf(model, folder)
+    bpe.save(folder / "tokenizer.json")
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = 5
+    (folder / "config.json").write_text(json.dumps(config))
+    template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args, overrides = parser.parse_known_args(["--hf", str(folder), "--device", "cpu"])
+    served = build_served(args, overrides)
+    assert served.name == "tiny-hf" and served.stop_ids == (5,)
+    assert served.chat is not None and 5 in served.chat.stop_ids
+    calc = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+    with TestClient(create_app(served)) as client:
+        body = {"model": "tiny-hf", "prompt": "The list", "max_tokens": 3}
+        r = client.post("/v1/completions", json=body | {"return_token_ids": True})
+        assert r.json()["choices"][0]["prompt_token_ids"] == bpe.encode("The list")
+        messages = [{"role": "user", "content": "Hi"}]
+        body = {"model": "tiny-hf", "messages": messages, "tools": [calc], "max_tokens": 3}
+        r = client.post("/v1/chat/completions", json=body | {"return_token_ids": True})
+        assert r.status_code == 200, r.text
+        prompt = bpe.decode(r.json()["prompt_token_ids"], skip_special_tokens=False)
+        # BOS first, as tidal's SFT and environments encode a chat prompt.
+        assert prompt == "<|bos|>TOOLS:calc;user: Hi\nassistant: "

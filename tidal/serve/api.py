@@ -261,7 +261,11 @@ class Served:
         return params
 
     def _token_text(self, token: int) -> str:
-        return self.engine.generator.tokenizer.decode([token], skip_special_tokens=False)
+        """A token's text in log-probs ("token_id:N" without a tokenizer, as vLLM writes)."""
+        tokenizer = self.engine.generator.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token}"
+        return tokenizer.decode([token], skip_special_tokens=False)
 
     def _chat_logprobs(self, s: Sample) -> list[dict[str, Any]]:
         out = []

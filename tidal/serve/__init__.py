@@ -7,6 +7,7 @@
 - schema.py: which request fields are read, ignored or refused; `ApiError`.
 - chat.py: chat messages and tools (the RL environments' tool format) to prompt ids, tool calls
   parsed back.
+- follow.py: `StoreFollower`, the newest policy of an RL run's store, swapped in as published.
 - app.py: the FastAPI routes; cli.py: the command line.
 
 Only app.py and cli.py's `main` import FastAPI and uvicorn (the `serve` extra); nothing

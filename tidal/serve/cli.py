@@ -2,13 +2,16 @@
 
     tidal serve [--config NAME | --hf DIR | --checkpoint DIR] [--host H] [--port P]
                 [--api-key KEY] [--model-name NAME] [--max-batch N] [--max-seq-len N]
-                [--batch-invariant] [--device D] [--dtype D] [--section.field VALUE ...]
+                [--batch-invariant] [--store ADDRESS [--store-key KEY]] [--device D]
+                [--dtype D] [--section.field VALUE ...]
 
 The model, its tokenizer and how plain prompts are encoded come as for `tidal generate`
 (tidal/generate/cli.py: its loading code is reused). Chat requests are rendered with the
 tokenizer's chat template (`--data.chat_template` to choose another; tidal's built-in ChatML
-when there is none). Listens on 127.0.0.1 unless `--host` says otherwise. Needs the `serve`
-extra (`pip install 'tidal[serve]'`: FastAPI and uvicorn).
+when there is none). Listens on 127.0.0.1 unless `--host` says otherwise. `--store` serves the
+policy an RL run is training: the newest version of `--store-key` in that store, loaded as
+the trainer publishes it (tidal/serve/follow.py), each token stamped with its version. Needs
+the `serve` extra (`pip install 'tidal[serve]'`: FastAPI and uvicorn).
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fixed reduction orders: log-probs bitwise equal to the trainer's",
     )
+    parser.add_argument(
+        "--store",
+        metavar="ADDRESS",
+        help="follow an RL run: load the newest version of --store-key from this tidal store "
+        "(tcp://host:port) as it is published",
+    )
+    parser.add_argument("--store-key", default="policy", help="the state dict's key in the store")
+    parser.add_argument(
+        "--follow-every", type=float, default=1.0, help="seconds between checks for a version"
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument(
         "--dtype",
@@ -72,9 +85,11 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print(MISSING_EXTRA, file=sys.stderr)
         return 2
+    from tidal.store.errors import StoreError
+
     try:
         served = build_served(args, overrides)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError, KeyError, StoreError) as e:  # OSError: files, TimeoutError
         print(f"tidal serve: error: {e}", file=sys.stderr)
         return 2
     from tidal.serve.app import create_app
@@ -136,6 +151,15 @@ def build_served(args: argparse.Namespace, overrides: list[str]) -> Any:
         encode = _hf_encoder(cfg.data.tokenizer)
     else:
         encode = lambda text: [tokenizer.bos_id, *tokenizer.encode(text)]
+    if args.store:
+        import tidal.store
+        from tidal.serve.follow import StoreFollower
+
+        follower = StoreFollower(
+            generator, tidal.store.connect(args.store), args.store_key, every=args.follow_every
+        )
+        log(f"tidal serve: {args.store_key} version {follower.load_first()} from {args.store}")
+        generator.swap_hook = follower
     name = args.model_name or (
         Path(args.hf or args.checkpoint).expanduser().resolve().name
         if args.hf or args.checkpoint

@@ -9,6 +9,9 @@ alongside the rows already running (continuous batching), so requests from many 
 share every decode step. A request's future completes when its batch does: `stream` yields
 batches in the order they were fed, so a short request fed after a long one waits for it.
 
+A `Generator.swap_hook` (tidal/serve/follow.py: the newest policy of an RL run's store) runs
+between decode steps as in RL, and while the engine is idle.
+
 Requests are checked before they are queued (`Engine.check`, the Generator's own checks), so
 a bad one never reaches the stream; should the stream raise anyway, the requests in flight
 get the error and the thread starts a new stream.
@@ -127,10 +130,14 @@ class Engine:
     def _feed(self, idle: bool) -> tuple[list[list[int]], list[SamplingParams]] | None | object:
         if self._stopping.is_set():
             return Generator.END
+        if idle:
+            self._swap_idle()
         try:
             first = self._queue.get(timeout=_IDLE_WAIT_S) if idle else self._queue.get_nowait()
         except queue.Empty:
             return None
+        if idle:  # a version published while idle serves this request from its first token
+            self._swap_idle()
         jobs = [first]
         while True:
             try:
@@ -146,6 +153,15 @@ class Engine:
         prompts = [p for job in jobs for p in job.prompts]
         params = [p for job in jobs for p in job.params]
         return prompts, params
+
+    def _swap_idle(self) -> None:
+        """Run the swap hook with nothing in flight (the Generator runs it only while rows
+        decode); the version it loads is the one new rows are stamped with."""
+        hook = self.generator.swap_hook
+        if hook is not None:
+            version = hook()
+            if version is not None:
+                self.generator.version = version
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

@@ -134,6 +134,7 @@ class ScriptedEngine:
         pass
 
     def submit(self, prompts, params):
+        self.prompt = prompts[0]
         ids = self.generator.tokenizer.encode(self.text)
         sample = Sample(
             0, 0, prompts[0], ids, self.text, "stop", [0.0] * len(ids), [0.0] * len(ids), 7

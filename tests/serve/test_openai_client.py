@@ -4,6 +4,7 @@ API key, and concurrent clients batched together by the engine."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -113,3 +114,30 @@ def test_concurrent_clients_share_batches(server):
     assert stats.requests == 8 and stats.restarts == 0
     assert stats.max_in_flight >= 2  # several clients' requests decoded together
     assert stats.batches_fed < 8  # and some of them fed to the Generator as one batch
+
+
+def test_tool_calls_reach_the_client_parsed(served):
+    """A model that writes a call (scripted: an untrained model does not): the openai client
+    reads it as `tool_calls`, and the next turn sends the call and its result back."""
+    from tests.serve.test_api import ScriptedEngine
+
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "12 + 30"}}\n</tool_call>'
+    served.engine = ScriptedEngine(served.engine.generator, call)
+    with uvicorn_server(create_app(served)) as url:
+        c = client(url, key="none")
+        r = c.chat.completions.create(model=MODEL, messages=USER, tools=[CALC])
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (tc,) = choice.message.tool_calls
+        assert tc.function.name == "calc"
+        assert json.loads(tc.function.arguments) == {"expression": "12 + 30"}
+        history = [*USER, choice.message.model_dump(exclude_none=True)]
+        history.append({"role": "tool", "tool_call_id": tc.id, "content": "42"})
+        again = c.chat.completions.create(
+            model=MODEL, messages=history, tools=[CALC], extra_body={"return_token_ids": True}
+        )
+        assert again.choices[0].finish_reason == "tool_calls"
+        prompt = served.engine.generator.tokenizer.decode(
+            served.engine.prompt, skip_special_tokens=False
+        )
+        assert '"name": "calc"' in prompt and "<tool_response>\n42\n</tool_response>" in prompt

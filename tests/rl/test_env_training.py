@@ -102,7 +102,10 @@ def test_multi_turn_trajectories_are_token_exact_and_ratios_are_one(tmp_path, to
         )
         encoder = build_encoder(tok, "builtin", None)
         env = get_env("guess", low=1, high=9, max_turns=3)
-        problems = [Problem("Guess.", 4), Problem("Guess.", 7)]
+        problems = [
+            Problem("Guess.", {"target": 4, "high": 9}),
+            Problem("Guess.", {"target": 7, "high": 9}),
+        ]
         params = [
             SamplingParams(n=3, max_new_tokens=8, seed=i, stop_token_ids=tuple(encoder.stop_ids))
             for i in range(2)

@@ -131,7 +131,7 @@ def test_unknown_environment_and_parameter():
         get_env("nope")
     with pytest.raises(TypeError, match="environment 'guess' has no parameter 'size'"):
         get_env("guess", size=3)
-    with pytest.raises(ValueError, match="Guess needs low < high"):
+    with pytest.raises(ValueError, match=r"Guess needs low < high // 2"):
         get_env("guess", low=5, high=5)
     with pytest.raises(ValueError, match="max_turns must be >= 1"):
         get_env("guess", max_turns=0)
@@ -169,7 +169,7 @@ def test_environment_problems_are_split_and_seeded():
 
 def test_guess_game_trajectories(encoder):
     env = get_env("guess", low=1, high=9, max_turns=4)
-    problem = Problem(env.problem(random.Random(0)).prompt, 6)
+    problem = Problem("Guess.", {"target": 6, "high": 9})
     guesses = {0: ["3", "7", "6"], 1: ["1", "2", "3", "4", "5"]}  # sample 0 wins in 3
 
     def reply(r: TurnRequest, k: int) -> str:
@@ -202,7 +202,10 @@ def test_guess_game_trajectories(encoder):
 def test_trajectories_train_only_on_sampled_tokens(encoder):
     env = get_env("guess", low=1, high=9, max_turns=3)
     script = Script(encoder, lambda r, k: "5")
-    problems = [Problem("Guess.", 5), Problem("Guess.", 8)]
+    problems = [
+        Problem("Guess.", {"target": 5, "high": 9}),
+        Problem("Guess.", {"target": 8, "high": 9}),
+    ]
     groups, _ = run_trajectories(
         env, problems, TurnCodec(encoder), script, [params(), params()], max_context=512
     )
@@ -286,7 +289,7 @@ def test_a_turn_cut_by_its_token_limit_gets_the_end_marker_as_observation(encode
     script = Script(encoder, lambda r, k: "my guess is three", stop=False)
     (group,), _ = run_trajectories(
         env,
-        [Problem("Guess.", 3)],
+        [Problem("Guess.", {"target": 3, "high": 9})],
         TurnCodec(encoder),
         script,
         [params(n=1, max_new_tokens=3)],
@@ -304,7 +307,12 @@ def test_a_conversation_longer_than_the_context_ends_truncated(encoder):
     script = Script(encoder, lambda r, k: "one two three four")
     codec = TurnCodec(encoder)
     (group,), counts = run_trajectories(
-        env, [Problem("Guess.", 3)], codec, script, [params(n=2)], max_context=120
+        env,
+        [Problem("Guess.", {"target": 3, "high": 9})],
+        codec,
+        script,
+        [params(n=2)],
+        max_context=120,
     )
     assert [t.finish for t in group] == ["context", "context"]
     assert all(t.truncated and t.reward == 0.0 for t in group)
@@ -402,9 +410,19 @@ def test_opening_longer_than_max_prompt_tokens_is_an_error(encoder):
 # -- built-in environments --------------------------------------------------------------------
 
 
+def test_guess_has_a_held_out_set_the_size_of_a_task():
+    env = get_env("guess")
+    held_out = env.eval_set(200)
+    assert len({env.key(p) for p in held_out}) == 200
+    for p in held_out[:20]:
+        top = p.reference["high"]
+        assert 50 <= top <= 100 and 1 <= p.reference["target"] <= top
+        assert f"from 1 to {top} in 7 tries" in p.prompt
+
+
 def test_guess_feedback_and_limits():
     env = get_env("guess", low=1, high=20, max_turns=5).episode()
-    env.reset(Problem("g", 12))
+    env.reset(Problem("g", {"target": 12, "high": 20}))
 
     def turn(text: str, i: int = 0) -> Step:
         return env.step(Turn(text=text, content=text, index=i))
@@ -506,3 +524,18 @@ def test_template_that_rewrites_earlier_turns_is_refused(tok):
     encoder = ChatEncoder(tok, template)  # one assistant turn: fine for SFT
     with pytest.raises(ValueError, match="said.jinja rewrites earlier turns when a turn is"):
         TurnCodec(encoder)
+
+
+def test_reset_must_depend_on_the_problem_only(encoder):
+    env = get_env("guess")
+    rng = random.Random(0)
+    env.reset = lambda problem: [{"role": "user", "content": f"Guess {rng.random()}"}]
+    with pytest.raises(ValueError, match="reset gave different opening messages"):
+        run_trajectories(
+            env,
+            [Problem("Guess.", {"target": 3, "high": 9})],
+            TurnCodec(encoder),
+            Script(encoder, lambda r, k: "3"),
+            [params(n=2)],
+            max_context=256,
+        )

@@ -27,12 +27,24 @@ Log = Callable[[str], None]
 
 
 def make_task(cfg: RLConfig):
-    """The configured task.
+    """The configured task, or the environment `task.name` names (tidal/rl/envs).
 
     Raises:
-        ValueError: an unknown task or a bad parameter (the message names it)."""
+        ValueError: an unknown task or a bad parameter (the message names it); an
+            environment in async mode (its turns need the sync loop)."""
+    from tidal.rl.envs import ENVS, get_env
     from tidal.rl.tasks import get_task
 
+    if cfg.task.name in ENVS:
+        if cfg.rl.mode != "sync":
+            raise ValueError(
+                f"task.name: environment {cfg.task.name!r} runs in rl.mode sync only (the async "
+                "generator streams single-turn batches)"
+            )
+        try:
+            return get_env(cfg.task.name, **cfg.task.params)
+        except TypeError as e:
+            raise ValueError(f"task.params: {e}") from e
     try:
         return get_task(cfg.task.name, **cfg.task.params)
     except TypeError as e:
@@ -92,8 +104,10 @@ def describe_model(src: PolicySource) -> str:
 
 
 def trainer_seq_len(cfg: RLConfig, src: PolicySource) -> int:
-    """Positions per sequence: the longest prompt and completion, within the model."""
-    return min(src.args.max_seq_len, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    """Positions per sequence: the longest prompt and completion (a multi-turn trajectory's
+    `rollout.max_context`), within the model."""
+    r = cfg.rollout
+    return min(src.args.max_seq_len, max(r.max_context, r.max_prompt_tokens + r.max_new_tokens))
 
 
 def trainer_config(cfg: RLConfig, src: PolicySource):

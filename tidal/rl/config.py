@@ -126,12 +126,23 @@ class RolloutConfig:
     seed: int = 0
     """Seeds the training problems and the sampling noise; step s of generator g draws the
     same problems and tokens for the same seed whatever ran before (resumable)."""
+    max_context: int = 0
+    """Multi-turn environments (tidal/rl/envs): most tokens of a whole trajectory (opening,
+    every turn and observation; max_new_tokens bounds each turn). Sizes the generator's KV
+    cache and the trainer's sequences; a longer conversation ends truncated. 0: one turn's
+    worth, max_prompt_tokens + max_new_tokens."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens"):
             _check(
                 getattr(self, name) > 0, f"rollout.{name} must be > 0, got {getattr(self, name)}"
             )
+        one_turn = self.max_prompt_tokens + self.max_new_tokens
+        _check(
+            self.max_context == 0 or self.max_context >= one_turn,
+            f"rollout.max_context must be 0 or at least max_prompt_tokens + max_new_tokens = "
+            f"{one_turn}, got {self.max_context}",
+        )
         _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")

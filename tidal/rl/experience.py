@@ -96,7 +96,14 @@ def evaluate(
     log: Log,
     label: str,
 ) -> dict[str, Any]:
-    """pass@1 of greedy decoding on `problems` (a fixed held-out set), with progress lines."""
+    """pass@1 of greedy decoding on `problems` (a fixed held-out set), with progress lines;
+    for an environment (`grader.task`), one greedy trajectory each (`evaluate_env`)."""
+    from tidal.rl.envs import Env, evaluate_env
+
+    if isinstance(grader.task, Env):
+        return evaluate_env(
+            policy, grader.task, problems, max_new_tokens=max_new_tokens, log=log, label=label
+        )
     start = time.perf_counter()
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=policy.stop
@@ -130,7 +137,15 @@ def sample_batch(
     meta: dict[str, Any] | None = None,
 ) -> RolloutBatch:
     """The graded samples of one batch of `n_prompts` problems (see `batch_requests`);
-    `meta` (the caller's figures) gains the generation time `gen_s`."""
+    `meta` (the caller's figures) gains the generation time `gen_s`. For an environment,
+    its trajectories (`sample_env_batch`), its errors counted as the grader's."""
+    from tidal.rl.envs import Env, sample_env_batch
+
+    if isinstance(task, Env):
+        batch = sample_env_batch(policy, task, cfg, seeds=seeds, n_prompts=n_prompts, meta=meta)
+        grader.errors += batch.meta["env_errors"]
+        grader.first_error = grader.first_error or batch.meta["env_error"]
+        return batch
     problems, prompts, params = batch_requests(policy, task, cfg, seeds, n_prompts)
     t0 = time.perf_counter()
     groups = policy.generator.generate(prompts, params)

@@ -366,6 +366,12 @@ def step_record(
         "samples": rollout.num_samples,
         "format_ok_rate": float(rollout.format_ok.float().mean()),
         "truncated_rate": float(rollout.truncated.float().mean()),
+        # multi-turn trajectories: the sampled (trained) tokens; the rest are observations
+        **(
+            {"sampled_len_mean": float(rollout.loss_mask.sum(1).float().mean())}
+            if rollout.loss_mask is not None
+            else {}
+        ),
     }
 
 

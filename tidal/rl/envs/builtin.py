@@ -5,8 +5,9 @@
 - `python`: small problems whose answer needs a computation (counting multiples in a range,
   sums of squares, primes below n, digit sums of a power), with the sandboxed `python` tool;
   the reference is computed here, by tidal, never by running model code.
-- `guess`: a number in [low, high]; each turn the model guesses, the game answers "Higher." or
-  "Lower."; reward 1 for the right number within `max_turns`.
+- `guess`: a number in [low, top] (top drawn per problem, at most `high`); each turn the
+  model guesses, the game answers "Higher." or "Lower."; reward 1 for the right number
+  within `max_turns`.
 """
 
 from __future__ import annotations
@@ -161,41 +162,50 @@ _INT = re.compile(r"-?\d+")
 @register_env("guess")
 @dataclass(kw_only=True)
 class Guess(Env):
-    """Guess a number in [low, high] with "Higher."/"Lower." feedback; no tools. Reward 1
-    for the right number within `max_turns` guesses, else 0.
+    """Guess a number with "Higher."/"Lower." feedback; no tools. Each problem draws its
+    range's top from [high // 2, high] (so held-out games are other games) and the number in
+    [low, top]. Reward 1 for the right number within `max_turns` guesses, else 0.
 
     Example::
 
         env = get_env("guess", high=50, max_turns=6)
+        next(env.problems("train")).reference      # {"target": 17, "high": 38}
     """
 
     low: int = 1
+    """The smallest number."""
     high: int = 100
+    """The largest top of a range."""
     max_turns: int = 7
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.low < self.high:
-            raise ValueError(f"Guess needs low < high, got low={self.low}, high={self.high}")
+        if not self.low < self.high // 2:
+            raise ValueError(
+                f"Guess needs low < high // 2 (ranges of 2 numbers at least), got "
+                f"low={self.low}, high={self.high}"
+            )
 
     def problem(self, rng: random.Random) -> Problem:
-        target = rng.randint(self.low, self.high)
+        top = rng.randint(self.high // 2, self.high)
+        target = rng.randint(self.low, top)
         prompt = (
-            f"I am thinking of a number from {self.low} to {self.high}. Guess it: reply with "
-            f"one number. I will say higher or lower. You have {self.max_turns} guesses."
+            f"Guess my number from {self.low} to {top} in {self.max_turns} tries. "
+            "Reply with one number; I say higher or lower."
         )
-        return Problem(prompt, target)
+        return Problem(prompt, {"target": target, "high": top})
 
     def key(self, problem: Problem) -> str:
-        return str(problem.reference)  # one problem per number (the prompt is the same)
+        return f"{problem.reference['target']}/{problem.reference['high']}"
 
     def step(self, turn: Turn) -> Step:
+        target, top = self.reference["target"], self.reference["high"]
         numbers = _INT.findall(turn.content)
         if not numbers:
-            reply = f"Reply with one number from {self.low} to {self.high}."
+            reply = f"Reply with one number from {self.low} to {top}."
             return Step(messages=[{"role": "user", "content": reply}])
         guess = int(numbers[-1])
-        if guess == self.reference:
+        if guess == target:
             return Step(done=True, reward=1.0, answer=str(guess), format_ok=True)
-        reply = "Higher." if guess < self.reference else "Lower."
+        reply = "Higher." if guess < target else "Lower."
         return Step(messages=[{"role": "user", "content": reply}], answer=str(guess))

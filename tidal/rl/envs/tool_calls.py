@@ -8,8 +8,8 @@ The model sees its tools and writes calls in the Hermes/Qwen format:
 
 Which template writes it (`tool_format`):
 
-- ``"template"``: the chat template reads a `tools` variable (HF templates with tool support,
-  Qwen 2.5/3, Hermes, SmolLM3): it gets the specs as `tools`, tool turns as ``tool`` messages
+- ``"template"``: the chat template reads a `tools` variable (HF templates with tool support:
+  Qwen 2.5 and 3, Hermes 2 Pro): it gets the specs as `tools`, tool turns as ``tool`` messages
   and earlier calls as the assistant's ``tool_calls``, and renders them its own way;
 - ``"hermes"``: a template without a `tools` variable that still renders a ``system`` and a
   ``tool`` turn (tidal's built-in ChatML, most ChatML templates): tidal writes the Hermes system

@@ -250,7 +250,8 @@ def run_trajectories(
         "tool_errors" (sums over the trajectories).
 
     Raises:
-        ValueError: an opening prompt longer than `max_prompt_tokens`.
+        ValueError: an opening prompt longer than `max_prompt_tokens`, or openings of one
+            problem that differ between its trajectories.
     """
     from tidal.rl.experience import request_seed
 
@@ -277,6 +278,12 @@ def run_trajectories(
             for lv in lives[1:]:
                 lv.traj.finish, lv.traj.error = "error", lives[0].traj.error
             continue
+        if any(o != openings[0] for o in openings[1:]):
+            raise ValueError(
+                f"environment {env.name!r}: reset gave different opening messages for one "
+                "problem; a group's first turn is one request, so reset must depend on the "
+                "problem only (draw randomness in problem(rng))"
+            )
         ids = codec.opening(openings[0])
         if len(ids) > limit:
             raise ValueError(
@@ -424,6 +431,9 @@ def sample_env_batch(
         "gen_tokens": sum(sum(t.loss_mask) for t in trajs),
         "obs_tokens": sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs),
         **counts,
+        # the loop reports these for tasks: an environment's failures are its grader's
+        "grader_errors": counts["env_errors"],
+        "grader_error": counts["env_error"],
     }
     return RolloutBatch.from_trajectories(
         trajs,

@@ -55,6 +55,10 @@ $(TEST_STAMP): $(STAMP)
 		docstring-parser==0.18.0 typeguard==4.6.1
 	$(BIN)/python -c "import triton" 2>/dev/null || \
 		$(BIN)/python -m pip install -q --no-deps triton==3.9.0
+	# tests/serve: the serve extra (FastAPI, uvicorn) and the clients the tests drive it with:
+	# httpx (FastAPI's TestClient) and the official openai client (the version verifiers 0.4.0
+	# brings).
+	$(BIN)/python -m pip install -q fastapi==0.163.2 uvicorn==0.54.0 httpx==0.28.1 openai==2.54.0
 	touch $(TEST_STAMP)
 
 demo: setup

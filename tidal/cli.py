@@ -3,6 +3,7 @@
     tidal train --config NAME|MODULE:FUNCTION [--help] [--print-config] [--nproc N]
                 [--section.field VALUE ...]
     tidal generate --config NAME|--hf DIR|--checkpoint DIR --prompt TEXT [--n N] [--json] ...
+    tidal serve --config NAME|--hf DIR|--checkpoint DIR [--host H] [--port P] [--api-key K] ...
     tidal convert hf-to-dcp|dcp-to-hf|dcp-to-dcp SRC DST [--flavor NAME] [--layout L] ...
     tidal fetch shakespeare|smollm2-135m [--cache-dir DIR]
     tidal configs | tidal models   (configs: the training and the RL ones, labeled)
@@ -10,10 +11,10 @@
     tidal store serve|volume|ls ...
 
 Environment variables read here: TIDAL_CACHE_DIR sets the default of `data.cache_dir` for
-`tidal train`, `tidal generate` and `tidal fetch`; torchrun's RANK, LOCAL_RANK and WORLD_SIZE
-(through `DistInfo.from_env`) place a `tidal train` process. Below the command line only
-`tidal.store.connect()` reads any: TIDAL_STORE, TIDAL_STORE_TOKEN and TIDAL_STORE_TRANSPORT
-when no address or transport is passed.
+`tidal train`, `tidal generate`, `tidal serve` and `tidal fetch`; torchrun's RANK, LOCAL_RANK
+and WORLD_SIZE (through `DistInfo.from_env`) place a `tidal train` process. Below the command
+line only `tidal.store.connect()` reads any: TIDAL_STORE, TIDAL_STORE_TOKEN and
+TIDAL_STORE_TRANSPORT when no address or transport is passed.
 
 A reader that goes away before the output ends (`tidal models | head`) ends any command
 quietly with exit status 141 (`main`).
@@ -531,6 +532,14 @@ def _generate(argv: list[str]) -> int:
     return generate_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from tidal.serve.cli import main as serve_main
+
+    if os.environ.get("TIDAL_CACHE_DIR"):
+        argv = ["--data.cache_dir", os.environ["TIDAL_CACHE_DIR"], *argv]
+    return serve_main(argv)
+
+
 def _rl(argv: list[str]) -> int:
     from tidal.rl.distributed.cli import main as rl_main
 
@@ -546,6 +555,7 @@ def _store(argv: list[str]) -> int:
 COMMANDS = {
     "train": (_train, "train a model from a named config"),
     "generate": (_generate, "sample completions (seed init, a Hugging Face folder, a checkpoint)"),
+    "serve": (_serve, "an OpenAI-compatible server (/v1/chat/completions, /v1/completions)"),
     "convert": (_convert, "convert a model: hf-to-dcp, dcp-to-hf or dcp-to-dcp"),
     "fetch": (_fetch, "download a built-in corpus or model into the cache"),
     "configs": (_configs, "list the named configs (training and RL)"),

@@ -1,0 +1,103 @@
+"""The FastAPI app: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
+
+Every error is an OpenAI-style body (`{"error": {"message", "type", "param", "code"}}`):
+400 for a bad request, 401 without the API key when one is set, 404 for an unknown path, 500
+for a failure inside the engine; never a traceback. The handlers check and encode a request
+on the event loop (fast), then await the Engine's future: generation runs on the engine's
+thread, so the loop keeps accepting other clients, whose requests join the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tidal.serve.api import Prepared, Served
+from tidal.serve.schema import ApiError
+
+
+def create_app(served: Served, *, api_key: str | None = None, manage_engine: bool = True) -> Any:
+    """The app serving `served`. With `api_key`, every request needs `Authorization: Bearer
+    KEY`. `manage_engine`: start the engine with the app and stop it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            served.engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await asyncio.to_thread(served.engine.stop)
+
+    app = FastAPI(title="tidal", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    def error(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(ApiError(str(exc.detail), status=exc.status_code, type=kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error(ApiError(message, status=500, type="server_error"))
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error(
+                    ApiError(
+                        "missing or incorrect API key (Authorization: Bearer KEY)",
+                        status=401,
+                        code="invalid_api_key",
+                    )
+                )
+        return await call_next(request)
+
+    async def run(request: Request, prepare) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(ApiError(f"the request body is not JSON: {e}"))
+        try:
+            prepared: Prepared = prepare(body)
+            future = served.engine.submit(prepared.prompts, prepared.params)
+        except ApiError as e:
+            return error(e)
+        except ValueError as e:  # the Generator's own checks, if ours missed one
+            return error(ApiError(str(e)))
+        try:
+            groups = await asyncio.wrap_future(future)
+        except Exception as e:  # the engine failed (it serves on): this request gets a 500
+            return error(
+                ApiError(
+                    f"the engine failed: {type(e).__name__}: {e}", status=500, type="server_error"
+                )
+            )
+        return JSONResponse(prepared.respond(groups))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        return await run(request, served.chat_completion)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        return await run(request, served.completion)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(served.models())
+
+    return app

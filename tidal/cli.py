@@ -147,6 +147,9 @@ def _train_command(argv: list[str]) -> int:
         except ValueError as e:
             return fail(e)
         return 0
+    from tidal.train.cpu_kernels import apply_cpu_kernels
+
+    apply_cpu_kernels(cfg.job)  # before any tensor operation; torchrun's ranks inherit it
     if args.nproc > 1:
         from tidal.train.trainer import check_job, model_args_for, resolve_device
 

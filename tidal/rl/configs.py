@@ -54,7 +54,8 @@ def rl_addition() -> RLConfig:
     imitated a teacher who forgets 55% of its carries. The reward checks the true sum, so the
     policy learns to carry: held-out pass@1 rises well past the warm start (docs/rl.md)."""
     return RLConfig(
-        job=JobConfig(name="rl_addition", output_dir="outputs/rl_addition"),
+        # Portable CPU kernels: a fresh clone on any x86-64 machine repeats the demo's curve.
+        job=JobConfig(name="rl_addition", output_dir="outputs/rl_addition", cpu_kernels="portable"),
         policy=PolicyConfig(init="sft:sft_addition_slips"),
         # The held-out split is the SFT corpus's held-out split: never trained on by either.
         task=TaskConfig(name="addition", params={"digits": [1, 3]}, eval_problems=200),

@@ -60,6 +60,7 @@ from tidal.rl.rollout import RolloutBatch
 from tidal.rl.tasks.base import Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
 from tidal.rl.warmstart import prepare_policy, resolve_policy
+from tidal.train.cpu_kernels import apply_cpu_kernels
 
 Log = Callable[[str], None]
 
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.help or args.print_config:
             print(help_text(cfg, args.config) if args.help else to_json(cfg))
             return 0
+        apply_cpu_kernels(cfg.job)
         run(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

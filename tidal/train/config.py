@@ -28,11 +28,20 @@ class JobConfig:
     an earlier run's metrics (resume that run with checkpoint.enable, or pick another)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device to train on; auto picks cuda when available, else cpu."""
+    cpu_kernels: Literal["auto", "portable"] = "auto"
+    """CPU arithmetic. auto: the fastest kernels this CPU has (AVX-512 where there is), so a
+    run's numbers differ between CPU models. portable: torch's and MKL's AVX2 kernels, the
+    same bits on every x86-64 CPU with AVX2 for one torch version, so a CPU run repeats on
+    another machine (tidal/train/cpu_kernels.py; `make demo` uses it)."""
 
     def __post_init__(self) -> None:
         _check(
             self.device in ("auto", "cpu", "cuda"),
             f"job.device must be one of auto, cpu, cuda; got {self.device!r}",
+        )
+        _check(
+            self.cpu_kernels in ("auto", "portable"),
+            f"job.cpu_kernels must be one of auto, portable; got {self.cpu_kernels!r}",
         )
         _check(bool(self.output_dir), "job.output_dir must be a non-empty path")
 

@@ -190,7 +190,9 @@ def sft_addition_slips() -> Config:
     teacher, who forgets 55% of the carries (and answers what it worked out). The model
     learns the slips too; RL on the true sums then beats its teacher (docs/rl.md)."""
     cfg = sft_addition()
-    cfg.job = JobConfig(name="sft_addition_slips", output_dir="outputs/sft_addition_slips")
+    cfg.job = JobConfig(
+        name="sft_addition_slips", output_dir="outputs/sft_addition_slips", cpu_kernels="portable"
+    )
     cfg.data.path = "add:1-3:slip=0.55"
     cfg.training.steps = 300
     return cfg

@@ -104,6 +104,9 @@ def _main(role: str | None, argv: list[str], prog: str, dist_info) -> int:
         return 0
 
     from tidal.rl.distributed.launch import connect_store, launch_local
+    from tidal.train.cpu_kernels import apply_cpu_kernels
+
+    apply_cpu_kernels(cfg.job)  # before any tensor operation; the roles inherit it
 
     token = os.environ.get("TIDAL_STORE_TOKEN") or None  # a store's secret, as `tidal store`
 

@@ -15,7 +15,8 @@ PP_SCHEDULES = (
 )
 
 
-def _check(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise ValueError(message) unless ok: the check every config field makes."""
     if not ok:
         raise ValueError(message)
 
@@ -61,29 +62,29 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp"):
-            _check(
+            require(
                 getattr(self, name) >= 1,
                 f"parallelism.{name} must be >= 1, got {getattr(self, name)}",
             )
-        _check(
+        require(
             self.dp_shard == -1 or self.dp_shard >= 1,
             f"parallelism.dp_shard must be -1 or >= 1, got {self.dp_shard}",
         )
-        _check(
+        require(
             self.reshard_after_forward in ("default", "always", "never"),
             "parallelism.reshard_after_forward must be one of default, always, never; "
             f"got {self.reshard_after_forward!r}",
         )
-        _check(
+        require(
             self.pp_schedule in PP_SCHEDULES,
             f"parallelism.pp_schedule must be one of {', '.join(PP_SCHEDULES)}; "
             f"got {self.pp_schedule!r}",
         )
-        _check(
+        require(
             self.pp_microbatches >= 0,
             f"parallelism.pp_microbatches must be >= 0, got {self.pp_microbatches}",
         )
-        _check(
+        require(
             self.pp_stages_per_rank >= 0,
             f"parallelism.pp_stages_per_rank must be >= 0, got {self.pp_stages_per_rank}",
         )
@@ -95,7 +96,7 @@ class ParallelismConfig:
                     f"parallelism.pp_split must be layer indices or module lists, "
                     f"got {self.pp_split!r}"
                 ) from None
-            _check(
+            require(
                 cuts == sorted(set(cuts)) and cuts[0] > 0,
                 f"parallelism.pp_split must be strictly increasing positive layer indices, "
                 f"got {self.pp_split!r}",
@@ -124,11 +125,11 @@ class ActivationCheckpointConfig:
     element-wise ops; an integer N checkpoints every N-th block fully."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.mode in ("none", "full", "selective"),
             f"activation_checkpoint.mode must be one of none, full, selective; got {self.mode!r}",
         )
-        _check(
+        require(
             self.selective == "op" or (self.selective.isdigit() and int(self.selective) > 0),
             f"activation_checkpoint.selective must be 'op' or a positive integer, "
             f"got {self.selective!r}",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, _check
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, require
 from tidal.rl.loss import LossConfig
 from tidal.train.config import (
     JobConfig,
@@ -61,19 +61,19 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         kind = self.init.partition(":")[0]
-        _check(
+        require(
             kind in INIT_KINDS and (kind == "seed") == (self.init == "seed"),
             f"policy.init must be sft:NAME, checkpoint:PATH, hf:PATH or seed; got {self.init!r}",
         )
-        _check(
+        require(
             kind == "seed" or bool(self.init.partition(":")[2]),
             f"policy.init {self.init!r} needs a name or path after '{kind}:'",
         )
-        _check(
+        require(
             kind not in ("checkpoint", "seed") or bool(self.tokenizer),
             f"policy.init={self.init!r} needs policy.tokenizer (a tokenizer.json, or sft:NAME)",
         )
-        _check(bool(self.cache_dir), "policy.cache_dir must be a non-empty path")
+        require(bool(self.cache_dir), "policy.cache_dir must be a non-empty path")
 
     @property
     def kind(self) -> str:
@@ -99,9 +99,9 @@ class TaskConfig:
     """Seed of the held-out set."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.name), "task.name must be a registered task name")
-        _check(isinstance(self.params, dict), f"task.params must be a dict, got {self.params!r}")
-        _check(self.eval_problems > 0, f"task.eval_problems must be > 0, got {self.eval_problems}")
+        require(bool(self.name), "task.name must be a registered task name")
+        require(isinstance(self.params, dict), f"task.params must be a dict, got {self.params!r}")
+        require(self.eval_problems > 0, f"task.eval_problems must be > 0, got {self.eval_problems}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -134,18 +134,18 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens", "max_prompt_tokens"):
-            _check(
+            require(
                 getattr(self, name) > 0, f"rollout.{name} must be > 0, got {getattr(self, name)}"
             )
         one_turn = self.max_prompt_tokens + self.max_new_tokens
-        _check(
+        require(
             self.max_context == 0 or self.max_context >= one_turn,
             f"rollout.max_context must be 0 or at least max_prompt_tokens + max_new_tokens = "
             f"{one_turn}, got {self.max_context}",
         )
-        _check(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
-        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
+        require(self.temperature > 0, f"rollout.temperature must be > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        require(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,16 +174,16 @@ class TrainerConfig:
     kernels run at the same time (docs/rl.md, "One GPU for every role")."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             1 <= self.sm_percent <= 100,
             f"trainer.sm_percent must be in 1..100, got {self.sm_percent}",
         )
-        _check(
+        require(
             self.micro_batch_size > 0,
             f"trainer.micro_batch_size must be > 0, got {self.micro_batch_size}",
         )
-        _check(self.max_norm >= 0, f"trainer.max_norm must be >= 0, got {self.max_norm}")
-        _check(
+        require(self.max_norm >= 0, f"trainer.max_norm must be >= 0, got {self.max_norm}")
+        require(
             self.mixed_precision in ("auto", "bf16", "fp32"),
             "trainer.mixed_precision must be one of auto, bf16, fp32; got "
             f"{self.mixed_precision!r}",
@@ -234,31 +234,31 @@ class GeneratorRoleConfig:
     in percent, as trainer.sm_percent; 100 is all of them."""
 
     def __post_init__(self) -> None:
-        _check(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
-        _check(
+        require(self.count >= 1, f"generator.count must be >= 1, got {self.count}")
+        require(
             1 <= self.sm_percent <= 100,
             f"generator.sm_percent must be in 1..100, got {self.sm_percent}",
         )
         degrees = (self.tp,) if isinstance(self.tp, int) else tuple(self.tp)
-        _check(
+        require(
             isinstance(self.tp, int) or len(degrees) == self.count,
             f"generator.tp lists {len(degrees)} degree(s) {','.join(map(str, degrees))} for "
             f"generator.count={self.count} generators: give one int for all, or one per generator",
         )
-        _check(
+        require(
             all(isinstance(d, int) and d >= 1 for d in degrees),
             f"generator.tp degrees must be integers >= 1, got {self.tp!r}",
         )
-        _check(self.max_batch >= 1, f"generator.max_batch must be >= 1, got {self.max_batch}")
-        _check(
+        require(self.max_batch >= 1, f"generator.max_batch must be >= 1, got {self.max_batch}")
+        require(
             self.dtype in ("auto", "fp32", "bf16"),
             f"generator.dtype must be one of auto, fp32, bf16; got {self.dtype!r}",
         )
-        _check(
+        require(
             self.compile_scope in ("step", "blocks"),
             f"generator.compile_scope must be one of step, blocks; got {self.compile_scope!r}",
         )
-        _check(
+        require(
             self.device in ("auto", "cpu", "cuda"),
             f"generator.device must be one of auto, cpu, cuda; got {self.device!r}",
         )
@@ -329,31 +329,31 @@ class LoopConfig:
     hand use the daemon their environment names (CUDA_MPS_PIPE_DIRECTORY), if any."""
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("sync", "async"), f"rl.mode must be sync or async, got {self.mode!r}")
-        _check(
+        require(self.mode in ("sync", "async"), f"rl.mode must be sync or async, got {self.mode!r}")
+        require(
             self.max_staleness >= 0,
             f"rl.max_staleness must be >= 0 (how many policy versions a token may lag the "
             f"trainer; 0 keeps only the current version), got {self.max_staleness}",
         )
-        _check(
+        require(
             self.queue_depth is None or self.queue_depth >= 1,
             f"rl.queue_depth must be None or >= 1, got {self.queue_depth}",
         )
-        _check(
+        require(
             self.batches_in_flight >= 1,
             f"rl.batches_in_flight must be >= 1, got {self.batches_in_flight}",
         )
-        _check(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
-        _check(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
+        require(self.steps > 0, f"rl.steps must be > 0, got {self.steps}")
+        require(self.eval_every >= 0, f"rl.eval_every must be >= 0, got {self.eval_every}")
         for name in ("wait_timeout_s", "heartbeat_s", "dead_after_s", "lost_after_s"):
-            _check(getattr(self, name) > 0, f"rl.{name} must be > 0, got {getattr(self, name)}")
+            require(getattr(self, name) > 0, f"rl.{name} must be > 0, got {getattr(self, name)}")
         for name in ("dead_after_s", "lost_after_s"):
-            _check(
+            require(
                 getattr(self, name) > 2 * self.heartbeat_s,
                 f"rl.{name}={getattr(self, name)} must exceed twice rl.heartbeat_s="
                 f"{self.heartbeat_s}",
             )
-        _check(
+        require(
             self.min_generators >= 1, f"rl.min_generators must be >= 1, got {self.min_generators}"
         )
 
@@ -382,8 +382,8 @@ class RLCheckpointConfig:
     """Keep the newest k checkpoints; 0 keeps all."""
 
     def __post_init__(self) -> None:
-        _check(self.interval >= 0, f"checkpoint.interval must be >= 0, got {self.interval}")
-        _check(
+        require(self.interval >= 0, f"checkpoint.interval must be >= 0, got {self.interval}")
+        require(
             self.keep_latest_k >= 0,
             f"checkpoint.keep_latest_k must be >= 0, got {self.keep_latest_k}",
         )
@@ -407,16 +407,16 @@ class StoreConfig:
     trainer runs on CUDA and every role is on this machine (an empty store.address)."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             not self.address or self.address.startswith("tcp://"),
             f"store.address must be empty or tcp://host:port, got {self.address!r}",
         )
-        _check(
+        require(
             self.connect_timeout_s > 0,
             f"store.connect_timeout_s must be > 0, got {self.connect_timeout_s}",
         )
-        _check(self.keep >= 2, f"store.keep must be >= 2, got {self.keep}")
-        _check(
+        require(self.keep >= 2, f"store.keep must be >= 2, got {self.keep}")
+        require(
             self.policy_memory in ("auto", "host", "cuda"),
             f"store.policy_memory must be auto, host or cuda; got {self.policy_memory!r}",
         )
@@ -450,43 +450,43 @@ class RLConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             not (self.rollout.group_size == 1 and self.loss.std_normalize),
             "rollout.group_size=1 with loss.std_normalize=true: a group of one sample has no "
             "standard deviation to divide by; sample more per prompt (--rollout.group_size 8) "
             "or set --loss.std_normalize false",
         )
-        _check(
+        require(
             self.rollout.prompts_per_step >= self.generator.count,
             f"rollout.prompts_per_step={self.rollout.prompts_per_step} is fewer than "
             f"generator.count={self.generator.count}: every generator needs a prompt a step",
         )
-        _check(
+        require(
             self.rl.min_generators <= self.generator.count,
             f"rl.min_generators={self.rl.min_generators} exceeds generator.count="
             f"{self.generator.count}: the trainer starts once generator.count generators joined "
             "and stops when fewer than rl.min_generators are live",
         )
-        _check(
+        require(
             self.parallelism.cp == 1,
             f"parallelism.cp={self.parallelism.cp}: the trainer's RL step does not run under "
             "context parallelism (the policy loss's per-sequence terms need whole rows); use "
             "parallelism.cp 1 (FSDP, HSDP, TP and PP are fine)",
         )
-        _check(
+        require(
             self.rollout.group_size <= self.generator.max_batch,
             f"rollout.group_size={self.rollout.group_size} exceeds generator.max_batch="
             f"{self.generator.max_batch} (a group is decoded at once)",
         )
         for role in ("trainer", "generator"):
             share = getattr(self, role).sm_percent
-            _check(
+            require(
                 share == 100 or self.rl.mps,
                 f"{role}.sm_percent={share} splits a GPU's SMs between the roles only "
                 "under CUDA MPS: set --rl.mps true (tidal rl starts a daemon for its "
                 "roles)",
             )
-        _check(
+        require(
             self.rl.mode == "sync" or self.loss.corrects,
             "rl.mode=async trains on tokens of older policy versions and needs a per-token "
             "correction: set --loss.tis_cap (truncated IS, e.g. 2) or --loss.mask_low and "

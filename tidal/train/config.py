@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from tidal.models.flavors import FLAVORS
-from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, _check
+from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, require
 from tidal.train.data.config import DataConfig
 
 
@@ -35,15 +35,15 @@ class JobConfig:
     another machine (tidal/train/cpu_kernels.py; `make demo` uses it)."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.device in ("auto", "cpu", "cuda"),
             f"job.device must be one of auto, cpu, cuda; got {self.device!r}",
         )
-        _check(
+        require(
             self.cpu_kernels in ("auto", "portable"),
             f"job.cpu_kernels must be one of auto, portable; got {self.cpu_kernels!r}",
         )
-        _check(bool(self.output_dir), "job.output_dir must be a non-empty path")
+        require(bool(self.output_dir), "job.output_dir must be a non-empty path")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,15 +59,15 @@ class ModelConfig:
     """Override the flavor's vocabulary size (e.g. to match a small tokenizer); None keeps it."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.flavor in FLAVORS,
             f"model.flavor {self.flavor!r} is unknown; choose one of {sorted(FLAVORS)}",
         )
-        _check(
+        require(
             self.attention in ("sdpa", "flex"),
             f"model.attention must be one of sdpa, flex; got {self.attention!r}",
         )
-        _check(
+        require(
             self.vocab_size is None or self.vocab_size > 0,
             f"model.vocab_size must be positive or none, got {self.vocab_size}",
         )
@@ -126,17 +126,17 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
-            _check(
+            require(
                 getattr(self, name) > 0,
                 f"training.{name} must be positive, got {getattr(self, name)}",
             )
-        _check(self.max_norm >= 0, f"training.max_norm must be >= 0, got {self.max_norm}")
-        _check(
+        require(self.max_norm >= 0, f"training.max_norm must be >= 0, got {self.max_norm}")
+        require(
             self.compile_mode in ("default", "max-autotune-no-cudagraphs"),
             f"training.compile_mode must be default or max-autotune-no-cudagraphs, "
             f"got {self.compile_mode!r}",
         )
-        _check(
+        require(
             self.mixed_precision in ("auto", "bf16", "fp32"),
             f"training.mixed_precision must be one of auto, bf16, fp32; "
             f"got {self.mixed_precision!r}",
@@ -166,23 +166,23 @@ class OptimizerConfig:
     AdamW step on any device (optimizer.implementation is then ignored)."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"optimizer.lr must be positive, got {self.lr}")
+        require(self.lr > 0, f"optimizer.lr must be positive, got {self.lr}")
         for name in ("beta1", "beta2"):
-            _check(
+            require(
                 0 <= getattr(self, name) < 1,
                 f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}",
             )
-        _check(self.eps > 0, f"optimizer.eps must be positive, got {self.eps}")
-        _check(
+        require(self.eps > 0, f"optimizer.eps must be positive, got {self.eps}")
+        require(
             self.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {self.weight_decay}"
         )
         choices = ("auto", "fused", "foreach", "for_loop")
-        _check(
+        require(
             self.implementation in choices,
             f"optimizer.implementation must be one of {', '.join(choices)}; "
             f"got {self.implementation!r}",
         )
-        _check(
+        require(
             self.state_dtype in ("fp32", "bf16"),
             f"optimizer.state_dtype must be one of fp32, bf16; got {self.state_dtype!r}",
         )
@@ -202,19 +202,19 @@ class SchedulerConfig:
     """Learning rate at the end, as a fraction of the peak."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.warmup_steps >= 0,
             f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}",
         )
-        _check(
+        require(
             0 <= self.decay_fraction <= 1,
             f"lr_scheduler.decay_fraction must be in [0, 1], got {self.decay_fraction}",
         )
-        _check(
+        require(
             self.decay_type in ("linear", "cosine", "sqrt"),
             f"lr_scheduler.decay_type must be one of linear, cosine, sqrt; got {self.decay_type!r}",
         )
-        _check(
+        require(
             0 <= self.min_lr_ratio <= 1,
             f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
         )
@@ -245,9 +245,9 @@ class MetricsConfig:
     """W&B run name; None takes job.name."""
 
     def __post_init__(self) -> None:
-        _check(self.log_every > 0, f"metrics.log_every must be positive, got {self.log_every}")
-        _check(self.val_every >= 0, f"metrics.val_every must be >= 0, got {self.val_every}")
-        _check(
+        require(self.log_every > 0, f"metrics.log_every must be positive, got {self.log_every}")
+        require(self.val_every >= 0, f"metrics.val_every must be >= 0, got {self.val_every}")
+        require(
             self.val_batches > 0, f"metrics.val_batches must be positive, got {self.val_batches}"
         )
 
@@ -266,12 +266,12 @@ class SampleConfig:
     """Sample among the k most likely tokens; 0 disables the cut."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.max_new_tokens >= 0,
             f"sample.max_new_tokens must be >= 0, got {self.max_new_tokens}",
         )
-        _check(self.temperature >= 0, f"sample.temperature must be >= 0, got {self.temperature}")
-        _check(self.top_k >= 0, f"sample.top_k must be >= 0, got {self.top_k}")
+        require(self.temperature >= 0, f"sample.temperature must be >= 0, got {self.temperature}")
+        require(self.top_k >= 0, f"sample.top_k must be >= 0, got {self.top_k}")
 
 
 CHECKPOINT_STATES = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
@@ -347,69 +347,69 @@ class CheckpointConfig:
     any layout works; an earlier export of the same step is replaced."""
 
     def __post_init__(self) -> None:
-        _check(self.interval > 0, f"checkpoint.interval must be positive, got {self.interval}")
-        _check(
+        require(self.interval > 0, f"checkpoint.interval must be positive, got {self.interval}")
+        require(
             self.keep_latest_k >= 0,
             f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}",
         )
-        _check(
+        require(
             self.load_step >= -1,
             f"checkpoint.load_step must be -1 (the newest) or a step >= 0, got {self.load_step}",
         )
-        _check(bool(self.folder), "checkpoint.folder must be a non-empty path")
+        require(bool(self.folder), "checkpoint.folder must be a non-empty path")
         for name in self.excluded:
-            _check(
+            require(
                 name in CHECKPOINT_STATES,
                 f"checkpoint.exclude_from_loading: {name!r} is not a state; choose from "
                 f"{', '.join(CHECKPOINT_STATES)} (the model is always loaded)",
             )
-        _check(
+        require(
             self.export_dtype in EXPORT_DTYPES,
             f"checkpoint.export_dtype must be one of {', '.join(EXPORT_DTYPES)}; "
             f"got {self.export_dtype!r}",
         )
-        _check(
+        require(
             self.async_mode in ASYNC_MODES,
             f"checkpoint.async_mode must be one of {', '.join(ASYNC_MODES)}; "
             f"got {self.async_mode!r}",
         )
-        _check(
+        require(
             self.enable or not self.create_seed_checkpoint,
             "checkpoint.create_seed_checkpoint needs --checkpoint.enable true",
         )
-        _check(
+        require(
             self.initial_load_path is None or bool(self.initial_load_path),
             "checkpoint.initial_load_path must be a path or none",
         )
-        _check(
+        require(
             self.initial_load_hf is None or bool(self.initial_load_hf),
             "checkpoint.initial_load_hf must be a path or none",
         )
-        _check(
+        require(
             not (self.initial_load_hf and self.initial_load_path),
             "checkpoint.initial_load_hf and checkpoint.initial_load_path are both set; start "
             "from one of them",
         )
-        _check(
+        require(
             self.enable or not self.initial_load_path,
             "checkpoint.initial_load_path needs --checkpoint.enable true (without it the run "
             "would start from the seed init); for Hugging Face weights use "
             "--checkpoint.initial_load_hf",
         )
-        _check(
+        require(
             self.initial_load_layout in ("auto", "tidal", "torchtitan"),
             "checkpoint.initial_load_layout must be auto, tidal or torchtitan; got "
             f"{self.initial_load_layout!r}",
         )
-        _check(
+        require(
             self.enable or not self.last_save_in_hf,
             "checkpoint.last_save_in_hf needs --checkpoint.enable true (it exports the last save)",
         )
-        _check(
+        require(
             not (self.load_only and self.last_save_in_hf),
             "checkpoint.last_save_in_hf with checkpoint.load_only: a load-only run saves nothing",
         )
-        _check(
+        require(
             not (self.create_seed_checkpoint and self.initial_load_hf),
             "checkpoint.create_seed_checkpoint saves the seed initialization; it cannot start "
             "from checkpoint.initial_load_hf (convert the folder with `tidal convert hf-to-dcp`)",
@@ -453,15 +453,15 @@ class QuantizeConfig:
     float8 only). Ignored without FSDP."""
 
     def __post_init__(self) -> None:
-        _check(
+        require(
             self.float8 in FLOAT8_RECIPES,
             f"quantize.float8 must be one of {', '.join(FLOAT8_RECIPES)}; got {self.float8!r}",
         )
-        _check(
+        require(
             self.float8_min_dim >= 0,
             f"quantize.float8_min_dim must be >= 0, got {self.float8_min_dim}",
         )
-        _check(
+        require(
             not (self.float8 == "rowwise" and self.float8_fsdp_all_gather),
             "quantize.float8_fsdp_all_gather=true needs quantize.float8=tensorwise: torchao "
             "all-gathers float8 weights with one scale per tensor only (rowwise scales are "
@@ -514,19 +514,19 @@ class ProfilerConfig:
     """Allocator events kept in the history (a ring buffer): more shows further back."""
 
     def __post_init__(self) -> None:
-        _check(self.start_step >= 1, f"profiler.start_step must be >= 1, got {self.start_step}")
-        _check(
+        require(self.start_step >= 1, f"profiler.start_step must be >= 1, got {self.start_step}")
+        require(
             self.end_step >= self.start_step,
             f"profiler.end_step={self.end_step} must be >= profiler.start_step={self.start_step}",
         )
-        _check(bool(self.folder), "profiler.folder must be a non-empty path")
-        _check(
+        require(bool(self.folder), "profiler.folder must be a non-empty path")
+        require(
             self.memory_snapshot_entries > 0,
             f"profiler.memory_snapshot_entries must be positive, got "
             f"{self.memory_snapshot_entries}",
         )
         for item in self.memory_snapshot_steps.split(","):
-            _check(
+            require(
                 not item.strip() or (item.strip().isdigit() and int(item) >= 1),
                 f"profiler.memory_snapshot_steps must be a comma list of steps >= 1, got "
                 f"{self.memory_snapshot_steps!r}",
@@ -556,8 +556,8 @@ class DebugConfig:
     """Collectives kept per rank in the ring buffer."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.flight_recorder_folder), "debug.flight_recorder_folder must be a path")
-        _check(
+        require(bool(self.flight_recorder_folder), "debug.flight_recorder_folder must be a path")
+        require(
             self.flight_recorder_entries > 0,
             f"debug.flight_recorder_entries must be positive, got {self.flight_recorder_entries}",
         )
@@ -593,7 +593,7 @@ class Config:
                 self.data.tokenizer = str(Path(hf).expanduser() / "tokenizer.json")
             return
         max_len = FLAVORS[self.model.flavor].max_seq_len
-        _check(
+        require(
             self.training.seq_len <= max_len,
             f"training.seq_len={self.training.seq_len} exceeds the max_seq_len={max_len} of "
             f"model.flavor {self.model.flavor!r}",

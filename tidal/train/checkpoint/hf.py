@@ -50,7 +50,7 @@ from tidal.train.checkpoint.dcp_io import (
     shape_diff,
 )
 from tidal.train.checkpoint.layout import CheckpointError
-from tidal.train.checkpoint.plan import _ARCH_FIELDS, arch_diff, args_from_info, model_info
+from tidal.train.checkpoint.plan import ARCH_FIELDS, arch_diff, args_from_info, model_info
 
 if TYPE_CHECKING:
     from tidal.train.config import Config
@@ -116,7 +116,7 @@ def matching_flavor(args: ModelArgs) -> str | None:
     mine = model_info(args, "")["args"]
     for name, flavor in FLAVORS.items():
         theirs = model_info(flavor, "")["args"]
-        if all(theirs[f] == mine[f] for f in _ARCH_FIELDS if f != "vocab_size"):
+        if all(theirs[f] == mine[f] for f in ARCH_FIELDS if f != "vocab_size"):
             return name
     return None
 

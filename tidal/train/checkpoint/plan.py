@@ -28,7 +28,7 @@ from tidal.train.config import CheckpointConfig
 Log = Callable[[str], None]
 # ModelArgs fields that shape the weights or the math; attention kernel, max_seq_len (RoPE
 # tables, not saved) and notes may differ between the saving and the loading run.
-_ARCH_FIELDS = tuple(
+ARCH_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(ModelArgs)
     if f.name not in ("attention", "max_seq_len", "extra")
@@ -264,7 +264,7 @@ def _initial_path(path: Path) -> Path:
 def arch_diff(saved: dict[str, Any], args: ModelArgs) -> list[str]:
     mine = model_info(args, "")["args"]
     out = []
-    for name in _ARCH_FIELDS:
+    for name in ARCH_FIELDS:
         if name in saved and saved[name] != mine[name]:
             flag = " (--model.vocab_size)" if name == "vocab_size" else ""
             out.append(f"{name} {saved[name]!r} in the checkpoint, {mine[name]!r} here{flag}")

@@ -46,9 +46,9 @@ from typing import Any, cast
 import torch
 
 from tidal.generate.sampler import VARIANTS, SamplingParams, variant_of
-from tidal.generate.slots import Request, Rows, Slot, buckets, make_requests
+from tidal.generate.slots import Request, Rows, Table, buckets, make_requests
 from tidal.generate.steps import Steps
-from tidal.generate.types import GeneratorConfig, GeneratorStats, Sample
+from tidal.generate.types import Continuation, Conversation, GeneratorConfig, GeneratorStats, Sample
 from tidal.generate.weights import copy_weights, read_weights
 from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
@@ -107,7 +107,7 @@ class Generator:
         self.stats = GeneratorStats()
         self.cache = KVCache.for_model(model, batch_size=cfg.max_batch, capacity=self.capacity)
         self._rows = Rows(cfg.max_batch, self.capacity + 1, self.device)
-        self._slots: list[Slot | None] = [None] * cfg.max_batch
+        self._table = Table(cfg.max_batch)
         self.buckets = buckets(cfg.max_batch)
         self.steps = Steps(model, self.cache, self._rows, cfg, self.stats)
         """The prefill and decode steps, compiled and captured (tidal/generate/steps.py)."""
@@ -256,39 +256,111 @@ class Generator:
     @torch.no_grad()
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | Continuation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        keep: bool = False,
     ) -> list[list[Sample]]:
         """Complete every prompt `params.n` times.
 
         Args:
-            prompts: token ids of each prompt (at least one token; BOS is not added).
+            prompts: token ids of each prompt (at least one token; BOS is not added), or a
+                `Continuation` of a kept conversation (its observation's tokens, appended
+                and prefilled from the conversation's cache row; n=1). Both kinds batch
+                together.
             params: one SamplingParams for all prompts, or one per prompt.
+            keep: keep each sample's cache row after its turn, for continuations
+                (`Sample.conversation`), until `release` or a continuation with
+                keep=False. Every sample then holds a row: they must fit in `max_batch`
+                at once, beside the rows already held.
 
         Returns:
-            One list per prompt, in order, of its n samples (sample_index 0..n-1).
+            One list per prompt, in order, of its n samples (sample_index 0..n-1). A
+            continuation's sample has the whole conversation before its turn as
+            `prompt_ids`; one whose tokens leave no room in the row for a new token ends as
+            "truncated", without running, and its conversation is closed.
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt longer
                 than `max_seq_len - 1`, prompt + max_new_tokens over `max_seq_len`, n over
-                `max_batch`, a stop string without a tokenizer or one the tokenizer cannot
-                produce (its encoding does not decode back to it), more than
-                MAX_STOP_IDS stop token ids.
+                `max_batch` (less the rows held by conversations), a stop string without a
+                tokenizer or one the tokenizer cannot produce (its encoding does not decode
+                back to it), more than MAX_STOP_IDS stop token ids; a continuation with
+                n > 1, of a closed conversation, of another generator's, or of one already
+                running or waiting for a turn.
         """
-        requests = self._requests(prompts, params)  # every error before anything runs
+        requests = self._requests(prompts, params, keep)  # every error before anything runs
         feed = iter([requests])
         (groups,) = self._run(lambda idle: next(feed, END))
         return groups
 
+    def continue_(
+        self,
+        conversations: Sequence[Conversation],
+        observations: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        keep: bool = True,
+    ) -> list[Sample]:
+        """Append each observation's tokens to its conversation and sample the next turn,
+        from the conversation's cache row: `generate` of `Continuation`s, one sample each.
+
+        Args:
+            conversations: open conversations (`Sample.conversation` of a turn made with
+                `keep=True`), each at most once.
+            observations: token ids to append to each (a tool result, an environment or user
+                message; may be empty to go on with the same turn).
+            params: one SamplingParams (n=1) for all, or one each; `max_new_tokens` is
+                clipped to the positions the row has left.
+            keep: keep the rows after this turn (False: this turn is the last, the rows are
+                freed when it ends).
+
+        Returns:
+            One sample per conversation, in order (`finish_reason` "truncated" when the
+            observation leaves no room for a new token: the conversation is then closed).
+
+        Example::
+
+            (s,) = gen.generate([prompt], SamplingParams(max_new_tokens=64), keep=True)[0]
+            (t,) = gen.continue_([s.conversation], [tok.encode("<tool_response>42")])
+            gen.release(t.conversation)     # or continue again
+        """
+        if len(conversations) != len(observations):
+            raise ValueError(
+                f"{len(conversations)} conversations but {len(observations)} observations"
+            )
+        items = [
+            Continuation(c, tuple(o)) for c, o in zip(conversations, observations, strict=True)
+        ]
+        return [g[0] for g in self.generate(items, params, keep=keep)]
+
+    def release(self, conversation: Conversation) -> None:
+        """Free the cache row of a conversation between its turns (the trajectory is done);
+        a closed conversation is left as it is.
+
+        Raises:
+            ValueError: the conversation is running a turn or waiting for one, or is not
+                this generator's.
+        """
+        self._table.release(conversation, running_ok=False)
+
+    @property
+    def conversations(self) -> list[Conversation]:
+        """The open conversations: each holds a cache row, between turns or running one."""
+        return self._table.conversations()
+
     def stream(
         self,
-        feed: Callable[[bool], tuple[Sequence[Sequence[int]], Any] | None | object],
+        feed: Callable[[bool], tuple[Sequence[Sequence[int] | Continuation], Any] | None | object],
+        *,
+        keep: bool = False,
     ) -> Iterator[list[list[Sample]]]:
         """Generate batch after batch without draining the slots in between: while the
         last rows of one batch finish, the next batch's groups take the slots freed.
 
         `feed(idle)` is asked for the next batch whenever every request fed so far has
-        been admitted: it returns `(prompts, params)` (as `generate` takes them), None for
+        been admitted: it returns `(prompts, params)` (as `generate` takes them, with
+        continuations among the prompts, and `keep` for every batch), None for
         "nothing yet" (decoding goes on and it is asked again after the next host check),
         or `Generator.END` to stop: the batches in flight finish and the iterator ends.
         `idle` is True when nothing is in flight; a feed with nothing to give should then
@@ -310,8 +382,8 @@ class Generator:
             item = feed(idle)
             if item is None or item is END:
                 return item
-            batch = cast(tuple[Sequence[Sequence[int]], Any], item)
-            return self._requests(*batch)
+            prompts, params = cast(tuple[Sequence[Sequence[int] | Continuation], Any], item)
+            return self._requests(prompts, params, keep)
 
         return self._run(requests)
 
@@ -323,32 +395,44 @@ class Generator:
         fed = done = 0  # batches fed; batches yielded
         ended = False
         self._reset()
-        while True:
-            # Feed batches while every one fed so far has been admitted: a batch whose groups
-            # all fit leaves room to ask for the next one before decoding.
-            while not ended and not pending:
-                reqs = next_requests(all(s is None for s in self._slots))
-                if reqs is END:
-                    ended = True
-                    break
-                if reqs is None:
-                    break
-                for r in reqs:
-                    r.batch = fed
-                results[fed] = [[None] * r.params.n for r in reqs]
-                pending.extend(reqs)
-                fed += 1
-                self._admit_and_prefill(pending)
-            if pending or any(s is not None for s in self._slots):
-                self._admit_and_prefill(pending)
-                with self.steps.autocast():
-                    self._decode_and_check(results)
-                    self._maybe_swap()
-            while done in results and all(s is not None for g in results[done] for s in g):
-                yield [list(g) for g in results.pop(done)]  # type: ignore[arg-type]
-                done += 1
-            if ended and done == fed:
-                return
+        try:
+            while True:
+                # Feed batches while every one fed so far has been admitted: a batch whose groups
+                # all fit leaves room to ask for the next one before decoding.
+                while not ended and not pending:
+                    reqs = next_requests(not self._table.active())
+                    if reqs is END:
+                        ended = True
+                        break
+                    if reqs is None:
+                        break
+                    results[fed] = [[None] * r.params.n for r in reqs]
+                    for r in reqs:
+                        r.batch = fed
+                        if r.truncated:
+                            results[fed][r.index][0] = self._truncate(r)
+                        else:
+                            pending.append(r)
+                    fed += 1
+                    self._admit_and_prefill(pending)
+                if pending or self._table.active():
+                    self._admit_and_prefill(pending)
+                    if pending and not self._table.active():
+                        raise RuntimeError(
+                            f"a request needs {pending[0].params.n} free cache rows but "
+                            f"{len(self._table.held())} of max_batch={self.config.max_batch} are "
+                            "held by kept conversations: release them (Generator.release)"
+                        )
+                    with self.steps.autocast():
+                        self._decode_and_check(results)
+                        self._maybe_swap()
+                while done in results and all(s is not None for g in results[done] for s in g):
+                    yield [list(g) for g in results.pop(done)]  # type: ignore[arg-type]
+                    done += 1
+                if ended and done == fed:
+                    return
+        finally:  # an abandoned stream: continuations not admitted leave their rows idle
+            self._table.unclaim(r.conversation for r in pending if r.conversation)
 
     def _maybe_swap(self) -> None:
         """Between decode steps: let `swap_hook` switch the weights, and mark where each
@@ -360,12 +444,14 @@ class Generator:
             return
         self.version = version
         self.stats.weight_swaps += 1
-        for slot in self._slots:
-            if slot is not None:
-                slot.marks.append((slot.count, version))
+        for i in self._table.active():
+            slot = self._table.slots[i]
+            assert slot is not None
+            slot.marks.append((slot.count, version))
 
-    def _requests(self, prompts, params) -> list[Request]:
-        return make_requests(
+    def _requests(self, prompts, params, keep: bool) -> list[Request]:
+        """Check a batch and make its requests; claim the rows of its continuations."""
+        reqs = make_requests(
             prompts,
             params,
             vocab_size=self.vocab_size,
@@ -374,49 +460,54 @@ class Generator:
             max_batch=self.config.max_batch,
             tokenizer=self.tokenizer,
         )
+        for r in reqs:
+            r.keep = keep
+        self._table.claim(reqs, self.config.max_batch, keep)
+        return reqs
+
+    def _truncate(self, req: Request) -> Sample:
+        """The sample of a continuation that does not fit: no tokens; its row is freed."""
+        conv = req.conversation
+        assert conv is not None
+        self._table.release(conv, running_ok=True)
+        self.stats.truncated += 1
+        return req.truncated_sample(self.tokenizer, self.version)
 
     # -- admission and prefill ------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._slots = [None] * self.config.max_batch
+        """Free every row not held by a conversation between turns."""
+        self._table.reset()
         self._rows.done.fill_(True)
-        self.cache.reset()
+        if not self._table.held():
+            self.cache.reset()
+        else:
+            free = torch.tensor(self._table.free(), dtype=torch.long, device=self.device)
+            self.cache.lengths[free] = 0
 
     def _admit_and_prefill(self, pending: deque[Request]) -> None:
-        """Admit what fits of `pending` into free slots and prefill it."""
-        admitted = self._admit(pending)
+        """Admit what fits of `pending` into free rows (a continuation: its conversation's)
+        and prefill it."""
+        admitted = self._table.admit(pending, self.version)
         if admitted:
             with self.steps.autocast():
                 self.steps.prefill(admitted)
-
-    def _admit(self, pending: deque[Request]) -> list[tuple[Request, list[int]]]:
-        """Take waiting requests (in order) while their groups fit into free slots."""
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        admitted = []
-        while pending and len(free) >= pending[0].params.n:
-            req = pending.popleft()
-            slots, free = free[: req.params.n], free[req.params.n :]
-            for j, slot in enumerate(slots):
-                self._slots[slot] = Slot(req, j, count=1, marks=[(0, self.version)])
-            admitted.append((req, slots))
-        return admitted
 
     # -- decoding -------------------------------------------------------------------------
 
     def _decode_and_check(self, results: dict[int, list[list[Sample | None]]]) -> None:
         """Run up to `check_every` decode steps on the smallest bucket holding every active
         row, then collect the finished rows."""
-        active = [i for i, s in enumerate(self._slots) if s is not None]
-        if not active:
+        if not self._table.active():
             return
-        self._compact(active)
-        active = [i for i, s in enumerate(self._slots) if s is not None]
+        self._compact()
+        active = self._table.active()
         b = next(x for x in self.buckets if x > active[-1])
-        slots = [self._slots[i] for i in active]
+        slots = [self._table.slots[i] for i in active]
         # Rows still running grow by one token per step: never run past the longest need.
         steps = min(
             self.config.check_every,
-            max(s.request.params.max_new_tokens - s.count for s in slots if s is not None),
+            max(s.request.max_new - s.count for s in slots if s is not None),
         )
         sampled = any(s.request.params.temperature > 0 for s in slots if s is not None)
         truncate = any(s.request.params.truncates for s in slots if s is not None)
@@ -429,20 +520,16 @@ class Generator:
         self._check(active, steps, results)
         self.stats.decode_seconds += time.perf_counter() - start
 
-    def _compact(self, active: list[int]) -> None:
-        """Move the rows of slots past the bucket the active rows need into free low slots."""
-        target = next(x for x in self.buckets if x >= len(active))
-        movers = [i for i in active if i >= target]
-        if not movers:
+    def _compact(self) -> None:
+        """Move the active rows past the bucket they need into lower free (or held) rows."""
+        src, dst, left = self._table.compaction(self.buckets)
+        if not src:
             return
-        holes = [i for i in range(target) if self._slots[i] is None][: len(movers)]
-        src = torch.tensor(movers, device=self.device)
-        dst = torch.tensor(holes, device=self.device)
-        self.cache.copy_rows(src, dst)
-        self._rows.move(src, dst)
-        self._rows.done[src] = True
-        for s, d in zip(movers, holes, strict=True):
-            self._slots[d], self._slots[s] = self._slots[s], None
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        self.cache.copy_rows(src_t, dst_t)
+        self._rows.move(src_t, dst_t)
+        self._rows.done[torch.tensor(left, device=self.device)] = True
 
     def _check(self, active: list[int], steps: int, results) -> None:
         """One device-to-host copy of the done flags and counts; finish rows that hit a stop
@@ -454,7 +541,7 @@ class Generator:
         finished: dict[int, tuple[int, str]] = {}  # slot -> (tokens kept, reason)
         to_search = []
         for k, slot_id in enumerate(active):
-            slot = self._slots[slot_id]
+            slot = self._table.slots[slot_id]
             assert slot is not None
             done, count = bool(done_count[0, k]), int(done_count[1, k])
             slot.count = count if done else slot.count + steps
@@ -466,63 +553,46 @@ class Generator:
         if to_search or finished:
             fetch = sorted(set(to_search) | finished.keys())
             fidx = torch.tensor(fetch, device=self.device)
-            width = 1 + max(self._slots[s].count for s in fetch)  # type: ignore[union-attr]
+            width = 1 + max(self._table.slots[s].count for s in fetch)  # type: ignore[union-attr]
             toks, lps, slps = (
                 t[fidx, :width].cpu() for t in (rows.out_tok, rows.out_lp, rows.out_slp)
             )
             host = {s: (toks[i], lps[i], slps[i]) for i, s in enumerate(fetch)}
             for slot_id in to_search:
-                slot = self._slots[slot_id]
+                slot = self._table.slots[slot_id]
                 assert slot is not None
-                hit = self._search_stop(slot, host[slot_id][0][: slot.count].tolist())
+                hit = slot.search_stop(host[slot_id][0][: slot.count].tolist(), self.tokenizer)
                 if hit is not None:
                     finished[slot_id] = (hit, "stop")
                 elif bool(done_count[0, active.index(slot_id)]):
                     finished[slot_id] = (slot.count, "")
             for slot_id, (n, reason) in finished.items():
-                slot = self._slots[slot_id]
+                slot = self._table.slots[slot_id]
                 assert slot is not None
                 tok, lp, slp = host[slot_id]
                 ids = tok[:n].tolist()
                 if not reason:
                     reason = "stop" if ids[-1] in slot.request.stop_ids else "length"
-                results[slot.request.batch][slot.request.index][slot.sample_index] = self._sample(
-                    slot, ids, lp[:n].tolist(), slp[:n].tolist(), reason
+                sample = slot.sample(
+                    ids, lp[:n].tolist(), slp[:n].tolist(), reason, self.tokenizer, self.version
                 )
-                self._slots[slot_id] = None
+                results[slot.request.batch][slot.request.index][slot.sample_index] = sample
+                self._end_turn(slot_id, sample)
             rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True
 
-    def _search_stop(self, slot: Slot, ids: list[int]) -> int | None:
-        """Tokens kept when a stop string ends within ids[slot.checked:] (the token that
-        completes it included), else None."""
-        stops = slot.request.params.stop
-        window = 4 * max(len(s) for s in stops) + 4  # tokens that can hold any stop string
-        for i in range(slot.checked, len(ids)):
-            tail = self.tokenizer.decode(ids[max(0, i + 1 - window) : i + 1])
-            if any(s in tail for s in stops):
-                return i + 1
-        slot.checked = len(ids)
-        return None
-
-    def _sample(self, slot: Slot, ids, lps, slps, reason) -> Sample:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids)
-            cuts = [text.find(s) for s in slot.request.params.stop if s in text]
-            if cuts:
-                text = text[: min(cuts)]
-        return Sample(
-            prompt_index=slot.request.index,
-            sample_index=slot.sample_index,
-            prompt_ids=list(slot.request.prompt),
-            completion_ids=ids,
-            text=text,
-            finish_reason=reason,
-            logprobs=lps,
-            sampling_logprobs=slps,
-            weight_version=slot.marks[0][1] if slot.marks else self.version,
-            versions=slot.versions(len(ids)) if len(slot.marks) > 1 else None,
-        )
+    def _end_turn(self, row: int, sample: Sample) -> None:
+        """Free a finished row, or hold it for its conversation's next turn."""
+        slot = self._table.slots[row]
+        assert slot is not None
+        conv = sample.conversation = slot.conversation
+        if conv is None:
+            self._table.slots[row] = None
+            return
+        conv.ids = sample.prompt_ids + sample.completion_ids
+        conv.turns += 1
+        slot.held = True
+        if not slot.request.keep:
+            self._table.release(conv, running_ok=False)
 
 
 __all__ = ["END", "Generator"]

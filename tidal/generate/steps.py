@@ -6,7 +6,9 @@ the host: admission, host checks, results).
   forward per chunk of at most `prefill_tokens` tokens that writes each prompt's keys/values
   into the first row of its group; the row is then copied into the group's other n - 1 rows
   (the prompt's KV is computed once, not n times), each row's sampling state is set
-  (`Rows`) and each row samples its own first token from the shared last logits.
+  (`Rows`) and each row samples its own first token from the shared last logits. A
+  continuation of a conversation feeds only its new tokens, at the positions after those its
+  row already caches, in the same forward as new prompts.
 - Decode (`Steps.step`): one token for every row of a bucket (the first b rows, b a power of
   two) per step. Everything a step needs lives in device tensors (last token, position,
   count, sampling parameters, random keys, stop ids, output buffers); a step reads and
@@ -42,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tidal.generate.compiled import compiled_blocks, mark_batch
-from tidal.generate.sampler import sample, sample_key, variant
+from tidal.generate.sampler import sample, variant
 from tidal.generate.slots import Request, Rows, round_up
 from tidal.generate.types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats
 from tidal.models.kv_cache import KVCache
@@ -177,7 +179,7 @@ class Steps:
         with it), copy it to the group's other rows, and sample every row's first token."""
         chunk: list[tuple[Request, list[int]]] = []
         for item in admitted:
-            width = round_up(max(len(r.prompt) for r, _ in [*chunk, item]), PREFILL_PAD)
+            width = round_up(max(r.new_tokens for r, _ in [*chunk, item]), PREFILL_PAD)
             if chunk and width * (len(chunk) + 1) > self.config.prefill_tokens:
                 self._prefill_chunk(chunk)
                 chunk = []
@@ -200,20 +202,24 @@ class Steps:
     def _prefill_chunk(self, chunk: list[tuple[Request, list[int]]]) -> None:
         dev, rows = self.device, self.rows
         capacity = self.cache.capacity
-        width = min(round_up(max(len(r.prompt) for r, _ in chunk), PREFILL_PAD), capacity)
+        width = min(round_up(max(r.new_tokens for r, _ in chunk), PREFILL_PAD), capacity)
         tokens = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, (r, _) in enumerate(chunk):
-            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
-        lengths = torch.tensor([len(r.prompt) for r, _ in chunk])
+            tokens[i, : r.new_tokens] = torch.tensor(r.prompt[r.start :])
+        new = torch.tensor([r.new_tokens for r, _ in chunk])
         first = torch.tensor([slots[0] for _, slots in chunk])
-        positions = torch.arange(width).expand(len(chunk), width)
+        # A continuation's tokens go after what its row caches. Padding past the row's last
+        # position is written at that position (the real tokens end before it: a new token
+        # needs it) and, as all padding, rewritten before it is read.
+        start = torch.tensor([r.start for r, _ in chunk])
+        positions = (start[:, None] + torch.arange(width)).clamp(max=capacity - 1)
         # The first prefill allocates the cache (in the dtype the keys come out in) eagerly,
         # outside any compiled code.
         prefill = self._prefill_fn if self.cache.allocated else self._prefill_forward
-        logits_PV = prefill(tokens.to(dev), positions.to(dev), first.to(dev), (lengths - 1).to(dev))
+        logits_PV = prefill(tokens.to(dev), positions.to(dev), first.to(dev), (new - 1).to(dev))
         self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += int(lengths.sum())
-        self.cache.lengths[first.to(dev)] = lengths.to(dev)
+        self.stats.prefill_tokens += int(new.sum())
+        self.cache.lengths[first.to(dev)] = (start + new).to(dev)
 
         # Every slot of a group: copy the prompt's cache row, then per-slot state.
         src = [slots[0] for _, slots in chunk for _ in slots[1:]]
@@ -233,8 +239,8 @@ class Steps:
         rows.top_k[slots_t] = per_slot([r.params.top_k for r, _ in params], torch.long)
         rows.top_p[slots_t] = per_slot([r.params.top_p for r, _ in params], torch.float32)
         rows.min_p[slots_t] = per_slot([r.params.min_p for r, _ in params], torch.float32)
-        rows.max_new[slots_t] = per_slot([r.params.max_new_tokens for r, _ in params], torch.long)
-        rows.key[slots_t] = per_slot([sample_key(r.params.seed, j) for r, j in params], torch.long)
+        rows.max_new[slots_t] = per_slot([r.max_new for r, _ in params], torch.long)
+        rows.key[slots_t] = per_slot([r.key(j) for r, j in params], torch.long)
         stop = torch.full((len(params), MAX_STOP_IDS), -1, dtype=torch.long)
         for i, (r, _) in enumerate(params):
             stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.long)

@@ -342,7 +342,7 @@ class Generator:
             ValueError: the conversation is running a turn or waiting for one, or is not
                 this generator's.
         """
-        self._table.release(conversation, running_ok=False)
+        self._table.release(conversation, claimed_ok=False)
 
     @property
     def conversations(self) -> list[Conversation]:
@@ -469,7 +469,7 @@ class Generator:
         """The sample of a continuation that does not fit: no tokens; its row is freed."""
         conv = req.conversation
         assert conv is not None
-        self._table.release(conv, running_ok=True)
+        self._table.release(conv, claimed_ok=True)
         self.stats.truncated += 1
         return req.truncated_sample(self.tokenizer, self.version)
 
@@ -592,7 +592,7 @@ class Generator:
         conv.turns += 1
         slot.held = True
         if not slot.request.keep:
-            self._table.release(conv, running_ok=False)
+            self._table.release(conv, claimed_ok=False)
 
 
 __all__ = ["END", "Generator"]

@@ -303,16 +303,16 @@ class Table:
         for slot in claims:
             slot.claimed = True
 
-    def release(self, conversation: Conversation, *, running_ok: bool) -> None:
+    def release(self, conversation: Conversation, *, claimed_ok: bool) -> None:
         """Free a conversation's row and close it (a closed one is left as it is).
-        `running_ok`: the row may have a continuation waiting (which is dropped)."""
+        `claimed_ok`: a continuation of it may be waiting (it ends without running)."""
         if not conversation.open:
             return
         row = self.row_of(conversation)
         slot = None if row is None else self.slots[row]
         if row is None or slot is None:
             raise ValueError("release: the conversation is not held by this generator")
-        if not slot.held or (slot.claimed and not running_ok):
+        if not slot.held or (slot.claimed and not claimed_ok):
             raise ValueError("release: the conversation is running a turn or waiting for one")
         self.slots[row] = None
         conversation.open = False

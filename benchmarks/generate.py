@@ -233,13 +233,13 @@ def _beside(label: str, t: dict | None, other: dict | None, ratio: Callable[[flo
 def profile_step(gen, batch: int, variant: str, steps: int = 20) -> dict:
     """The CUDA kernels of one decode step: the compiled step (not its graph, whose kernels
     are the same) run `steps` times under torch.profiler after the timed call (its rows are
-    finished: frozen, they compute as running rows do). Uses the Generator's private
-    `_steps` (compiled step per sampler variant): a benchmark's look inside. Profiling is an
+    finished: frozen, they compute as running rows do). Uses the Generator's
+    `steps.function` (the compiled step of a sampler variant, not captured). Profiling is an
     extra: an error is reported in its place ({"error": ...}) and the timing kept."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    step = gen._steps[variant]
+    step = gen.steps.function(variant)
     try:
         with torch.no_grad():  # as in generate: another grad mode would recompile the step
             step(batch)

@@ -7,7 +7,13 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from tidal.generate import Generator, GeneratorConfig, SamplingParams, completion_logprobs
+from tidal.generate import (
+    Generator,
+    GeneratorConfig,
+    SamplingParams,
+    completion_logprobs,
+    logprobs,
+)
 from tidal.models import Transformer, get_flavor
 
 pytestmark = [
@@ -233,3 +239,51 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
     ]:
         assert _ids(gen.generate(prompts, params)) == _ids(ref.generate(prompts, params))
     assert (gen.stats.graphs_captured, _graphs()) == (captured, graphs)
+
+
+def _conversation(gen, params):
+    """Three trajectories of three turns from PROMPTS[:3], observations of other lengths;
+    each turn's samples, per trajectory."""
+    turns = [[g[0]] for g in gen.generate(PROMPTS[:3], params, keep=True)]
+    for k in range(2):
+        obs = [[7 + k] * (3 + 9 * k * i) for i in range(3)]
+        nexts = gen.continue_([t[-1].conversation for t in turns], obs, params, keep=k == 0)
+        for t, s in zip(turns, nexts, strict=True):
+            t.append(s)
+    assert not gen.conversations  # the last turn's keep=False freed the rows
+    return turns
+
+
+@SCOPES
+def test_conversations_continue_from_the_cache_under_graphs(scope):
+    """Continuations prefilled at their rows' offsets (the compiled prefill) and decoded in
+    captured graphs give eager's tokens, turn by turn."""
+    model = _model()
+    params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=())
+    fast = Generator(
+        model, config=GeneratorConfig(max_batch=4, max_seq_len=256, compile_scope=scope)
+    )
+    ref = Generator(model, config=GeneratorConfig(max_batch=4, max_seq_len=256, **EAGER))
+    got, want = _conversation(fast, params), _conversation(ref, params)
+    assert [[s.completion_ids for s in t] for t in got] == [
+        [s.completion_ids for s in t] for t in want
+    ]
+
+
+def test_batch_invariant_bf16_conversation_is_bitwise_the_trainers():
+    """Every turn of a conversation continued from the cache (captured decode, bf16) has
+    bitwise the log-probs of the whole conversation scored in one trainer forward."""
+    model = _model(dtype=torch.bfloat16)
+    gen = Generator(
+        model,
+        config=GeneratorConfig(max_batch=4, max_seq_len=256, check_every=4, batch_invariant=True),
+    )
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=3, stop_token_ids=())
+    for t in _conversation(gen, params):
+        whole = t[-1].prompt_ids + t[-1].completion_ids
+        with torch.no_grad():
+            lp = logprobs(model, torch.tensor([whole], device="cuda"), batch_invariant=True)[0]
+        for s in t:
+            start = len(s.prompt_ids) - 1
+            want = lp[start : start + len(s.completion_ids)].cpu()
+            assert torch.equal(torch.tensor(s.logprobs), want)

@@ -5,42 +5,28 @@ Design (after gpt-fast's generate.py and nanochat's engine.py, written for tidal
 - One static KV cache of `max_batch` rows ("slots") x `max_seq_len` positions, with per-row
   lengths (tidal/models/kv_cache.py). It is allocated once; weights and cache never move, so
   captured CUDA graphs stay valid across weight updates (`load_weights` copies in place).
-- Prefill once per prompt: waiting requests are admitted together, their prompts right-padded
-  into one forward that writes each prompt's keys/values into the first slot of its group;
-  the row is then copied into the group's other n - 1 slots (the prompt's KV is computed once,
-  not n times), and each slot samples its own first token from the shared last logits.
+- Prefill once per prompt: waiting requests are admitted together into free slots and
+  prefilled in one padded forward, the prompt's keys/values computed once per group of n
+  samples and copied to the group's other slots.
 - Decode: one token for every slot of a bucket (the first b slots, b a power of two) per
-  step. Everything a step needs lives in device tensors (last token, position, count,
-  sampling parameters, random keys, stop ids, output buffers); a step reads and updates them
-  in place and never syncs with the host: no `.item()`, no data-dependent Python branches.
-  Finished rows are frozen on the device (their position stops advancing).
+  step, on the device only (no host sync per token).
 - Host checks every `check_every` steps: one device-to-host copy of the done flags and
   counts; finished samples (stop token, stop string, `max_new_tokens`) are collected, and
   their slots refilled at once with waiting requests (continuous batching), so long-tailed
   completion lengths do not idle the batch. When few rows remain, they are moved into the
   lowest slots and the next-smaller bucket runs.
-- CUDA: the decode step of each (bucket, sampler variant) is compiled with torch.compile
-  (inductor, no cudagraphs of its own) and captured into a CUDA graph, replayed each step.
-  Prefill pads prompts to a multiple of 16 tokens and is compiled with dynamic shapes. With
-  `compile_scope="blocks"`, one function of a transformer block is compiled instead and
-  serves every layer (each block gets its own layer's cache view, so no layer index is
-  baked into a graph), the sampler and row updates are compiled apart per sampler variant,
-  and the rest of the step runs eagerly; the step is still captured whole. In
-  batch-invariant mode the step is not compiled (inductor would fuse the ops into kernels the
-  trainer does not run) but still captured: a graph replays exactly the eager kernels.
-  CPU: eager.
 - Warm-up: each compile and capture happens at the first call that needs it, unless
-  `warm_up` paid for them first (every bucket and sampler variant asked for; the compiled
-  blocks are dynamic in the batch and time from their first shape; tidal/generate/compiled.py).
+  `warm_up` paid for them first.
 
 Randomness: per sample, a counter-based hash of (request seed, sample index, completion
 index, token id) (tidal/generate/sampler.py): the same request and seed give the same tokens in
 any batch.
 
-Files: this one holds the engine; its config, samples and counters are in
-tidal/generate/types.py, the bookkeeping of cache rows in tidal/generate/slots.py, the
-compiled block function in tidal/generate/compiled.py, the in-place weight loads in
-tidal/generate/weights.py.
+Files: this one holds the host side (admission, host checks, results, streams); the device
+side (prefill and decode steps, compiled and captured) is tidal/generate/steps.py, the
+compiled block function tidal/generate/compiled.py; the config, samples and counters are in
+tidal/generate/types.py, the bookkeeping of cache rows in tidal/generate/slots.py, the in-place
+weight loads in tidal/generate/weights.py.
 
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
 it in a `Generator` once, optionally `warm_up` (any weights: graphs survive weight loads),
@@ -51,26 +37,21 @@ same methods with the same arguments).
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import dataclasses
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from tidal.generate.compiled import compiled_blocks, mark_batch
-from tidal.generate.sampler import VARIANTS, SamplingParams, sample, sample_key, variant, variant_of
-from tidal.generate.slots import Request, Rows, Slot, buckets, make_requests, round_up
-from tidal.generate.types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats, Sample
+from tidal.generate.sampler import VARIANTS, SamplingParams, variant_of
+from tidal.generate.slots import Request, Rows, Table, buckets, make_requests
+from tidal.generate.steps import Steps
+from tidal.generate.types import Continuation, Conversation, GeneratorConfig, GeneratorStats, Sample
 from tidal.generate.weights import copy_weights, read_weights
 from tidal.models.kv_cache import KVCache
 from tidal.models.transformer import Transformer
-
-_PREFILL_PAD = 16  # prompts are right-padded to a multiple of this many tokens
 
 END = object()
 """What a `Generator.stream` feed returns to end the stream (also `Generator.END`)."""
@@ -124,83 +105,36 @@ class Generator:
         the parameters in place and return their version, or return None. Rows in flight
         go on with the new weights; their later tokens are stamped with the new version."""
         self.stats = GeneratorStats()
-        sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        cuda = self.device.type == "cuda"
-        self._graphs_on = cfg.cuda_graphs if cfg.cuda_graphs is not None else cuda and not sharded
-        self._compile_on = (
-            cfg.compile
-            if cfg.compile is not None
-            else cuda and not sharded and not cfg.batch_invariant
-        )
-        if cfg.tune_kernels and not self._compile_on:
-            raise ValueError(
-                "GeneratorConfig.tune_kernels tunes compiled kernels: it needs compile"
-            )
-        if (self._graphs_on or self._compile_on) and not cuda:
-            raise ValueError("GeneratorConfig.compile / cuda_graphs need a model on a CUDA device")
-        if self._compile_on and cfg.batch_invariant:
-            raise ValueError(
-                "GeneratorConfig.compile=True with batch_invariant=True: compiled kernels fuse "
-                "ops differently from the trainer's eager forward; leave compile=None"
-            )
         self.cache = KVCache.for_model(model, batch_size=cfg.max_batch, capacity=self.capacity)
         self._rows = Rows(cfg.max_batch, self.capacity + 1, self.device)
-        self._slots: list[Slot | None] = [None] * cfg.max_batch
+        self._table = Table(cfg.max_batch)
         self.buckets = buckets(cfg.max_batch)
-        self._graphs: dict[tuple[int, bool, bool], Any] = {}
-        self._pool: Any = None
-        self._steps: dict[bool | str, Any] = {}
-        if cfg.compile_scope == "blocks" and not self._compile_on:
-            warnings.warn(
-                "GeneratorConfig.compile_scope='blocks' is ignored: nothing is compiled "
-                "(compile off, a CPU model, batch-invariant mode or DTensor parameters)",
-                stacklevel=2,
-            )
-        self._prefill_fn: Callable[..., torch.Tensor] = self._prefill_forward
-        self._blocks: list[Callable[..., torch.Tensor]] | None = None
-        self._setup_compile()
+        self.steps = Steps(model, self.cache, self._rows, cfg, self.stats)
+        """The prefill and decode steps, compiled and captured (tidal/generate/steps.py)."""
 
     @property
     def compiles(self) -> bool:
         """Whether the prefill and decode steps are compiled (`GeneratorConfig.compile`,
         resolved for this model and device)."""
-        return self._compile_on
+        return self.steps.compiles
 
     @property
     def captures(self) -> bool:
         """Whether decode steps are captured in CUDA graphs (`GeneratorConfig.cuda_graphs`,
         resolved)."""
-        return self._graphs_on
+        return self.steps.captures
 
     @property
     def blocks(self) -> list[Callable[..., torch.Tensor]] | None:
         """The compiled block functions the cached forward runs (compile_scope="blocks" with
         compile on), else None."""
-        return self._blocks
+        return self.steps.blocks
 
     def compile_for_testing(self) -> None:
         """The test seam for the compiled paths on CPU: compile as `compile=None` does on
         CUDA, whatever the device (tests pass `torch.compile` dynamo's "eager" backend to
         trace without making kernels). Not for generation: a CPU model gains nothing."""
-        self._compile_on = True
-        self._setup_compile()
-
-    def _setup_compile(self) -> None:
-        """The compiled pieces `_compile_on` and `compile_scope` ask for. "step": the prefill
-        whole, with dynamic shapes (decode steps are compiled at their first use, in
-        `_step_fn`). "blocks": one block function shared by every layer, for the prefill and
-        the decode steps alike (the batch and time dimensions dynamic from the first call, so
-        a few graphs serve every bucket: `compiled_blocks`)."""
-        self._prefill_fn, self._blocks = self._prefill_forward, None
-        if not self._compile_on:
-            return
-        if self.config.compile_scope == "step":
-            self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True)
-            return
-        self._blocks = compiled_blocks(list(self.model.layers.values()), self._inductor_options())
-
-    def _inductor_options(self) -> dict[str, Any] | None:
-        return {"coordinate_descent_tuning": True} if self.config.tune_kernels else None
+        self.steps.compile_for_testing()
 
     # -- weights --------------------------------------------------------------------------
 
@@ -288,11 +222,10 @@ class Generator:
                 f"warm_up buckets {bad} are not batch buckets of this Generator "
                 f"(max_batch={self.config.max_batch}): {self.buckets}"
             )
-        if not (self._compile_on or self._graphs_on):
+        if not (self.compiles or self.captures):
             return 0.0
         start = time.perf_counter()
-        stats = self.stats
-        self.stats = GeneratorStats(graphs_captured=stats.graphs_captured)
+        before = dataclasses.replace(self.stats)  # warm-up's calls and steps are not counted
         hook, self.swap_hook = self.swap_hook, None  # the weights stay as they are
         try:
             # The prefill: the first one runs eagerly (it allocates the cache), then one prompt
@@ -305,19 +238,17 @@ class Generator:
             for prompts in calls:
                 self.generate(prompts, one)
             # Every (bucket, variant) step on finished rows, which it leaves as they are.
-            with torch.no_grad(), self._autocast():
-                for name in variants:
-                    for b in sizes:  # the largest first: its compile is the dynamic one
-                        step = self._step_fn(b, name != "greedy", name == "truncated")
-                        if not self._graphs_on:  # else `_step_fn` captured it, running it
-                            step()
+            with torch.no_grad(), self.steps.autocast():
+                self.steps.warm_up(variants, sizes)
             self._reset()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:
             self.swap_hook = hook
-            stats.graphs_captured = self.stats.graphs_captured
-            self.stats = stats
+            stats = self.stats
+            for f in dataclasses.fields(stats):
+                if f.name != "graphs_captured":
+                    setattr(stats, f.name, getattr(before, f.name))
         seconds = time.perf_counter() - start
         stats.warmup_seconds += seconds
         return seconds
@@ -325,39 +256,111 @@ class Generator:
     @torch.no_grad()
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | Continuation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        keep: bool = False,
     ) -> list[list[Sample]]:
         """Complete every prompt `params.n` times.
 
         Args:
-            prompts: token ids of each prompt (at least one token; BOS is not added).
+            prompts: token ids of each prompt (at least one token; BOS is not added), or a
+                `Continuation` of a kept conversation (its observation's tokens, appended
+                and prefilled from the conversation's cache row; n=1). Both kinds batch
+                together.
             params: one SamplingParams for all prompts, or one per prompt.
+            keep: keep each sample's cache row after its turn, for continuations
+                (`Sample.conversation`), until `release` or a continuation with
+                keep=False. Every sample then holds a row: they must fit in `max_batch`
+                at once, beside the rows already held.
 
         Returns:
-            One list per prompt, in order, of its n samples (sample_index 0..n-1).
+            One list per prompt, in order, of its n samples (sample_index 0..n-1). A
+            continuation's sample has the whole conversation before its turn as
+            `prompt_ids`; one whose tokens leave no room in the row for a new token ends as
+            "truncated", without running, and its conversation is closed.
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt longer
                 than `max_seq_len - 1`, prompt + max_new_tokens over `max_seq_len`, n over
-                `max_batch`, a stop string without a tokenizer or one the tokenizer cannot
-                produce (its encoding does not decode back to it), more than
-                MAX_STOP_IDS stop token ids.
+                `max_batch` (less the rows held by conversations), a stop string without a
+                tokenizer or one the tokenizer cannot produce (its encoding does not decode
+                back to it), more than MAX_STOP_IDS stop token ids; a continuation with
+                n > 1, of a closed conversation, of another generator's, or of one already
+                running or waiting for a turn.
         """
-        requests = self._requests(prompts, params)  # every error before anything runs
+        requests = self._requests(prompts, params, keep)  # every error before anything runs
         feed = iter([requests])
         (groups,) = self._run(lambda idle: next(feed, END))
         return groups
 
+    def continue_(
+        self,
+        conversations: Sequence[Conversation],
+        observations: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        keep: bool = True,
+    ) -> list[Sample]:
+        """Append each observation's tokens to its conversation and sample the next turn,
+        from the conversation's cache row: `generate` of `Continuation`s, one sample each.
+
+        Args:
+            conversations: open conversations (`Sample.conversation` of a turn made with
+                `keep=True`), each at most once.
+            observations: token ids to append to each (a tool result, an environment or user
+                message; may be empty to go on with the same turn).
+            params: one SamplingParams (n=1) for all, or one each; `max_new_tokens` is
+                clipped to the positions the row has left.
+            keep: keep the rows after this turn (False: this turn is the last, the rows are
+                freed when it ends).
+
+        Returns:
+            One sample per conversation, in order (`finish_reason` "truncated" when the
+            observation leaves no room for a new token: the conversation is then closed).
+
+        Example::
+
+            (s,) = gen.generate([prompt], SamplingParams(max_new_tokens=64), keep=True)[0]
+            (t,) = gen.continue_([s.conversation], [tok.encode("<tool_response>42")])
+            gen.release(t.conversation)     # or continue again
+        """
+        if len(conversations) != len(observations):
+            raise ValueError(
+                f"{len(conversations)} conversations but {len(observations)} observations"
+            )
+        items = [
+            Continuation(c, tuple(o)) for c, o in zip(conversations, observations, strict=True)
+        ]
+        return [g[0] for g in self.generate(items, params, keep=keep)]
+
+    def release(self, conversation: Conversation) -> None:
+        """Free the cache row of a conversation between its turns (the trajectory is done);
+        a closed conversation is left as it is.
+
+        Raises:
+            ValueError: the conversation is running a turn or waiting for one, or is not
+                this generator's.
+        """
+        self._table.release(conversation, claimed_ok=False)
+
+    @property
+    def conversations(self) -> list[Conversation]:
+        """The open conversations: each holds a cache row, between turns or running one."""
+        return self._table.conversations()
+
     def stream(
         self,
-        feed: Callable[[bool], tuple[Sequence[Sequence[int]], Any] | None | object],
+        feed: Callable[[bool], tuple[Sequence[Sequence[int] | Continuation], Any] | None | object],
+        *,
+        keep: bool = False,
     ) -> Iterator[list[list[Sample]]]:
         """Generate batch after batch without draining the slots in between: while the
         last rows of one batch finish, the next batch's groups take the slots freed.
 
         `feed(idle)` is asked for the next batch whenever every request fed so far has
-        been admitted: it returns `(prompts, params)` (as `generate` takes them), None for
+        been admitted: it returns `(prompts, params)` (as `generate` takes them, with
+        continuations among the prompts, and `keep` for every batch), None for
         "nothing yet" (decoding goes on and it is asked again after the next host check),
         or `Generator.END` to stop: the batches in flight finish and the iterator ends.
         `idle` is True when nothing is in flight; a feed with nothing to give should then
@@ -379,8 +382,8 @@ class Generator:
             item = feed(idle)
             if item is None or item is END:
                 return item
-            batch = cast(tuple[Sequence[Sequence[int]], Any], item)
-            return self._requests(*batch)
+            prompts, params = cast(tuple[Sequence[Sequence[int] | Continuation], Any], item)
+            return self._requests(prompts, params, keep)
 
         return self._run(requests)
 
@@ -392,32 +395,44 @@ class Generator:
         fed = done = 0  # batches fed; batches yielded
         ended = False
         self._reset()
-        while True:
-            # Feed batches while every one fed so far has been admitted: a batch whose groups
-            # all fit leaves room to ask for the next one before decoding.
-            while not ended and not pending:
-                reqs = next_requests(all(s is None for s in self._slots))
-                if reqs is END:
-                    ended = True
-                    break
-                if reqs is None:
-                    break
-                for r in reqs:
-                    r.batch = fed
-                results[fed] = [[None] * r.params.n for r in reqs]
-                pending.extend(reqs)
-                fed += 1
-                self._admit_and_prefill(pending)
-            if pending or any(s is not None for s in self._slots):
-                self._admit_and_prefill(pending)
-                with self._autocast():
-                    self._decode_and_check(results)
-                    self._maybe_swap()
-            while done in results and all(s is not None for g in results[done] for s in g):
-                yield [list(g) for g in results.pop(done)]  # type: ignore[arg-type]
-                done += 1
-            if ended and done == fed:
-                return
+        try:
+            while True:
+                # Feed batches while every one fed so far has been admitted: a batch whose groups
+                # all fit leaves room to ask for the next one before decoding.
+                while not ended and not pending:
+                    reqs = next_requests(not self._table.active())
+                    if reqs is END:
+                        ended = True
+                        break
+                    if reqs is None:
+                        break
+                    results[fed] = [[None] * r.params.n for r in reqs]
+                    for r in reqs:
+                        r.batch = fed
+                        if r.truncated:
+                            results[fed][r.index][0] = self._truncate(r)
+                        else:
+                            pending.append(r)
+                    fed += 1
+                    self._admit_and_prefill(pending)
+                if pending or self._table.active():
+                    self._admit_and_prefill(pending)
+                    if pending and not self._table.active():
+                        raise RuntimeError(
+                            f"a request needs {pending[0].params.n} free cache rows but "
+                            f"{len(self._table.held())} of max_batch={self.config.max_batch} are "
+                            "held by kept conversations: release them (Generator.release)"
+                        )
+                    with self.steps.autocast():
+                        self._decode_and_check(results)
+                        self._maybe_swap()
+                while done in results and all(s is not None for g in results[done] for s in g):
+                    yield [list(g) for g in results.pop(done)]  # type: ignore[arg-type]
+                    done += 1
+                if ended and done == fed:
+                    return
+        finally:  # an abandoned stream: continuations not admitted leave their rows idle
+            self._table.unclaim(r.conversation for r in pending if r.conversation)
 
     def _maybe_swap(self) -> None:
         """Between decode steps: let `swap_hook` switch the weights, and mark where each
@@ -429,12 +444,14 @@ class Generator:
             return
         self.version = version
         self.stats.weight_swaps += 1
-        for slot in self._slots:
-            if slot is not None:
-                slot.marks.append((slot.count, version))
+        for i in self._table.active():
+            slot = self._table.slots[i]
+            assert slot is not None
+            slot.marks.append((slot.count, version))
 
-    def _requests(self, prompts, params) -> list[Request]:
-        return make_requests(
+    def _requests(self, prompts, params, keep: bool) -> list[Request]:
+        """Check a batch and make its requests; claim the rows of its continuations."""
+        reqs = make_requests(
             prompts,
             params,
             vocab_size=self.vocab_size,
@@ -443,280 +460,76 @@ class Generator:
             max_batch=self.config.max_batch,
             tokenizer=self.tokenizer,
         )
+        for r in reqs:
+            r.keep = keep
+        self._table.claim(reqs, self.config.max_batch, keep)
+        return reqs
+
+    def _truncate(self, req: Request) -> Sample:
+        """The sample of a continuation that does not fit: no tokens; its row is freed."""
+        conv = req.conversation
+        assert conv is not None
+        self._table.release(conv, claimed_ok=True)
+        self.stats.truncated += 1
+        return req.truncated_sample(self.tokenizer, self.version)
 
     # -- admission and prefill ------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._slots = [None] * self.config.max_batch
+        """Free every row not held by a conversation between turns."""
+        self._table.reset()
         self._rows.done.fill_(True)
-        self.cache.reset()
+        if not self._table.held():
+            self.cache.reset()
+        else:
+            free = torch.tensor(self._table.free(), dtype=torch.long, device=self.device)
+            self.cache.lengths[free] = 0
 
     def _admit_and_prefill(self, pending: deque[Request]) -> None:
-        """Admit what fits of `pending` into free slots and prefill it."""
-        admitted = self._admit(pending)
+        """Admit what fits of `pending` into free rows (a continuation: its conversation's)
+        and prefill it."""
+        admitted = self._table.admit(pending, self.version)
         if admitted:
-            with self._autocast():
-                self._prefill(admitted)
-
-    def _admit(self, pending: deque[Request]) -> list[tuple[Request, list[int]]]:
-        """Take waiting requests (in order) while their groups fit into free slots."""
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        admitted = []
-        while pending and len(free) >= pending[0].params.n:
-            req = pending.popleft()
-            slots, free = free[: req.params.n], free[req.params.n :]
-            for j, slot in enumerate(slots):
-                self._slots[slot] = Slot(req, j, count=1, marks=[(0, self.version)])
-            admitted.append((req, slots))
-        return admitted
-
-    def _prefill_forward(self, tokens_PT, positions_PT, rows_P, last_P) -> torch.Tensor:
-        return self.model.forward_cached(
-            tokens_PT,
-            self.cache,
-            positions=positions_PT,
-            rows=rows_P,
-            logits_at=last_P,
-            batch_invariant=self.config.batch_invariant,
-            # Compiled blocks once the cache exists: its allocation stays out of compiled code.
-            blocks=self._blocks if self.cache.allocated else None,
-        )[:, 0]
-
-    def _prefill(self, admitted: list[tuple[Request, list[int]]]) -> None:
-        """Prefill each admitted prompt once into its group's first slot, copy it to the
-        group's other slots, and sample every slot's first token."""
-        chunk: list[tuple[Request, list[int]]] = []
-        for item in admitted:
-            width = round_up(max(len(r.prompt) for r, _ in [*chunk, item]), _PREFILL_PAD)
-            if chunk and width * (len(chunk) + 1) > self.config.prefill_tokens:
-                self._prefill_chunk(chunk)
-                chunk = []
-            chunk.append(item)
-        if chunk:
-            self._prefill_chunk(chunk)
-
-    def _prefill_chunk(self, chunk: list[tuple[Request, list[int]]]) -> None:
-        dev, rows = self.device, self._rows
-        width = min(round_up(max(len(r.prompt) for r, _ in chunk), _PREFILL_PAD), self.capacity)
-        tokens = torch.zeros(len(chunk), width, dtype=torch.long)
-        for i, (r, _) in enumerate(chunk):
-            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
-        lengths = torch.tensor([len(r.prompt) for r, _ in chunk])
-        first = torch.tensor([slots[0] for _, slots in chunk])
-        positions = torch.arange(width).expand(len(chunk), width)
-        # The first prefill allocates the cache (in the dtype the keys come out in) eagerly,
-        # outside any compiled code.
-        prefill = self._prefill_fn if self.cache.allocated else self._prefill_forward
-        logits_PV = prefill(tokens.to(dev), positions.to(dev), first.to(dev), (lengths - 1).to(dev))
-        self.stats.prefill_calls += 1
-        self.stats.prefill_tokens += int(lengths.sum())
-        self.cache.lengths[first.to(dev)] = lengths.to(dev)
-
-        # Every slot of a group: copy the prompt's cache row, then per-slot state.
-        src = [slots[0] for _, slots in chunk for _ in slots[1:]]
-        dst = [s for _, slots in chunk for s in slots[1:]]
-        if dst:
-            self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
-        group = [i for i, (_, slots) in enumerate(chunk) for _ in slots]
-        slots_t = torch.tensor([s for _, slots in chunk for s in slots], device=dev)
-        params = [(r, j) for r, slots in chunk for j in range(len(slots))]
-
-        def per_slot(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        rows.temperature[slots_t] = per_slot(
-            [r.params.temperature for r, _ in params], torch.float32
-        )
-        rows.top_k[slots_t] = per_slot([r.params.top_k for r, _ in params], torch.long)
-        rows.top_p[slots_t] = per_slot([r.params.top_p for r, _ in params], torch.float32)
-        rows.min_p[slots_t] = per_slot([r.params.min_p for r, _ in params], torch.float32)
-        rows.max_new[slots_t] = per_slot([r.params.max_new_tokens for r, _ in params], torch.long)
-        rows.key[slots_t] = per_slot([sample_key(r.params.seed, j) for r, j in params], torch.long)
-        stop = torch.full((len(params), MAX_STOP_IDS), -1, dtype=torch.long)
-        for i, (r, _) in enumerate(params):
-            stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.long)
-        rows.stop_ids[slots_t] = stop.to(dev)
-        prompt_len = per_slot([len(r.prompt) for r, _ in params], torch.long)
-
-        logits_SV = logits_PV[torch.tensor(group, device=dev)]
-        sampled = any(r.params.temperature > 0 for r, _ in params)
-        truncate = any(r.params.truncates for r, _ in params)
-        zero = torch.zeros(len(params), dtype=torch.long, device=dev)
-        tok, lp, slp = sample(
-            logits_SV,
-            temperature_B=rows.temperature[slots_t],
-            top_k_B=rows.top_k[slots_t],
-            top_p_B=rows.top_p[slots_t],
-            min_p_B=rows.min_p[slots_t],
-            keys_B=rows.key[slots_t],
-            steps_B=zero,
-            sampled=sampled,
-            truncate=truncate,
-            batch_invariant=self.config.batch_invariant,
-        )
-        rows.last[slots_t] = tok
-        rows.pos[slots_t] = prompt_len
-        rows.count[slots_t] = 1
-        rows.out_tok[slots_t, 0] = tok
-        rows.out_lp[slots_t, 0] = lp
-        rows.out_slp[slots_t, 0] = slp
-        hit = (tok[:, None] == rows.stop_ids[slots_t]).any(dim=-1)
-        rows.done[slots_t] = hit | (rows.max_new[slots_t] <= 1)
+            with self.steps.autocast():
+                self.steps.prefill(admitted)
 
     # -- decoding -------------------------------------------------------------------------
-
-    def _decode_step(self, b: int, sampled: bool, truncate: bool) -> None:
-        """One token for every row of bucket b, in place (no host sync)."""
-        self._record(self._decode_logits(b), sampled, truncate)
-
-    def _decode_logits(self, b: int) -> torch.Tensor:
-        """The next-token logits [b, V] of the rows of bucket b (their keys and values cached)."""
-        rows = self._rows
-        return self.model.forward_cached(
-            rows.last[:b, None],
-            self.cache,
-            positions=rows.pos[:b, None],
-            batch_invariant=self.config.batch_invariant,
-            blocks=self._blocks,
-        )[:, 0]
-
-    def _record(self, logits_BV: torch.Tensor, sampled: bool, truncate: bool) -> None:
-        """Sample the next token of each of the first b = len(logits_BV) rows, record it and
-        its log-probs, and advance the rows' state, in place (no host sync)."""
-        rows, b = self._rows, logits_BV.shape[0]
-        count_B = rows.count[:b]
-        tok, lp, slp = sample(
-            logits_BV,
-            temperature_B=rows.temperature[:b],
-            top_k_B=rows.top_k[:b],
-            top_p_B=rows.top_p[:b],
-            min_p_B=rows.min_p[:b],
-            keys_B=rows.key[:b],
-            steps_B=count_B,
-            sampled=sampled,
-            truncate=truncate,
-            batch_invariant=self.config.batch_invariant,
-        )
-        active_B = ~rows.done[:b]
-        # A finished row writes one past its last token (harmless) and stays frozen.
-        idx_B1 = count_B[:, None]
-        rows.out_tok[:b].scatter_(1, idx_B1, tok[:, None])
-        rows.out_lp[:b].scatter_(1, idx_B1, lp[:, None])
-        rows.out_slp[:b].scatter_(1, idx_B1, slp[:, None])
-        step_B = active_B.long()
-        rows.count[:b] += step_B
-        rows.pos[:b] += step_B
-        rows.last[:b] = torch.where(active_B, tok, rows.last[:b])
-        hit_B = (tok[:, None] == rows.stop_ids[:b]).any(dim=-1)
-        rows.done[:b] |= active_B & (hit_B | (rows.count[:b] >= rows.max_new[:b]))
-
-    # Three entry points, one per sampler variant, so that torch.compile keeps a cache of
-    # its own per variant (one graph per bucket in each, under dynamo's recompile limit).
-    def _step_greedy(self, b: int) -> None:
-        self._decode_step(b, False, False)
-
-    def _step_sampled(self, b: int) -> None:
-        self._decode_step(b, True, False)
-
-    def _step_truncated(self, b: int) -> None:
-        self._decode_step(b, True, True)
-
-    # compile_scope="blocks": the step runs eagerly around the compiled blocks, and the
-    # sampler and row updates are compiled apart, again one entry point per variant.
-    def _step_blocks(self, record: Callable[[torch.Tensor], None], b: int) -> None:
-        record(mark_batch(self._decode_logits(b)))  # compiled dynamic in the batch at once
-
-    def _record_greedy(self, logits_BV: torch.Tensor) -> None:
-        self._record(logits_BV, False, False)
-
-    def _record_sampled(self, logits_BV: torch.Tensor) -> None:
-        self._record(logits_BV, True, False)
-
-    def _record_truncated(self, logits_BV: torch.Tensor) -> None:
-        self._record(logits_BV, True, True)
-
-    def _step_fn(self, b: int, sampled: bool, truncate: bool):
-        name = variant(sampled, truncate)
-        step = self._steps.get(name)
-        if step is None:
-            step = getattr(self, f"_step_{name}")
-            if self._compile_on and self.config.compile_scope == "step":
-                step = torch.compile(step, dynamic=False, options=self._inductor_options())
-            elif self._compile_on:
-                record = torch.compile(
-                    getattr(self, f"_record_{name}"), options=self._inductor_options()
-                )
-                step = functools.partial(self._step_blocks, record)
-            self._steps[name] = step
-        if not self._graphs_on:
-            return lambda: step(b)
-        key = (b, sampled, truncate)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(lambda: step(b))
-        return graph.replay
-
-    def _capture(self, step) -> Any:
-        """Capture `step` in a CUDA graph. Warm-up runs (compilation, cuBLAS set-up) execute
-        real steps, so the row state is saved before and restored after; the cache entries
-        they write lie at or past each row's position and are rewritten before being read."""
-        saved = [t.clone() for t in self._rows.tensors()]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            step()
-        for t, s in zip(self._rows.tensors(), saved, strict=True):
-            t.copy_(s)
-        self.stats.graphs_captured += 1
-        return graph
 
     def _decode_and_check(self, results: dict[int, list[list[Sample | None]]]) -> None:
         """Run up to `check_every` decode steps on the smallest bucket holding every active
         row, then collect the finished rows."""
-        active = [i for i, s in enumerate(self._slots) if s is not None]
-        if not active:
+        if not self._table.active():
             return
-        self._compact(active)
-        active = [i for i, s in enumerate(self._slots) if s is not None]
+        self._compact()
+        active = self._table.active()
         b = next(x for x in self.buckets if x > active[-1])
-        slots = [self._slots[i] for i in active]
+        slots = [self._table.slots[i] for i in active]
         # Rows still running grow by one token per step: never run past the longest need.
         steps = min(
             self.config.check_every,
-            max(s.request.params.max_new_tokens - s.count for s in slots if s is not None),
+            max(s.request.max_new - s.count for s in slots if s is not None),
         )
         sampled = any(s.request.params.temperature > 0 for s in slots if s is not None)
         truncate = any(s.request.params.truncates for s in slots if s is not None)
         start = time.perf_counter()
         if steps > 0:
-            step = self._step_fn(b, sampled, truncate)
+            step = self.steps.step(b, sampled, truncate)
             for _ in range(steps):
                 step()
             self.stats.decode_steps += steps
         self._check(active, steps, results)
         self.stats.decode_seconds += time.perf_counter() - start
 
-    def _compact(self, active: list[int]) -> None:
-        """Move the rows of slots past the bucket the active rows need into free low slots."""
-        target = next(x for x in self.buckets if x >= len(active))
-        movers = [i for i in active if i >= target]
-        if not movers:
+    def _compact(self) -> None:
+        """Move the active rows past the bucket they need into lower free (or held) rows."""
+        src, dst, left = self._table.compaction(self.buckets)
+        if not src:
             return
-        holes = [i for i in range(target) if self._slots[i] is None][: len(movers)]
-        src = torch.tensor(movers, device=self.device)
-        dst = torch.tensor(holes, device=self.device)
-        self.cache.copy_rows(src, dst)
-        self._rows.move(src, dst)
-        self._rows.done[src] = True
-        for s, d in zip(movers, holes, strict=True):
-            self._slots[d], self._slots[s] = self._slots[s], None
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        self.cache.copy_rows(src_t, dst_t)
+        self._rows.move(src_t, dst_t)
+        self._rows.done[torch.tensor(left, device=self.device)] = True
 
     def _check(self, active: list[int], steps: int, results) -> None:
         """One device-to-host copy of the done flags and counts; finish rows that hit a stop
@@ -728,7 +541,7 @@ class Generator:
         finished: dict[int, tuple[int, str]] = {}  # slot -> (tokens kept, reason)
         to_search = []
         for k, slot_id in enumerate(active):
-            slot = self._slots[slot_id]
+            slot = self._table.slots[slot_id]
             assert slot is not None
             done, count = bool(done_count[0, k]), int(done_count[1, k])
             slot.count = count if done else slot.count + steps
@@ -740,73 +553,46 @@ class Generator:
         if to_search or finished:
             fetch = sorted(set(to_search) | finished.keys())
             fidx = torch.tensor(fetch, device=self.device)
-            width = 1 + max(self._slots[s].count for s in fetch)  # type: ignore[union-attr]
+            width = 1 + max(self._table.slots[s].count for s in fetch)  # type: ignore[union-attr]
             toks, lps, slps = (
                 t[fidx, :width].cpu() for t in (rows.out_tok, rows.out_lp, rows.out_slp)
             )
             host = {s: (toks[i], lps[i], slps[i]) for i, s in enumerate(fetch)}
             for slot_id in to_search:
-                slot = self._slots[slot_id]
+                slot = self._table.slots[slot_id]
                 assert slot is not None
-                hit = self._search_stop(slot, host[slot_id][0][: slot.count].tolist())
+                hit = slot.search_stop(host[slot_id][0][: slot.count].tolist(), self.tokenizer)
                 if hit is not None:
                     finished[slot_id] = (hit, "stop")
                 elif bool(done_count[0, active.index(slot_id)]):
                     finished[slot_id] = (slot.count, "")
             for slot_id, (n, reason) in finished.items():
-                slot = self._slots[slot_id]
+                slot = self._table.slots[slot_id]
                 assert slot is not None
                 tok, lp, slp = host[slot_id]
                 ids = tok[:n].tolist()
                 if not reason:
                     reason = "stop" if ids[-1] in slot.request.stop_ids else "length"
-                results[slot.request.batch][slot.request.index][slot.sample_index] = self._sample(
-                    slot, ids, lp[:n].tolist(), slp[:n].tolist(), reason
+                sample = slot.sample(
+                    ids, lp[:n].tolist(), slp[:n].tolist(), reason, self.tokenizer, self.version
                 )
-                self._slots[slot_id] = None
+                results[slot.request.batch][slot.request.index][slot.sample_index] = sample
+                self._end_turn(slot_id, sample)
             rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True
 
-    def _search_stop(self, slot: Slot, ids: list[int]) -> int | None:
-        """Tokens kept when a stop string ends within ids[slot.checked:] (the token that
-        completes it included), else None."""
-        stops = slot.request.params.stop
-        window = 4 * max(len(s) for s in stops) + 4  # tokens that can hold any stop string
-        for i in range(slot.checked, len(ids)):
-            tail = self.tokenizer.decode(ids[max(0, i + 1 - window) : i + 1])
-            if any(s in tail for s in stops):
-                return i + 1
-        slot.checked = len(ids)
-        return None
-
-    def _sample(self, slot: Slot, ids, lps, slps, reason) -> Sample:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(ids)
-            cuts = [text.find(s) for s in slot.request.params.stop if s in text]
-            if cuts:
-                text = text[: min(cuts)]
-        return Sample(
-            prompt_index=slot.request.index,
-            sample_index=slot.sample_index,
-            prompt_ids=list(slot.request.prompt),
-            completion_ids=ids,
-            text=text,
-            finish_reason=reason,
-            logprobs=lps,
-            sampling_logprobs=slps,
-            weight_version=slot.marks[0][1] if slot.marks else self.version,
-            versions=slot.versions(len(ids)) if len(slot.marks) > 1 else None,
-        )
-
-    def _autocast(self):
-        dev = self.device.type
-        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.amp_dtype or "")
-        if amp is None and torch.is_autocast_enabled(dev):
-            amp = torch.get_autocast_dtype(dev)  # the caller's autocast, kept
-        if amp is None:
-            return contextlib.nullcontext()
-        # No cast cache: a captured graph must cast the current weights on every replay.
-        return torch.autocast(dev, dtype=amp, cache_enabled=False)
+    def _end_turn(self, row: int, sample: Sample) -> None:
+        """Free a finished row, or hold it for its conversation's next turn."""
+        slot = self._table.slots[row]
+        assert slot is not None
+        conv = sample.conversation = slot.conversation
+        if conv is None:
+            self._table.slots[row] = None
+            return
+        conv.ids = sample.prompt_ids + sample.completion_ids
+        conv.turns += 1
+        slot.held = True
+        if not slot.request.keep:
+            self._table.release(conv, claimed_ok=False)
 
 
 __all__ = ["END", "Generator"]

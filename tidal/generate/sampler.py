@@ -126,11 +126,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sample_key(seed: int, sample_index: int) -> int:
-    """The 32-bit random key of sample `sample_index` of a request seeded `seed`."""
+def sample_key(seed: int, sample_index: int, turn: int = 0) -> int:
+    """The 32-bit random key of sample `sample_index` of a request seeded `seed`; for a turn
+    after the first of a conversation (`Generator` continuations), of its turn `turn`, so
+    that each turn draws its own noise even with the same seed."""
     h = _mix32_int(seed & _M32)
     h = _mix32_int(h ^ _mix32_int((seed >> 32) ^ 0x9E3779B9))
-    return _mix32_int(h ^ _mix32_int(sample_index + 0x85EBCA6B))
+    key = _mix32_int(h ^ _mix32_int(sample_index + 0x85EBCA6B))
+    return key if turn == 0 else _mix32_int(key ^ _mix32_int(turn + 0xC2B2AE35))
 
 
 def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab_size: int) -> torch.Tensor:

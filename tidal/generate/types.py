@@ -1,9 +1,11 @@
 """What a Generator is built with, what it returns and what it counts: `GeneratorConfig`,
-`Sample` and `GeneratorStats` (the engine is tidal/generate/generator.py)."""
+`Sample`, `Conversation`, `Continuation` and `GeneratorStats` (the engine is
+tidal/generate/generator.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MAX_STOP_IDS = 16
@@ -97,8 +99,10 @@ class Sample:
     text: str | None
     """Decoded completion (special tokens dropped, cut before a stop string); None without a
     tokenizer."""
-    finish_reason: Literal["stop", "length"]
-    """"stop": a stop token or string; "length": max_new_tokens reached."""
+    finish_reason: Literal["stop", "length", "truncated"]
+    """"stop": a stop token or string; "length": max_new_tokens reached (or the row's last
+    position, for a continuation); "truncated": a continuation whose tokens leave no room in
+    the row for a new one (no completion; its conversation is closed)."""
     logprobs: list[float]
     """Per completion token: log-prob under the model (temperature 1, no truncation)."""
     sampling_logprobs: list[float]
@@ -111,6 +115,9 @@ class Sample:
     """Per completion token: the policy version that produced it (weights swapped in flight
     through `Generator.swap_hook` change it mid-sequence; -1 for unversioned weights). None:
     every token is `weight_version`'s."""
+    conversation: Conversation | None = None
+    """The conversation this turn belongs to (a request made with `keep=True`, or a
+    `Continuation`): continue it while it is open. None otherwise."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -127,13 +134,54 @@ class Sample:
         }
 
 
+@dataclass(eq=False, slots=True)
+class Conversation:
+    """A sample's KV-cache row, kept after its turn so that the sequence continues from the
+    cache: `Sample.conversation` of a request made with `keep=True`. Hand it back in a
+    `Continuation` (or to `Generator.continue_`) to append an observation and sample the next
+    turn, prefilling only the new tokens; `Generator.release` frees its row. The Generator
+    updates it: read it, never write it.
+
+    Example::
+
+        (s,) = gen.generate([prompt], SamplingParams(max_new_tokens=64), keep=True)[0]
+        (t,) = gen.continue_([s.conversation], [tool_result_ids])
+        gen.release(t.conversation)
+    """
+
+    ids: list[int]
+    """Every token so far: the prompt, each turn's completion and each observation; the last
+    turn's tokens last."""
+    sample_index: int
+    """Index of its first turn's sample in that request's group (its random keys derive from
+    it, each turn's seed and the turn)."""
+    turns: int = 0
+    """Turns generated so far."""
+    open: bool = True
+    """Whether it holds a cache row: False once released, ended as truncated, or finished
+    by a continuation made with `keep=False`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A prompt that continues a conversation from its cache row: `tokens` (an observation:
+    a tool result, an environment or user message, as token ids) are appended to
+    `conversation.ids`, only they (and the last turn's final token, not yet in the cache) are
+    prefilled, and the next turn is sampled after them. Give it to `Generator.generate` or
+    `stream` among plain prompts; its `SamplingParams` must have n=1."""
+
+    conversation: Conversation
+    tokens: Sequence[int] = field(default=())
+
+
 @dataclass(slots=True)
 class GeneratorStats:
     """Counters since the Generator was built (tests and benchmarks read them)."""
 
     prefill_calls: int = 0
     prefill_tokens: int = 0
-    """Prompt tokens run through the model (each prompt once, however many samples)."""
+    """Prompt tokens run through the model (each prompt once, however many samples; of a
+    continuation, only the tokens its row does not hold)."""
     decode_steps: int = 0
     host_checks: int = 0
     graphs_captured: int = 0
@@ -141,5 +189,7 @@ class GeneratorStats:
     """Versions swapped in between decode steps by `Generator.swap_hook`."""
     decode_seconds: float = 0.0
     """Host time spent in decode steps and checks (device-synchronized at each check)."""
+    truncated: int = 0
+    """Continuations that ended as truncated (their tokens did not fit in the row)."""
     warmup_seconds: float = 0.0
     """Time spent in `Generator.warm_up` (its compiles and captures)."""

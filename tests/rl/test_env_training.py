@@ -79,9 +79,10 @@ class Recording:
         return self.loss(logprobs, batch, norms, entropy)
 
 
-def test_multi_turn_trajectories_are_token_exact_and_ratios_are_one(tmp_path, tok):
+@pytest.mark.parametrize("engine", ["cache", "resubmit"])
+def test_multi_turn_trajectories_are_token_exact_and_ratios_are_one(tmp_path, tok, engine):
     from tidal.generate import SamplingParams
-    from tidal.rl.envs import TurnCodec, resubmit, run_trajectories
+    from tidal.rl.envs import FromCache, TurnCodec, resubmit, run_trajectories
     from tidal.rl.rollout import RolloutBatch
 
     cfg = rl_config(
@@ -110,11 +111,20 @@ def test_multi_turn_trajectories_are_token_exact_and_ratios_are_one(tmp_path, to
             SamplingParams(n=3, max_new_tokens=8, seed=i, stop_token_ids=tuple(encoder.stop_ids))
             for i in range(2)
         ]
+        generate_turn = FromCache(gen) if engine == "cache" else resubmit(gen)
         groups, counts = run_trajectories(
-            env, problems, TurnCodec(encoder), resubmit(gen), params, max_context=160
+            env, problems, TurnCodec(encoder), generate_turn, params, max_context=160
         )
         trajs = [t for g in groups for t in g]
         assert counts["turns"] > len(trajs)  # several turns each (a random model rarely wins)
+        if engine == "cache":  # each id prefilled once: the openings, then observations only
+            observations = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
+            later_turns = counts["turns"] - len(trajs)
+            openings = sum(len(g[0].prompt_ids) for g in groups)
+            assert gen.stats.prefill_tokens == openings + observations + later_turns
+            assert gen.conversations  # rows held until the batch is played
+            generate_turn.close()
+            assert not gen.conversations
         rollout = RolloutBatch.from_trajectories(
             trajs, task="guess", group_ids=[0, 0, 0, 1, 1, 1], pad_id=tok.eos_id
         )

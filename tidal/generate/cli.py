@@ -121,12 +121,12 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             raise
         raise FileNotFoundError(f"--hf {args.hf}: {e}; pass --data.tokenizer PATH") from None
     chat = _chat_template(cfg.data.tokenizer) if args.chat else None
-    hf_encoder = _hf_encoder(cfg.data.tokenizer) if args.hf else None
-    prompts = [_encode(tokenizer, m, chat, hf_encoder) for m in messages]
+    encode_hf = hf_encoder(cfg.data.tokenizer) if args.hf else None
+    prompts = [_encode(tokenizer, m, chat, encode_hf) for m in messages]
 
     device = resolve_device(args.device if args.device != "auto" else cfg.job.device)
     dtype = args.dtype if args.dtype != "auto" else "bf16" if device.type == "cuda" else "fp32"
-    model = _build_model(args, cfg, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = build_model(args, cfg, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
     margs = model.args
     if tokenizer.vocab_size > margs.vocab_size:
         where = args.hf or args.checkpoint or f"model.flavor {cfg.model.flavor!r}"
@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model of {where} "
             f"embeds only {margs.vocab_size}"
         )
-    stop_ids = _hf_stop_ids(margs) if args.hf else None
+    stop_ids = hf_stop_ids(margs) if args.hf else None
 
     params = [
         SamplingParams(
@@ -169,8 +169,9 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _build_model(args: argparse.Namespace, cfg: Any, device: Any, dtype: Any) -> Any:
-    """The model of --hf, --checkpoint or the config (seed init), on `device` in `dtype`."""
+def build_model(args: argparse.Namespace, cfg: Any, device: Any, dtype: Any) -> Any:
+    """The model of --hf, --checkpoint or the config (seed init), on `device` in `dtype`
+    (`tidal generate` and `tidal serve` take the same flags)."""
     import dataclasses
 
     import torch
@@ -212,7 +213,7 @@ def _build_model(args: argparse.Namespace, cfg: Any, device: Any, dtype: Any) ->
     return model.to(dtype)
 
 
-def _hf_encoder(tokenizer_path: str) -> Any:
+def hf_encoder(tokenizer_path: str) -> Any:
     """Plain prompts as transformers' tokenizer(text) encodes them: the tokenizer.json's own
     post-processor (BOS where the model wants one), special tokens in the text read as such."""
     import tokenizers
@@ -221,7 +222,7 @@ def _hf_encoder(tokenizer_path: str) -> Any:
     return lambda text: tok.encode(text, add_special_tokens=True).ids
 
 
-def _hf_stop_ids(margs: Any) -> tuple[int, ...] | None:
+def hf_stop_ids(margs: Any) -> tuple[int, ...] | None:
     """config.json's eos_token_id (an id or a list), where transformers' generate stops; None
     (the tokenizer's EOS) when the config names none."""
     eos = margs.extra.get("hf", {}).get("eos_token_id")

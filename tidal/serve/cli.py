@@ -110,7 +110,7 @@ def build_served(args: argparse.Namespace, overrides: list[str]) -> Any:
     import torch
 
     from tidal.generate import Generator, GeneratorConfig
-    from tidal.generate.cli import _build_model, _hf_encoder, _hf_stop_ids
+    from tidal.generate.cli import build_model, hf_encoder, hf_stop_ids
     from tidal.serve.api import Served
     from tidal.serve.chat import ChatFormat
     from tidal.serve.engine import Engine
@@ -132,13 +132,13 @@ def build_served(args: argparse.Namespace, overrides: list[str]) -> Any:
         raise FileNotFoundError(f"--hf {args.hf}: {e}; pass --data.tokenizer PATH") from None
     device = resolve_device(args.device if args.device != "auto" else cfg.job.device)
     dtype = args.dtype if args.dtype != "auto" else "bf16" if device.type == "cuda" else "fp32"
-    model = _build_model(args, cfg, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = build_model(args, cfg, device, torch.bfloat16 if dtype == "bf16" else torch.float32)
     if tokenizer.vocab_size > model.args.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model embeds only "
             f"{model.args.vocab_size}"
         )
-    stop_ids = _hf_stop_ids(model.args) if args.hf else None
+    stop_ids = hf_stop_ids(model.args) if args.hf else None
     config = GeneratorConfig(
         max_batch=args.max_batch,
         max_seq_len=args.max_seq_len,
@@ -148,7 +148,7 @@ def build_served(args: argparse.Namespace, overrides: list[str]) -> Any:
     path = None if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer
     chat = ChatFormat(build_encoder(tokenizer, cfg.data.chat_template, path), stop_ids or ())
     if args.hf:
-        encode = _hf_encoder(cfg.data.tokenizer)
+        encode = hf_encoder(cfg.data.tokenizer)
     else:
         encode = lambda text: [tokenizer.bos_id, *tokenizer.encode(text)]
     if args.store:

@@ -27,6 +27,7 @@ from tidal.rl.envs.tool_calls import (
     tool_format,
 )
 from tidal.rl.envs.trajectory import (
+    FromCache,
     GenerateTurn,
     Trajectory,
     TurnCodec,
@@ -40,6 +41,7 @@ from tidal.rl.envs.trajectory import (
 __all__ = [
     "ENVS",
     "Env",
+    "FromCache",
     "GenerateTurn",
     "Messages",
     "Step",

@@ -19,10 +19,11 @@ turn of a group is one request with n = group_size (as a single-turn batch is, s
 task gives the very samples `sample_batch` gives); later turns are one request each, seeded by
 (group, trajectory, turn).
 
-`generate_turn(requests) -> groups` is the engine: `resubmit(generator)` sends each request's
-whole token ids to `Generator.generate` (token-exact, the prefix prefilled again); an engine
-that continues from its KV cache takes `TurnRequest.key` and `new_from` (the tokens not yet in
-its cache) instead.
+`generate_turn(requests) -> groups` is the engine: `FromCache(generator)` continues each
+trajectory from its KV-cache row, prefilling only the observation (what `sample_env_batch`
+uses for a multi-turn environment whose batch fits the generator's rows);
+`resubmit(generator)` sends each request's whole token ids to `Generator.generate`
+(token-exact, the prefix prefilled again).
 
 Bad input: an environment that raises (in `reset`, `step`, or its grader) ends that
 trajectory with reward 0, counted in `meta["env_errors"]` with the first message; a
@@ -211,6 +212,55 @@ def resubmit(generator: Any) -> GenerateTurn:
     return generate_turn
 
 
+class FromCache:
+    """`generate_turn` that continues each trajectory from its KV-cache row: a first turn is
+    `Generator.generate(..., keep=True)`, a later one a `Continuation` with only the new ids
+    (the observation), so no conversation is prefilled twice (docs/generate.md,
+    "Conversations"). Each trajectory holds a row from its first turn to its end, so a batch's
+    trajectories must fit in `max_batch` (`fits`). A trajectory missing from a round has
+    ended: its row is freed then; `close()` frees the rest."""
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+        self.held: dict[tuple[int, int], Any] = {}  # (group, trajectory) -> Conversation
+
+    @staticmethod
+    def fits(generator: Any, trajectories: int) -> bool:
+        return trajectories <= generator.config.max_batch
+
+    def __call__(self, requests: list[TurnRequest]) -> list[list[Sample]]:
+        from tidal.generate import Continuation
+
+        wanted = {r.key for r in requests}
+        for key in [k for k in self.held if k not in wanted]:
+            self.generator.release(self.held.pop(key))
+        prompts: list[Any] = []
+        for r in requests:
+            conv = self.held.pop(r.key, None)
+            if conv is None:
+                prompts.append(r.token_ids)
+                continue
+            n = len(conv.ids)
+            if list(conv.ids) != r.token_ids[:n]:
+                raise RuntimeError(
+                    f"trajectory {r.key}: the generator's conversation differs from the "
+                    "trajectory's ids (a turn was re-tokenized?)"
+                )
+            prompts.append(Continuation(conv, r.token_ids[n:]))
+        outs = self.generator.generate(prompts, [r.params for r in requests], keep=True)
+        for r, samples in zip(requests, outs, strict=True):
+            group, first = r.key
+            for k, s in enumerate(samples):
+                if s.conversation is not None and s.conversation.open:
+                    self.held[(group, first + k)] = s.conversation
+        return outs
+
+    def close(self) -> None:
+        for conv in self.held.values():
+            self.generator.release(conv)
+        self.held.clear()
+
+
 @dataclass(slots=True)
 class _Live:
     """A trajectory in play: its environment copy and the ids its engine has seen."""
@@ -349,6 +399,9 @@ def _play(
     """Add one sampled turn to a trajectory and ask its environment what comes back; True if
     it goes on to another turn."""
     t, env = lv.traj, lv.env
+    if s.finish_reason == "truncated":  # the engine's row had no position left for the turn
+        t.finish = "context"
+        return False
     t.add_sampled(s)
     t.turns += 1
     text = s.text or ""
@@ -412,15 +465,21 @@ def sample_env_batch(
     codec = TurnCodec(policy.encoder, [t.spec() for t in env.tools()])
     problems, params = _requests(env, cfg, seeds, n_prompts, policy.stop)
     t0 = time.perf_counter()
-    groups, counts = run_trajectories(
-        env,
-        problems,
-        codec,
-        generate_turn or resubmit(policy.generator),
-        params,
-        max_context=policy.generator.capacity,
-        max_prompt_tokens=policy.max_prompt_tokens,
-    )
+    if generate_turn is None:
+        generate_turn = default_engine(policy.generator, env, sum(p.n for p in params))
+    try:
+        groups, counts = run_trajectories(
+            env,
+            problems,
+            codec,
+            generate_turn,
+            params,
+            max_context=policy.generator.capacity,
+            max_prompt_tokens=policy.max_prompt_tokens,
+        )
+    finally:
+        if isinstance(generate_turn, FromCache):
+            generate_turn.close()
     kept = [(i, g) for i, g in enumerate(groups) if g and g[0].prompt_ids]
     if not kept:
         raise RuntimeError(
@@ -445,6 +504,15 @@ def sample_env_batch(
         pad_id=policy.pad_id,
         meta=meta,
     )
+
+
+def default_engine(generator: Any, env: Env, trajectories: int) -> GenerateTurn:
+    """How a batch of `trajectories` is generated: a multi-turn environment continues each
+    from its KV-cache row (`FromCache`) when they all fit in the generator's rows at once, and
+    otherwise, like a one-turn task, resubmits whole conversations (`resubmit`)."""
+    if env.max_turns > 1 and FromCache.fits(generator, trajectories):
+        return FromCache(generator)
+    return resubmit(generator)
 
 
 def _requests(
@@ -491,21 +559,25 @@ def evaluate_env(
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=policy.stop
     )
-    engine = generate_turn or resubmit(policy.generator)
     trajs: list[Trajectory] = []
     totals: dict[str, Any] = {}
     chunk = max(1, policy.generator.config.max_batch)
     for lo in range(0, len(problems), chunk):
         part = problems[lo : lo + chunk]
-        groups, counts = run_trajectories(
-            env,
-            part,
-            codec,
-            engine,
-            [params] * len(part),
-            max_context=policy.generator.capacity,
-            max_prompt_tokens=policy.max_prompt_tokens,
-        )
+        engine = generate_turn or default_engine(policy.generator, env, len(part))
+        try:
+            groups, counts = run_trajectories(
+                env,
+                part,
+                codec,
+                engine,
+                [params] * len(part),
+                max_context=policy.generator.capacity,
+                max_prompt_tokens=policy.max_prompt_tokens,
+            )
+        finally:
+            if isinstance(engine, FromCache):
+                engine.close()
         trajs += [g[0] for g in groups]
         for k, v in counts.items():  # sums, and the first error message
             if isinstance(v, str):

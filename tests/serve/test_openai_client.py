@@ -141,3 +141,53 @@ def test_tool_calls_reach_the_client_parsed(served):
             served.engine.prompt, skip_special_tokens=False
         )
         assert '"name": "calc"' in prompt and "<tool_response>\n42\n</tool_response>" in prompt
+
+
+def test_streaming_gives_the_same_completion_as_events(server):
+    """`stream=True` (what agent programs such as verifiers' chat harness send): the same
+    completion as without streaming, as OpenAI's chunks, its usage with include_usage, and
+    the record hook sees it whole."""
+    url, _ = server
+    c = client(url)
+    args = dict(model=MODEL, messages=USER, n=2, max_tokens=10, seed=3)
+    whole = c.chat.completions.create(**args, extra_body={"return_token_ids": True})
+    chunks = list(
+        c.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    texts, finish = ["", ""], [None, None]
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        texts[choice.index] += choice.delta.content or ""
+        finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert texts == [ch.message.content for ch in whole.choices]
+    assert finish == [ch.finish_reason for ch in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # plain completions stream too
+    text = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt="1+1=", max_tokens=5, seed=1, stream=True
+        )
+    )
+    assert (
+        text
+        == c.completions.create(model=MODEL, prompt="1+1=", max_tokens=5, seed=1).choices[0].text
+    )
+
+
+def test_record_sees_each_completion_with_its_headers(served):
+    seen = []
+    app = create_app(served, record=lambda headers, body: seen.append((headers, body)))
+    with uvicorn_server(app) as url:
+        c = client(url)
+        c.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=4,
+            stream=True,
+            extra_headers={"X-Session-ID": "abc"},
+            extra_body={"return_token_ids": True},
+        )
+    ((headers, body),) = seen
+    assert headers["x-session-id"] == "abc"
+    assert body["object"] == "chat.completion" and body["choices"][0]["token_ids"]

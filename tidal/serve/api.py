@@ -11,10 +11,17 @@ driven from outside can be trained on token-exactly:
   trainer's; bitwise so in batch-invariant mode) and `sampling_logprobs`: under the
   distribution sampled (temperature, top-p);
 - `policy_versions`: each token's policy version (-1: unversioned weights).
+
+`"stream": true` is answered as server-sent events once the completion is done
+(`stream_events`): OpenAI's chunks (a role, the content, the tool calls, the finish reason, and
+the usage with `stream_options.include_usage`), then `data: [DONE]`. The text is the same as
+without streaming; it is not sent token by token. Clients that only speak streaming (agent
+programs such as verifiers' chat harness) work unchanged.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import uuid
@@ -40,6 +47,10 @@ class Prepared:
     prompts: list[list[int]]
     params: list[SamplingParams]
     respond: Callable[[list[list[Sample]]], dict[str, Any]]
+    stream: bool = False
+    """Answer as server-sent events (`stream_events`)."""
+    include_usage: bool = False
+    """`stream_options.include_usage`: a last chunk with the usage."""
 
 
 @dataclass
@@ -123,7 +134,7 @@ class Served:
                 out["prompt_token_ids"] = prompt
             return out
 
-        return Prepared([prompt], params, respond)
+        return Prepared([prompt], params, respond, *_streaming(body))
 
     # -- /v1/completions ----------------------------------------------------------------------
 
@@ -164,7 +175,7 @@ class Served:
                 "usage": _usage(groups),
             }
 
-        return Prepared(prompts, params, respond)
+        return Prepared(prompts, params, respond, *_streaming(body))
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -302,6 +313,63 @@ def _extension(s: Sample) -> dict[str, Any]:
         "sampling_logprobs": list(s.sampling_logprobs),
         "policy_versions": versions,
     }
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request."""
+    stream = schema.flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", param="stream_options")
+    return stream, bool(stream and options and options.get("include_usage"))
+
+
+def stream_events(response: dict[str, Any], include_usage: bool = False) -> list[bytes]:
+    """A finished `chat.completion` or `text_completion` body as OpenAI's server-sent events:
+    per choice, a chunk with its role (chat), one with its content, tool calls (with their
+    `index`) and extension fields, and one with its finish reason; then the usage chunk (with
+    `include_usage`) and `[DONE]`."""
+    chat = response["object"] == "chat.completion"
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    if chat and "prompt_token_ids" in response:
+        head["prompt_token_ids"] = response["prompt_token_ids"]
+    chunks: list[dict[str, Any]] = []
+    for choice in response["choices"]:
+        i, extra = choice["index"], {k: v for k, v in choice.items() if k in _EXTENSION}
+        if chat:
+            message = choice["message"]
+            chunks.append({"index": i, "delta": {"role": "assistant", "content": ""}})
+            delta: dict[str, Any] = {}
+            if message.get("content"):
+                delta["content"] = message["content"]
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [
+                    {"index": k, **call} for k, call in enumerate(message["tool_calls"])
+                ]
+            chunks.append({"index": i, "delta": delta, "logprobs": choice["logprobs"], **extra})
+            chunks.append({"index": i, "delta": {}, "finish_reason": choice["finish_reason"]})
+        else:
+            body = {"index": i, "text": choice["text"], "logprobs": choice["logprobs"], **extra}
+            chunks.append(body)
+            chunks.append({"index": i, "text": "", "finish_reason": choice["finish_reason"]})
+    events = []
+    for c in chunks:
+        c.setdefault("finish_reason", None)
+        events.append({**head, "choices": [c]})
+    if include_usage:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    out = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events]
+    return [*out, b"data: [DONE]\n\n"]
+
+
+_EXTENSION = (
+    "prompt_token_ids",
+    "token_ids",
+    "token_logprobs",
+    "sampling_logprobs",
+    "policy_versions",
+)
 
 
 def _usage(groups: list[list[Sample]]) -> dict[str, int]:

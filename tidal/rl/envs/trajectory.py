@@ -412,12 +412,12 @@ def sample_env_batch(
     codec = TurnCodec(policy.encoder, [t.spec() for t in env.tools()])
     problems, params = _requests(env, cfg, seeds, n_prompts, policy.stop)
     t0 = time.perf_counter()
-    groups, counts = run_trajectories(
-        env,
+    groups, counts = env.play(
         problems,
-        codec,
-        generate_turn or resubmit(policy.generator),
         params,
+        policy=policy,
+        codec=codec,
+        generate_turn=generate_turn or resubmit(policy.generator),
         max_context=policy.generator.capacity,
         max_prompt_tokens=policy.max_prompt_tokens,
     )
@@ -497,12 +497,12 @@ def evaluate_env(
     chunk = max(1, policy.generator.config.max_batch)
     for lo in range(0, len(problems), chunk):
         part = problems[lo : lo + chunk]
-        groups, counts = run_trajectories(
-            env,
+        groups, counts = env.play(
             part,
-            codec,
-            engine,
             [params] * len(part),
+            policy=policy,
+            codec=codec,
+            generate_turn=engine,
             max_context=policy.generator.capacity,
             max_prompt_tokens=policy.max_prompt_tokens,
         )

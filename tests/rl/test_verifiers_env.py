@@ -81,6 +81,7 @@ def test_tidal_rl_trains_on_a_verifiers_taskset_token_exactly(tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["samples"] == 8 and s["grader_errors"] == 0 and s["turns_mean"] == 1.0
+        assert s["retokenized"] == 0
         # every sampled token came back from the server: each trained on, and the trainer
         # scores them as the generator did (PPO ratios 1 up to fp32 reductions)
         assert s["sampled_len_mean"] == s["response_len_mean"] > 0
@@ -102,6 +103,10 @@ def test_the_environment_reads_the_taskset(monkeypatch):
     problem = next(env.problems("train", seed=0))
     assert problem.prompt.startswith("What is ")
     assert env.reset(problem) == [{"role": "user", "content": problem.prompt}]
+    # a multi-agent env of verifiers' with its seats
+    seats = {"assistant": {}, "user": {"max_turns": 3}}
+    sim = get_env("verifiers", taskset="vf_addition", env_id="user-sim", seats=seats)
+    assert type(sim.vf_env()).__name__ == "UserSimEnv"
 
 
 def test_without_verifiers_the_error_names_the_install(monkeypatch):

@@ -99,7 +99,11 @@ class VerifiersEnv(Env):
     """Where the harness program runs (`--env.agent.runtime.type`); `subprocess`: on this
     machine."""
     agent_args: dict[str, Any] = field(default_factory=dict)
-    """More fields of the agent seat's config (`--env.agent.*`, e.g. `{"max_turns": 4}`)."""
+    """More fields of every seat's agent config (`--env.agent.*`, e.g. `{"max_turns": 4}`)."""
+    seats: dict[str, dict[str, Any]] = field(default_factory=lambda: {"agent": {}})
+    """The env's agent seats and each one's own config fields: `agent` for
+    `SingleAgentEnv`; a multi-agent env names its own (`user-sim`: `assistant` and `user`).
+    Only trainable seats' traces are trained on."""
     max_tasks: int = 100_000
     """Tasks read from an endless taskset."""
     max_concurrent: int = 64
@@ -126,14 +130,14 @@ class VerifiersEnv(Env):
             from verifiers.v1.configs.cli.eval import EvalConfig
             from verifiers.v1.utils.loaders import load_environment
 
-            env_cfg: dict[str, Any] = {
-                "taskset": {"id": self.taskset, **self.taskset_args},
-                "agent": {
+            env_cfg: dict[str, Any] = {"taskset": {"id": self.taskset, **self.taskset_args}}
+            for seat, own in self.seats.items():
+                env_cfg[seat] = {
                     "harness": {"id": self.harness},
                     "runtime": {"type": self.runtime},
                     **self.agent_args,
-                },
-            }
+                    **own,
+                }
             if self.env_id:
                 env_cfg["id"] = self.env_id
             self._vf_env = load_environment(EvalConfig.model_validate({"env": env_cfg}).env)
@@ -267,7 +271,9 @@ class VerifiersEnv(Env):
         t = Trajectory(prompt_ids=list(calls[0]["prompt_token_ids"]) if calls else opening)
         error = _episode_error(episode, trace)
         if error or not calls:
-            t.finish, t.error = "error", (error or "the episode made no model call")[:300]
+            stop = getattr(trace, "stop_condition", None)
+            error = error or f"the episode made no model call (its trace stopped: {stop})"
+            t.finish, t.error = "error", error[:300]
             counts["env_errors"] += 1
             counts["env_error"] = counts["env_error"] or t.error
             return t

@@ -105,8 +105,16 @@ def test_the_environment_reads_the_taskset(monkeypatch):
     assert env.reset(problem) == [{"role": "user", "content": problem.prompt}]
     # a multi-agent env of verifiers' with its seats
     seats = {"assistant": {}, "user": {"max_turns": 3}}
-    sim = get_env("verifiers", taskset="vf_addition", env_id="user-sim", seats=seats)
+    persona = "Ask: {scenario} Say {done} when answered."
+    sim = get_env(
+        "verifiers",
+        taskset="vf_addition",
+        env_id="user-sim",
+        env_args={"persona": persona},
+        seats=seats,
+    )
     assert type(sim.vf_env()).__name__ == "UserSimEnv"
+    assert sim.vf_env().config.persona == persona and sim.vf_env().config.user.max_turns == 3
 
 
 def test_without_verifiers_the_error_names_the_install(monkeypatch):

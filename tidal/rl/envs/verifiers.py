@@ -27,7 +27,8 @@ sends, so a later turn's prompt ids must begin with the earlier turns' ids. When
 (the chat template rewrote an earlier turn, or the model sampled a tokenization that
 re-encodes differently), the trajectory ends at the last turn that chains, counted in the
 batch's `meta["retokenized"]`: nothing re-tokenized is ever trained on. One-turn episodes
-always chain.
+always chain; later turns chain when the sampled tokens encode back to themselves (not so for
+a seed-initialized model's random tokens: docs/rl.md "Driving tidal from verifiers").
 
 An episode that fails (the harness exits, a model call is refused, a reward raises) is a
 trajectory with reward 0 and no sampled tokens, counted in `meta["env_errors"]` with the
@@ -92,6 +93,8 @@ class VerifiersEnv(Env):
     env_id: str = ""
     """A verifiers `Env` to pair with the taskset (`--env.id`); empty: the taskset's own,
     else `SingleAgentEnv`."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """The env's own config fields (`--env.*`, e.g. user-sim's `persona`)."""
     harness: str = "null"
     """The harness playing the agent seat (`--env.agent.harness.id`): `null` is verifiers'
     plain chat loop (tool calls through MCP), run by uv."""
@@ -130,7 +133,10 @@ class VerifiersEnv(Env):
             from verifiers.v1.configs.cli.eval import EvalConfig
             from verifiers.v1.utils.loaders import load_environment
 
-            env_cfg: dict[str, Any] = {"taskset": {"id": self.taskset, **self.taskset_args}}
+            env_cfg: dict[str, Any] = {
+                **self.env_args,
+                "taskset": {"id": self.taskset, **self.taskset_args},
+            }
             for seat, own in self.seats.items():
                 env_cfg[seat] = {
                     "harness": {"id": self.harness},
@@ -315,7 +321,9 @@ def _sample(prompt: list[int], choice: dict[str, Any]) -> Sample:
 
 
 def _episode_error(episode: Any, trace: Any) -> str:
-    errors = [*episode.errors, *(trace.errors if trace is not None else [])]
+    """The episode's failure: its own error, else one of its traces' (any seat's: a user
+    simulator's failed call ends the trained seat's exchange too), else a reward not run."""
+    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
     if errors:
         e = errors[-1]
         return f"{e.type}: {e.message}"

@@ -53,7 +53,7 @@ ARGS = [
 ]
 
 
-def run(module: list[str], out: Path) -> list[dict]:
+def run(module: list[str], out: Path, *extra: str) -> list[dict]:
     # verifiers found where this process finds it; the taskset package by its folder
     vf_path = str(Path(importlib.util.find_spec("verifiers").origin).parents[1])
     env = {
@@ -62,7 +62,7 @@ def run(module: list[str], out: Path) -> list[dict]:
         "OMP_NUM_THREADS": "1",
     }
     p = subprocess.run(
-        [sys.executable, "-m", *module, *ARGS, "--job.output_dir", str(out)],
+        [sys.executable, "-m", *module, *ARGS, *extra, "--job.output_dir", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -93,6 +93,29 @@ def test_tidal_rl_trains_on_a_verifiers_taskset_token_exactly(tmp_path):
     one = run(["tidal.rl.grpo"], tmp_path / "grpo")
     for a, b in zip(one, steps, strict=True):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-6)
+
+
+USER_SIM = {
+    "taskset": "vf_addition",
+    "env_id": "user-sim",
+    "env_args": {"persona": "Ask: {scenario} Say {done} when answered."},
+    "seats": {"assistant": {}, "user": {"max_turns": 3}},
+}
+
+
+@pytest.mark.slow  # about 1.5 min
+@needs_verifiers
+def test_multi_turn_episodes_are_trained_on_token_exactly(tmp_path):
+    """verifiers' user-sim env: the model answers a simulated user (the same model, not
+    trained on) for three turns. Every turn chains onto the ids sampled before it (the
+    server continues each session from its own ids), observations masked out."""
+    extra = ["--task.params", json.dumps(USER_SIM), "--rollout.max_new_tokens", "16"]
+    extra += ["--rollout.max_context", "512"]  # the conversation: 3 turns and the user's
+    extra += ["--rollout.prompts_per_step", "1", "--rollout.group_size", "2", "--rl.steps", "1"]
+    (s,) = run(["tidal.rl.grpo"], tmp_path / "sim", *extra)
+    assert s["turns_mean"] == 3.0 and s["retokenized"] == 0 and s["grader_errors"] == 0
+    assert s["sampled_len_mean"] == 3 * 16 < s["response_len_mean"]
+    assert s["ratio_max"] - 1 < 1e-4 and 1 - s["ratio_min"] < 1e-4
 
 
 @needs_verifiers

@@ -191,3 +191,28 @@ def test_record_sees_each_completion_with_its_headers(served):
     ((headers, body),) = seen
     assert headers["x-session-id"] == "abc"
     assert body["object"] == "chat.completion" and body["choices"][0]["token_ids"]
+
+
+def test_a_session_continues_from_its_exact_ids(served):
+    """With `sessions`, a chat that sends back the reply and a new message is continued from
+    the ids sampled (a model's tokens need not re-encode to themselves); a conversation that
+    does not extend the session's is rendered whole."""
+    served.sessions = 4
+    with uvicorn_server(create_app(served)) as url:
+        c = client(url)
+        kw = dict(model=MODEL, max_tokens=6, seed=2, extra_body={"return_token_ids": True})
+        head = {"X-Session-ID": "s1"}
+        first = c.chat.completions.create(messages=USER, extra_headers=head, **kw)
+        sent = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+        reply = {"role": "assistant", "content": first.choices[0].message.content}
+        more = [*USER, reply, {"role": "user", "content": "And 3 + 4?"}]
+        second = c.chat.completions.create(messages=more, extra_headers=head, **kw)
+        ids = second.model_extra["prompt_token_ids"]
+        assert ids[: len(sent)] == sent and len(ids) > len(sent)
+        # the same conversation without the session: rendered from its messages
+        fresh = c.chat.completions.create(messages=more, **kw).model_extra["prompt_token_ids"]
+        assert fresh == served.chat.prompt_ids(more, None)
+        # another history under the session's id: rendered whole too
+        other = [{"role": "user", "content": "Hi"}, reply, {"role": "user", "content": "x"}]
+        got = c.chat.completions.create(messages=other, extra_headers=head, **kw)
+        assert got.model_extra["prompt_token_ids"] == served.chat.prompt_ids(other, None)

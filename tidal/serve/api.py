@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +73,15 @@ class Served:
     encode: Callable[[str], list[int]]
     chat: ChatFormat | None = None
     stop_ids: tuple[int, ...] | None = None
+    sessions: int = 0
+    """Chat sessions remembered (0: none). With it, a chat request whose session id (the
+    `X-Session-ID` header) names a remembered session, and whose messages are that session's
+    last ones followed by its reply and new messages, is continued from the session's exact
+    ids: the last prompt's and sampled ids, then only the new messages' ids (as RL
+    environments append observations). Otherwise the conversation is rendered whole."""
+
+    def __post_init__(self) -> None:
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     @property
     def capacity(self) -> int:
@@ -88,7 +99,7 @@ class Served:
 
     # -- /v1/chat/completions ---------------------------------------------------------------
 
-    def chat_completion(self, body: Any) -> Prepared:
+    def chat_completion(self, body: Any, session: str | None = None) -> Prepared:
         body = schema.check_fields(body, schema.CHAT_FIELDS)
         self._check_model(body)
         msgs = schema.messages(body)
@@ -96,7 +107,7 @@ class Served:
         if self.chat is None:
             raise ApiError("this model has no chat template: use /v1/completions")
         try:
-            prompt = self.chat.prompt_ids(msgs, tools)
+            prompt = self._continued(session, msgs, tools) or self.chat.prompt_ids(msgs, tools)
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
         if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
@@ -132,9 +143,47 @@ class Served:
             }
             if token_ids:
                 out["prompt_token_ids"] = prompt
+            if session is not None and self.sessions and len(groups[0]) == 1:
+                self._remember(session, msgs, tools, prompt, groups[0][0], choices[0])
             return out
 
         return Prepared([prompt], params, respond, *_streaming(body))
+
+    def _continued(
+        self, session: str | None, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int] | None:
+        """The prompt ids continuing a remembered session (see `sessions`), or None."""
+        if session is None or not self.sessions:
+            return None
+        with _SESSIONS_LOCK:
+            held = self._sessions.get(session)
+        if held is None or held.tools != tools or len(msgs) <= len(held.messages):
+            return None
+        if [_same(m) for m in msgs[: len(held.messages)]] != [_same(m) for m in held.messages]:
+            return None
+        from tidal.rl.envs.trajectory import TurnCodec
+
+        assert self.chat is not None
+        codec = TurnCodec(self.chat.encoder, tools)
+        new = _turns(msgs[len(held.messages) :])
+        return held.ids + codec.observation(_turns(held.messages), new, held.ids[-1])
+
+    def _remember(
+        self,
+        session: str,
+        msgs: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        prompt: list[int],
+        sample: Sample,
+        choice: dict[str, Any],
+    ) -> None:
+        reply = {"role": "assistant", **choice["message"]}
+        held = _Session([*msgs, reply], tools, [*prompt, *sample.completion_ids])
+        with _SESSIONS_LOCK:
+            self._sessions[session] = held
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > self.sessions:
+                self._sessions.popitem(last=False)
 
     # -- /v1/completions ----------------------------------------------------------------------
 
@@ -299,6 +348,40 @@ class Served:
             "top_logprobs": None,
             "text_offset": offsets,
         }
+
+
+_SESSIONS_LOCK = threading.Lock()
+
+
+@dataclass(slots=True)
+class _Session:
+    """A chat session's last exchange: its messages and reply, and the exact ids."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    ids: list[int]
+    """The prompt's ids and the sampled ids."""
+
+
+def _turns(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them (`ChatFormat.prompt_ids`' mapping)."""
+    return [
+        {
+            **m,
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": m.get("content") or "",
+        }
+        for m in msgs
+    ]
+
+
+def _same(m: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a message for continuing a session: role, text (None as empty) and
+    tool calls' names and arguments (their ids are the client's)."""
+    calls = tuple(
+        (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []
+    )
+    return (m["role"], m.get("content") or "", calls)
 
 
 def _extension(s: Sample) -> dict[str, Any]:

@@ -113,7 +113,8 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await run(request, served.chat_completion)
+        session = request.headers.get("x-session-id")
+        return await run(request, lambda body: served.chat_completion(body, session))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -22,13 +22,12 @@ Lifecycle of one batch (`VerifiersEnv.play`, in the process that owns the genera
    or user turn, masked out). Its reward is the trace's (verifiers' weighted sum).
 4. The server stops (its engine with it) before the trainer touches the weights.
 
-Token-exactness: each turn's prompt is rendered by the server from the messages the harness
-sends, so a later turn's prompt ids must begin with the earlier turns' ids. When they do not
-(the chat template rewrote an earlier turn, or the model sampled a tokenization that
-re-encodes differently), the trajectory ends at the last turn that chains, counted in the
-batch's `meta["retokenized"]`: nothing re-tokenized is ever trained on. One-turn episodes
-always chain; later turns chain when the sampled tokens encode back to themselves (not so for
-a seed-initialized model's random tokens: docs/rl.md "Driving tidal from verifiers").
+Token-exactness: the server continues each session from its own ids (`Served.sessions`): a
+turn that sends back the reply and new messages is prompted with the earlier prompt and
+sampled ids and only the new messages' ids, so a later turn's prompt ids begin with the
+earlier turns' ids. When they do not (the harness rewrote the history, compacted it, or
+changed tools), the trajectory ends at the last turn that chains, counted in the batch's
+`meta["retokenized"]`: nothing re-tokenized is ever trained on.
 
 An episode that fails (the harness exits, a model call is refused, a reward raises) is a
 trajectory with reward 0 and no sampled tokens, counted in `meta["env_errors"]` with the
@@ -63,6 +62,9 @@ INSTALL = "pip install 'tidal[verifiers]'"
 
 SESSION_HEADER = "x-session-id"
 """The header verifiers' client sends on every model call of a rollout: its trace id."""
+
+SESSIONS = 16384
+"""Chat sessions the in-process server continues from their exact ids (`Served.sessions`)."""
 
 
 def import_verifiers() -> Any:
@@ -360,6 +362,7 @@ def _served(policy: Policy, codec: TurnCodec) -> Any:
         Engine(policy.generator),
         lambda text: [tok.bos_id, *tok.encode(text)],
         ChatFormat(codec.encoder, tuple(policy.stop)),
+        sessions=SESSIONS,
     )
 
 

@@ -79,7 +79,10 @@ def test_tidal_rl_and_grpo_train_on_a_multi_turn_environment_alike(tmp_path):
         # the opening with the calc tool's listing: checked before any role starts
         (["--task.name", "calculator"], "over rollout.max_prompt_tokens=32"),
         (["--task.name", "guess", "--task.params", '{"size": 3}'], "has no parameter 'size'"),
-        (["--task.name", "gues"], "or an environment: ['calculator', 'guess', 'python']"),
+        (
+            ["--task.name", "gues"],
+            "or an environment: ['calculator', 'guess', 'python', 'verifiers']",
+        ),
     ],
 )
 def test_bad_environment_settings_fail_before_any_role_starts(tmp_path, args, message):

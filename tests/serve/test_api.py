@@ -198,7 +198,7 @@ BAD = [
     ({"model": MODEL, "messages": USER, "tools": [CALC, CALC]}, "tools", "twice"),
     ({"model": MODEL, "messages": USER, "logit_bias": {"5": 3}}, "logit_bias", "logit_bias"),
     ({"model": MODEL, "messages": USER, "presence_penalty": 0.5}, "presence_penalty", "not"),
-    ({"model": MODEL, "messages": USER, "stream": True}, "stream", "streaming"),
+    ({"model": MODEL, "messages": USER, "stream": "yes"}, "stream", "true or false"),
     ({"model": MODEL, "messages": USER, "top_logprobs": 3}, "top_logprobs", "not supported"),
     ({"model": MODEL, "messages": USER, "tool_choice": "required"}, "tool_choice", "auto"),
     ({"model": MODEL, "messages": USER, "frobnicate": 1}, "frobnicate", "unrecognized"),

@@ -141,3 +141,78 @@ def test_tool_calls_reach_the_client_parsed(served):
             served.engine.prompt, skip_special_tokens=False
         )
         assert '"name": "calc"' in prompt and "<tool_response>\n42\n</tool_response>" in prompt
+
+
+def test_streaming_gives_the_same_completion_as_events(server):
+    """`stream=True` (what agent programs such as verifiers' chat harness send): the same
+    completion as without streaming, as OpenAI's chunks, its usage with include_usage, and
+    the record hook sees it whole."""
+    url, _ = server
+    c = client(url)
+    args = dict(model=MODEL, messages=USER, n=2, max_tokens=10, seed=3)
+    whole = c.chat.completions.create(**args, extra_body={"return_token_ids": True})
+    chunks = list(
+        c.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    texts, finish = ["", ""], [None, None]
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        texts[choice.index] += choice.delta.content or ""
+        finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert texts == [ch.message.content for ch in whole.choices]
+    assert finish == [ch.finish_reason for ch in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # plain completions stream too
+    text = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt="1+1=", max_tokens=5, seed=1, stream=True
+        )
+    )
+    assert (
+        text
+        == c.completions.create(model=MODEL, prompt="1+1=", max_tokens=5, seed=1).choices[0].text
+    )
+
+
+def test_record_sees_each_completion_with_its_headers(served):
+    seen = []
+    app = create_app(served, record=lambda headers, body: seen.append((headers, body)))
+    with uvicorn_server(app) as url:
+        c = client(url)
+        c.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=4,
+            stream=True,
+            extra_headers={"X-Session-ID": "abc"},
+            extra_body={"return_token_ids": True},
+        )
+    ((headers, body),) = seen
+    assert headers["x-session-id"] == "abc"
+    assert body["object"] == "chat.completion" and body["choices"][0]["token_ids"]
+
+
+def test_a_session_continues_from_its_exact_ids(served):
+    """With `sessions`, a chat that sends back the reply and a new message is continued from
+    the ids sampled (a model's tokens need not re-encode to themselves); a conversation that
+    does not extend the session's is rendered whole."""
+    served.sessions = 4
+    with uvicorn_server(create_app(served)) as url:
+        c = client(url)
+        kw = dict(model=MODEL, max_tokens=6, seed=2, extra_body={"return_token_ids": True})
+        head = {"X-Session-ID": "s1"}
+        first = c.chat.completions.create(messages=USER, extra_headers=head, **kw)
+        sent = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+        reply = {"role": "assistant", "content": first.choices[0].message.content}
+        more = [*USER, reply, {"role": "user", "content": "And 3 + 4?"}]
+        second = c.chat.completions.create(messages=more, extra_headers=head, **kw)
+        ids = second.model_extra["prompt_token_ids"]
+        assert ids[: len(sent)] == sent and len(ids) > len(sent)
+        # the same conversation without the session: rendered from its messages
+        fresh = c.chat.completions.create(messages=more, **kw).model_extra["prompt_token_ids"]
+        assert fresh == served.chat.prompt_ids(more, None)
+        # another history under the session's id: rendered whole too
+        other = [{"role": "user", "content": "Hi"}, reply, {"role": "user", "content": "x"}]
+        got = c.chat.completions.create(messages=other, extra_headers=head, **kw)
+        assert got.model_extra["prompt_token_ids"] == served.chat.prompt_ids(other, None)

@@ -404,7 +404,7 @@ def eval_record(version: int, result: dict[str, Any]) -> dict[str, Any]:
 def env_figures(parts: list[RolloutBatch]) -> dict[str, Any]:
     """A step's environment figures (tidal/rl/envs: the driver's counts in each batch's meta),
     {} for tasks: turns and tool calls per trajectory, tool errors and trajectories cut by
-    the context (sums)."""
+    the context (sums), and `retokenized` when an environment counts it."""
     if not parts or not all("turns" in p.meta for p in parts):
         return {}
     n = max(sum(p.num_samples for p in parts), 1)
@@ -413,6 +413,13 @@ def env_figures(parts: list[RolloutBatch]) -> dict[str, Any]:
         "tool_calls_mean": sum(p.meta["tool_calls"] for p in parts) / n,
         "tool_errors": sum(p.meta["tool_errors"] for p in parts),
         "context_truncated": sum(p.meta["context_truncated"] for p in parts),
+        # an environment played from outside (tidal/rl/envs/verifiers.py): turns cut where
+        # the next prompt did not extend the sampled ids
+        **(
+            {"retokenized": sum(p.meta.get("retokenized", 0) for p in parts)}
+            if any("retokenized" in p.meta for p in parts)
+            else {}
+        ),
     }
 
 

@@ -10,6 +10,7 @@
 - follow.py: `StoreFollower`, the newest policy of an RL run's store, swapped in as published.
 - app.py: the FastAPI routes; cli.py: the command line.
 
-Only app.py and cli.py's `main` import FastAPI and uvicorn (the `serve` extra); nothing
-outside tidal/serve imports this package.
+Only app.py and cli.py's `main` import FastAPI and uvicorn (the `serve` extra); outside
+tidal/serve only the command line and tidal/rl/envs/verifiers.py (which serves the policy to
+verifiers, `app.serve_in_thread`) import this package, lazily.
 """

@@ -11,13 +11,22 @@ driven from outside can be trained on token-exactly:
   trainer's; bitwise so in batch-invariant mode) and `sampling_logprobs`: under the
   distribution sampled (temperature, top-p);
 - `policy_versions`: each token's policy version (-1: unversioned weights).
+
+`"stream": true` is answered as server-sent events once the completion is done
+(`stream_events`): OpenAI's chunks (a role, the content, the tool calls, the finish reason, and
+the usage with `stream_options.include_usage`), then `data: [DONE]`. The text is the same as
+without streaming; it is not sent token by token. Clients that only speak streaming (agent
+programs such as verifiers' chat harness) work unchanged.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +49,10 @@ class Prepared:
     prompts: list[list[int]]
     params: list[SamplingParams]
     respond: Callable[[list[list[Sample]]], dict[str, Any]]
+    stream: bool = False
+    """Answer as server-sent events (`stream_events`)."""
+    include_usage: bool = False
+    """`stream_options.include_usage`: a last chunk with the usage."""
 
 
 @dataclass
@@ -60,6 +73,15 @@ class Served:
     encode: Callable[[str], list[int]]
     chat: ChatFormat | None = None
     stop_ids: tuple[int, ...] | None = None
+    sessions: int = 0
+    """Chat sessions remembered (0: none). With it, a chat request whose session id (the
+    `X-Session-ID` header) names a remembered session, and whose messages are that session's
+    last ones followed by its reply and new messages, is continued from the session's exact
+    ids: the last prompt's and sampled ids, then only the new messages' ids (as RL
+    environments append observations). Otherwise the conversation is rendered whole."""
+
+    def __post_init__(self) -> None:
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     @property
     def capacity(self) -> int:
@@ -77,7 +99,7 @@ class Served:
 
     # -- /v1/chat/completions ---------------------------------------------------------------
 
-    def chat_completion(self, body: Any) -> Prepared:
+    def chat_completion(self, body: Any, session: str | None = None) -> Prepared:
         body = schema.check_fields(body, schema.CHAT_FIELDS)
         self._check_model(body)
         msgs = schema.messages(body)
@@ -85,7 +107,7 @@ class Served:
         if self.chat is None:
             raise ApiError("this model has no chat template: use /v1/completions")
         try:
-            prompt = self.chat.prompt_ids(msgs, tools)
+            prompt = self._continued(session, msgs, tools) or self.chat.prompt_ids(msgs, tools)
         except ValueError as e:
             raise ApiError(str(e), param="messages") from None
         if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
@@ -121,9 +143,47 @@ class Served:
             }
             if token_ids:
                 out["prompt_token_ids"] = prompt
+            if session is not None and self.sessions and len(groups[0]) == 1:
+                self._remember(session, msgs, tools, prompt, groups[0][0], choices[0])
             return out
 
-        return Prepared([prompt], params, respond)
+        return Prepared([prompt], params, respond, *_streaming(body))
+
+    def _continued(
+        self, session: str | None, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int] | None:
+        """The prompt ids continuing a remembered session (see `sessions`), or None."""
+        if session is None or not self.sessions:
+            return None
+        with _SESSIONS_LOCK:
+            held = self._sessions.get(session)
+        if held is None or held.tools != tools or len(msgs) <= len(held.messages):
+            return None
+        if [_same(m) for m in msgs[: len(held.messages)]] != [_same(m) for m in held.messages]:
+            return None
+        from tidal.rl.envs.trajectory import TurnCodec
+
+        assert self.chat is not None
+        codec = TurnCodec(self.chat.encoder, tools)
+        new = _turns(msgs[len(held.messages) :])
+        return held.ids + codec.observation(_turns(held.messages), new, held.ids[-1])
+
+    def _remember(
+        self,
+        session: str,
+        msgs: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        prompt: list[int],
+        sample: Sample,
+        choice: dict[str, Any],
+    ) -> None:
+        reply = {"role": "assistant", **choice["message"]}
+        held = _Session([*msgs, reply], tools, [*prompt, *sample.completion_ids])
+        with _SESSIONS_LOCK:
+            self._sessions[session] = held
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > self.sessions:
+                self._sessions.popitem(last=False)
 
     # -- /v1/completions ----------------------------------------------------------------------
 
@@ -164,7 +224,7 @@ class Served:
                 "usage": _usage(groups),
             }
 
-        return Prepared(prompts, params, respond)
+        return Prepared(prompts, params, respond, *_streaming(body))
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -290,6 +350,40 @@ class Served:
         }
 
 
+_SESSIONS_LOCK = threading.Lock()
+
+
+@dataclass(slots=True)
+class _Session:
+    """A chat session's last exchange: its messages and reply, and the exact ids."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    ids: list[int]
+    """The prompt's ids and the sampled ids."""
+
+
+def _turns(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template reads them (`ChatFormat.prompt_ids`' mapping)."""
+    return [
+        {
+            **m,
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": m.get("content") or "",
+        }
+        for m in msgs
+    ]
+
+
+def _same(m: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a message for continuing a session: role, text (None as empty) and
+    tool calls' names and arguments (their ids are the client's)."""
+    calls = tuple(
+        (c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []
+    )
+    return (m["role"], m.get("content") or "", calls)
+
+
 def _extension(s: Sample) -> dict[str, Any]:
     versions = s.versions
     if versions is None:
@@ -302,6 +396,63 @@ def _extension(s: Sample) -> dict[str, Any]:
         "sampling_logprobs": list(s.sampling_logprobs),
         "policy_versions": versions,
     }
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request."""
+    stream = schema.flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", param="stream_options")
+    return stream, bool(stream and options and options.get("include_usage"))
+
+
+def stream_events(response: dict[str, Any], include_usage: bool = False) -> list[bytes]:
+    """A finished `chat.completion` or `text_completion` body as OpenAI's server-sent events:
+    per choice, a chunk with its role (chat), one with its content, tool calls (with their
+    `index`) and extension fields, and one with its finish reason; then the usage chunk (with
+    `include_usage`) and `[DONE]`."""
+    chat = response["object"] == "chat.completion"
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    if chat and "prompt_token_ids" in response:
+        head["prompt_token_ids"] = response["prompt_token_ids"]
+    chunks: list[dict[str, Any]] = []
+    for choice in response["choices"]:
+        i, extra = choice["index"], {k: v for k, v in choice.items() if k in _EXTENSION}
+        if chat:
+            message = choice["message"]
+            chunks.append({"index": i, "delta": {"role": "assistant", "content": ""}})
+            delta: dict[str, Any] = {}
+            if message.get("content"):
+                delta["content"] = message["content"]
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [
+                    {"index": k, **call} for k, call in enumerate(message["tool_calls"])
+                ]
+            chunks.append({"index": i, "delta": delta, "logprobs": choice["logprobs"], **extra})
+            chunks.append({"index": i, "delta": {}, "finish_reason": choice["finish_reason"]})
+        else:
+            body = {"index": i, "text": choice["text"], "logprobs": choice["logprobs"], **extra}
+            chunks.append(body)
+            chunks.append({"index": i, "text": "", "finish_reason": choice["finish_reason"]})
+    events = []
+    for c in chunks:
+        c.setdefault("finish_reason", None)
+        events.append({**head, "choices": [c]})
+    if include_usage:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    out = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events]
+    return [*out, b"data: [DONE]\n\n"]
+
+
+_EXTENSION = (
+    "prompt_token_ids",
+    "token_ids",
+    "token_logprobs",
+    "sampling_logprobs",
+    "policy_versions",
+)
 
 
 def _usage(groups: list[list[Sample]]) -> dict[str, int]:

@@ -10,22 +10,39 @@ thread, so the loop keeps accepting other clients, whose requests join the same 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal.serve.api import Prepared, Served
+from tidal.serve.api import Prepared, Served, stream_events
 from tidal.serve.schema import ApiError
 
+Record = Callable[[Mapping[str, str], dict[str, Any]], None]
+"""`record(headers, response)`: sees every completion served, with its request's headers."""
 
-def create_app(served: Served, *, api_key: str | None = None, manage_engine: bool = True) -> Any:
+
+def create_app(
+    served: Served,
+    *,
+    api_key: str | None = None,
+    manage_engine: bool = True,
+    record: Record | None = None,
+) -> Any:
     """The app serving `served`. With `api_key`, every request needs `Authorization: Bearer
-    KEY`. `manage_engine`: start the engine with the app and stop it at shutdown."""
+    KEY`. `manage_engine`: start the engine with the app and stop it at shutdown. `record`
+    is called with each request's headers and its whole response body (streamed or not), on
+    the event loop; tidal/rl/envs/verifiers.py collects an external agent's token-exact turns
+    with it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,7 +83,7 @@ def create_app(served: Served, *, api_key: str | None = None, manage_engine: boo
                 )
         return await call_next(request)
 
-    async def run(request: Request, prepare) -> JSONResponse:
+    async def run(request: Request, prepare) -> Response:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -86,14 +103,21 @@ def create_app(served: Served, *, api_key: str | None = None, manage_engine: boo
                     f"the engine failed: {type(e).__name__}: {e}", status=500, type="server_error"
                 )
             )
-        return JSONResponse(prepared.respond(groups))
+        body = prepared.respond(groups)
+        if record is not None:
+            record(request.headers, body)
+        if prepared.stream:
+            events = stream_events(body, prepared.include_usage)
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        return JSONResponse(body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        return await run(request, served.chat_completion)
+    async def chat_completions(request: Request) -> Response:
+        session = request.headers.get("x-session-id")
+        return await run(request, lambda body: served.chat_completion(body, session))
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         return await run(request, served.completion)
 
     @app.get("/v1/models")
@@ -101,3 +125,28 @@ def create_app(served: Served, *, api_key: str | None = None, manage_engine: boo
         return JSONResponse(served.models())
 
     return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, *, timeout: float = 60.0) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread for the block; yields
+    its /v1 URL. The app's lifespan (its engine) starts before and stops after."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the tidal server did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()

@@ -1,7 +1,8 @@
 """`tidal serve`: an OpenAI-compatible server on the Generator.
 
     tidal serve [--config NAME | --hf DIR | --checkpoint DIR] [--host H] [--port P]
-                [--api-key KEY] [--model-name NAME] [--max-batch N] [--max-seq-len N]
+                [--api-key KEY] [--model-name NAME] [--max-batch N] [--sessions N]
+                [--max-seq-len N]
                 [--batch-invariant] [--store ADDRESS [--store-key KEY]] [--device D]
                 [--dtype D] [--section.field VALUE ...]
 
@@ -45,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-name", help="the model id clients pass (default: the config, folder or run)"
     )
     parser.add_argument("--max-batch", type=int, default=64, help="samples decoded at once")
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="chat sessions (X-Session-ID) continued from their exact token ids (0: none)",
+    )
     parser.add_argument(
         "--max-seq-len", type=int, help="positions per sample, prompt included (default: model's)"
     )
@@ -165,4 +172,4 @@ def build_served(args: argparse.Namespace, overrides: list[str]) -> Any:
         if args.hf or args.checkpoint
         else args.config
     )
-    return Served(name, Engine(generator), encode, chat, stop_ids)
+    return Served(name, Engine(generator), encode, chat, stop_ids, sessions=args.sessions)

@@ -25,9 +25,13 @@ IGNORED = frozenset(
         "prompt_cache_key",
         "safety_identifier",
         "stream_options",
+        # vLLM's: prefix-cache isolation and scheduling priority, no change to the output
+        "cache_salt",
+        "priority",
     }
 )
-"""Fields of the OpenAI API that change nothing here: accepted, so existing clients work."""
+"""Fields of the OpenAI API (and vLLM's) that change nothing here: accepted, so existing
+clients work (`stream_options` is read with `stream`)."""
 
 COMMON = frozenset(
     {
@@ -95,7 +99,6 @@ def check_fields(body: Any, known: frozenset[str]) -> dict[str, Any]:
             continue
         if key not in known:
             raise ApiError(f"unrecognized request argument supplied: {key}", param=key)
-    _refuse(body, "stream", bool(body.get("stream")), "streaming is not supported")
     _refuse(body, "logit_bias", bool(body.get("logit_bias")), "logit_bias is not supported")
     for key in ("presence_penalty", "frequency_penalty"):
         _refuse(body, key, body.get(key) not in (None, 0, 0.0), f"{key} is not supported")

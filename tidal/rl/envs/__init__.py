@@ -8,13 +8,16 @@ trajectories.
                                n_prompts=cfg.rollout.prompts_per_step)
 
 Built in: `calculator` and `python` (with the `calc` and sandboxed `python` tools) and
-`guess` (a game without tools), in builtin.py; every task of tidal/rl/tasks is a one-turn
-environment. A new environment is an `Env` subclass decorated with `@register_env("name")`
-(base.py, docs/rl.md "Environments"). Trajectories and the multi-turn driver are in
-trajectory.py, the chat template's tool-call format in tool_calls.py.
+`guess` (a game without tools), in builtin.py; `verifiers` (a verifiers taskset played by
+verifiers through tidal's OpenAI-compatible server) in verifiers.py; every task of
+tidal/rl/tasks is a one-turn environment. A new environment is an `Env` subclass decorated
+with `@register_env("name")` (base.py, docs/rl.md "Environments"). Trajectories and the
+multi-turn driver are in trajectory.py, the chat template's tool-call format in
+tool_calls.py.
 """
 
-from tidal.rl.envs import builtin  # noqa: F401  (registers them)
+# they register their environments (verifiers.py imports the library only when used)
+from tidal.rl.envs import builtin, verifiers  # noqa: F401
 from tidal.rl.envs.base import ENVS, Env, Messages, Step, TaskEnv, Turn, get_env, register_env
 from tidal.rl.envs.tool_calls import (
     ToolCall,

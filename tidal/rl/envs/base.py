@@ -42,13 +42,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from tidal.rl.envs.tool_calls import ToolCall, parse_tool_calls
 from tidal.rl.tasks.base import TASKS, Grade, Problem, Split, Task, get_task
 from tidal.rl.tools import Tool
+
+if TYPE_CHECKING:
+    from tidal.generate import SamplingParams
+    from tidal.rl.envs.trajectory import GenerateTurn, Trajectory, TurnCodec
+    from tidal.rl.experience import Policy
 
 Messages = list[dict[str, Any]]
 
@@ -234,6 +239,35 @@ class Env:
     def episode(self) -> Env:
         """A fresh copy for one trajectory (shallow: `reset` assigns the episode's state)."""
         return copy.copy(self)
+
+    def play(
+        self,
+        problems: Sequence[Problem],
+        params: Sequence[SamplingParams],
+        *,
+        policy: Policy,
+        codec: TurnCodec,
+        generate_turn: GenerateTurn,
+        max_context: int,
+        max_prompt_tokens: int | None,
+    ) -> tuple[list[list[Trajectory]], dict[str, Any]]:
+        """Play `params[i].n` trajectories of each problem: what `sample_env_batch` and
+        `evaluate_env` call. Default: tidal's driver over `reset` and `step`
+        (`run_trajectories`, which documents the arguments and the counts returned). An
+        environment whose own program drives the model (an external library through the
+        OpenAI-compatible server: tidal/rl/envs/verifiers.py) overrides it and returns the
+        same token-exact trajectories."""
+        from tidal.rl.envs.trajectory import run_trajectories
+
+        return run_trajectories(
+            self,
+            problems,
+            codec,
+            generate_turn,
+            params,
+            max_context=max_context,
+            max_prompt_tokens=max_prompt_tokens,
+        )
 
 
 @dataclass(kw_only=True)

@@ -451,9 +451,9 @@ def sample_env_batch(
     """`experience.sample_batch` for an environment: the same problems, seeds and sampling
     settings (`cfg.rollout`), each trajectory played to its end; a one-turn `TaskEnv` gives
     the batch `sample_batch` gives for its task. `generate_turn` defaults to
-    `resubmit(policy.generator)`. `meta` gains "gen_s", "gen_tokens" (sampled),
-    "obs_tokens" and the driver's counts (`run_trajectories`). Groups whose `reset` raised
-    are left out (counted in "env_errors").
+    `default_engine(...)` (FromCache for a multi-turn env). `meta` gains "gen_s",
+    "gen_tokens" (sampled), "obs_tokens" and the driver's counts (`run_trajectories`).
+    Groups whose `reset` raised are left out (counted in "env_errors").
 
     Raises:
         ValueError: an opening prompt over `rollout.max_prompt_tokens`, or a template without
@@ -468,12 +468,12 @@ def sample_env_batch(
     if generate_turn is None:
         generate_turn = default_engine(policy.generator, env, sum(p.n for p in params))
     try:
-        groups, counts = run_trajectories(
-            env,
+        groups, counts = env.play(
             problems,
-            codec,
-            generate_turn,
             params,
+            policy=policy,
+            codec=codec,
+            generate_turn=generate_turn,
             max_context=policy.generator.capacity,
             max_prompt_tokens=policy.max_prompt_tokens,
         )
@@ -566,12 +566,12 @@ def evaluate_env(
         part = problems[lo : lo + chunk]
         engine = generate_turn or default_engine(policy.generator, env, len(part))
         try:
-            groups, counts = run_trajectories(
-                env,
+            groups, counts = env.play(
                 part,
-                codec,
-                engine,
                 [params] * len(part),
+                policy=policy,
+                codec=codec,
+                generate_turn=engine,
                 max_context=policy.generator.capacity,
                 max_prompt_tokens=policy.max_prompt_tokens,
             )

@@ -1,6 +1,7 @@
 """An environment through the RL loop as the user runs it: `tidal rl --task.name guess` (a
-multi-turn game) trains and reports, grpo.py in one process takes the same steps, and bad
-environment settings stop the run before any role starts."""
+multi-turn game) trains and reports, in sync mode (grpo.py in one process takes the same
+steps) and in async mode, and bad environment settings stop the run before any role
+starts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from tests.rl.test_loop import CONFIG, ROOT, records, tidal_rl
+from tidal.rl.report import ASYNC_FIELDS
 
 GUESS = [
     "--config",
@@ -69,13 +71,35 @@ def test_tidal_rl_and_grpo_train_on_a_multi_turn_environment_alike(tmp_path):
     assert [e["eval_correct"] for e in a_evals] == [e["eval_correct"] for e in evals]
 
 
+def test_async_run_on_a_multi_turn_environment(tmp_path):
+    """`--rl.mode async` plays the environment's batches whole, switching weights between
+    rounds of turns: the run completes, every trained token is within max_staleness, and the
+    per-token versions reach the records."""
+    out = tmp_path / "run"
+    args = [*GUESS, "--rl.steps", "3", "--rl.mode", "async", "--loss.tis_cap", "2"]
+    r = tidal_rl(*args, "--rl.max_staleness", "2", "--job.output_dir", str(out), timeout=300)
+    assert r.returncode == 0, r.stdout
+    assert "async mode (max_staleness 2" in r.stdout
+    steps, evals = records(out)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:
+        missing = [f for f in ASYNC_FIELDS if f not in s]
+        assert not missing, f"step {s['step']} lacks {missing}"
+        assert s["samples_trained"] + s["stale_samples_dropped"] == 32
+        assert s["grader_errors"] == 0 and 1 < s["turns_mean"] <= 3
+        assert 8 < s["sampled_len_mean"] < s["response_len_mean"]
+        if s["samples_trained"]:
+            assert s["step"] - 1 - s["version_min"] <= 2 and s["version_max"] <= s["step"] - 1
+        if s["stale_samples_dropped"] == 0:
+            # the histogram counts sampled tokens only (observations are not trained on)
+            assert sum(s["staleness_hist"]) == round(s["sampled_len_mean"] * 32)
+    assert [e["step"] for e in evals] == [0, 3]
+    assert all(1 <= e["eval_turns_mean"] <= 3 for e in evals)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (
-            ["--task.name", "guess", "--rl.mode", "async", "--loss.tis_cap", "2.0"],
-            "task.name: environment 'guess' runs in rl.mode sync only",
-        ),
         # the opening with the calc tool's listing: checked before any role starts
         (["--task.name", "calculator"], "over rollout.max_prompt_tokens=32"),
         (["--task.name", "guess", "--task.params", '{"size": 3}'], "has no parameter 'size'"),

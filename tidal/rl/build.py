@@ -29,18 +29,15 @@ Log = Callable[[str], None]
 def make_task(cfg: RLConfig):
     """The configured task, or the environment `task.name` names (tidal/rl/envs).
 
+    Both modes run either: in async mode an environment's batches are played whole, the
+    weights switching between rounds of turns (tidal/rl/distributed/async_generator.py).
+
     Raises:
-        ValueError: an unknown task or a bad parameter (the message names it); an
-            environment in async mode (its turns need the sync loop)."""
+        ValueError: an unknown task or a bad parameter (the message names it)."""
     from tidal.rl.envs import ENVS, get_env
     from tidal.rl.tasks import get_task
 
     if cfg.task.name in ENVS:
-        if cfg.rl.mode != "sync":
-            raise ValueError(
-                f"task.name: environment {cfg.task.name!r} runs in rl.mode sync only (the async "
-                "generator streams single-turn batches)"
-            )
         try:
             return get_env(cfg.task.name, **cfg.task.params)
         except TypeError as e:

@@ -21,6 +21,15 @@ batches in flight finish on that version (swaps paused), evaluates, and goes on.
 tensor-parallel generator runs this on every rank in lockstep: the `main` rank reads the store
 and its decision goes to the others (`follow_main`); the Stager agrees on the swaps; only the
 main rank puts rollouts and evaluations.
+
+An environment (tidal/rl/envs) is played a batch at a time: once its queue slot is free, the
+batch's trajectories run to their end (`sample_env_batch`) and it is put under the same key.
+Between rounds of turns the generator swaps in the newest version staged, without waiting
+(`_Feed.between_rounds`; no swaps within a turn), so a trajectory may span versions, each
+sampled token stamped with the version that sampled it (observations: -1, masked out of the
+loss); a trajectory continued from its cache row keeps the keys and values the older version
+wrote, as a single-turn sequence does after an in-flight swap. Batches do not overlap:
+`batches_in_flight` counts as 1.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from tidal.rl.distributed.coupling import (
 from tidal.rl.distributed.generator_ranks import follow_main
 from tidal.rl.distributed.intake import first_batch
 from tidal.rl.distributed.prefetch import Stager
+from tidal.rl.envs import Env, sample_env_batch
 from tidal.rl.experience import (
     Grader,
     Log,
@@ -112,6 +122,19 @@ class _Feed:
     torn: int = 0
 
     def __call__(self, idle: bool) -> Any:
+        seeds = self.start_batch(idle)
+        if seeds is None or seeds is Generator.END:
+            return seeds
+        problems, prompts, params = batch_requests(
+            self.policy, self.task, self.cfg, seeds, self.cfg.prompts_of(self.index)
+        )
+        self.fed[-1].problems = problems
+        return prompts, params
+
+    def start_batch(self, idle: bool) -> Any:
+        """At a feed point: the next batch's seeds (it is then counted as fed, at the version
+        held), None for "not yet", or `Generator.END` (the run is over, or an evaluation is
+        due: `eval_due`)."""
         gen, cfg = self.policy.generator, self.cfg
         decision = self._decide(idle) if self.main else _WAIT
         decision = follow_main(decision, gen.model)
@@ -130,19 +153,24 @@ class _Feed:
             self.eval_due, gen.swap_hook = version, None  # finish the batches in flight on it
             return Generator.END
         self.number += 1
-        seeds = (cfg.rollout.seed, self.first_step, self.number, self.index)
-        problems, prompts, params = batch_requests(
-            self.policy, self.task, cfg, seeds, cfg.prompts_of(self.index)
-        )
-        self.fed.append(_Fed(self.number, problems, version, overlapped=bool(self.fed)))
-        return prompts, params
+        self.fed.append(_Fed(self.number, [], version, overlapped=bool(self.fed)))
+        return (cfg.rollout.seed, self.first_step, self.number, self.index)
+
+    def between_rounds(self) -> None:
+        """An environment's batch, between rounds of turns: switch to the newest version
+        staged, without waiting (the next turns' tokens carry it)."""
+        swapped = self.stager.swap()
+        if swapped is not None:
+            self.policy.generator.version = swapped
 
     def _decide(self, idle: bool) -> int:
         """The main rank's answer at a feed point: feed the next batch when its queue slot is
         free; when nothing is in flight, wait for the slot (idle time, bounded by
         rl.wait_timeout_s); stop once the trainer has published its last version."""
         store, steps = self.link.store, self.cfg.rl.steps
-        must_be_taken = self.number + 2 - self.cfg.queue_slots() - self.cfg.rl.batches_in_flight
+        # an environment's batches are played one at a time (_play_env_batch)
+        in_flight = 1 if isinstance(self.task, Env) else self.cfg.rl.batches_in_flight
+        must_be_taken = self.number + 2 - self.cfg.queue_slots() - in_flight
         taken = must_be_taken if must_be_taken >= self.first else 0
         if not idle:
             if taken > self.fed[0].number - 1:
@@ -264,12 +292,17 @@ def generate_loop_async(
     stager.start()
     try:
         while not feed.over:
-            gen.swap_hook = stager.swap
-            for groups in gen.stream(feed):
-                fed, meta = feed.completed()
-                batch = graded_batch(policy, task, grader, fed.problems, groups, meta)
-                if main:
-                    store.put_state_dict(batch.to_state_dict(), key, version=fed.number, keep=keep)
+            if isinstance(task, Env):
+                _play_env_batch(feed, task, key, keep)
+            else:
+                gen.swap_hook = stager.swap
+                for groups in gen.stream(feed):
+                    fed, meta = feed.completed()
+                    batch = graded_batch(policy, task, grader, fed.problems, groups, meta)
+                    if main:
+                        store.put_state_dict(
+                            batch.to_state_dict(), key, version=fed.number, keep=keep
+                        )
             if feed.eval_due is not None:
                 evaluate_held(feed, feed.eval_due)
                 feed.eval_due = None
@@ -279,6 +312,30 @@ def generate_loop_async(
     if index == 0 and steps in feed.evals and steps not in feed.evaluated:
         load_exactly(steps)
         evaluate_held(feed, steps)
+
+
+def _play_env_batch(feed: _Feed, env: Env, key: str, keep: int) -> None:
+    """An environment's next batch, played whole (`sample_env_batch`) once its queue slot is
+    free, and put as a single-turn batch is. Its weights switch between rounds of turns
+    (`_Feed.between_rounds`), never within a turn: a trajectory may span versions, each
+    token stamped with the version that sampled it. Returns at once when the run is over or
+    an evaluation is due (`feed.over`, `feed.eval_due`)."""
+    seeds = feed.start_batch(idle=True)  # waits (bounded) for the slot: never None
+    if seeds is Generator.END:
+        return
+    assert seeds is not None
+    batch = sample_env_batch(
+        feed.policy,
+        env,
+        feed.cfg,
+        seeds=seeds,
+        n_prompts=feed.cfg.prompts_of(feed.index),
+        between_rounds=feed.between_rounds,
+    )
+    fed, meta = feed.completed()
+    batch.meta.update(meta)  # the loop's timings and swaps replace the driver's gen_s
+    if feed.main:
+        feed.link.store.put_state_dict(batch.to_state_dict(), key, version=fed.number, keep=keep)
 
 
 def _slot_free(store: Any, index: int, taken: int) -> bool:

@@ -280,6 +280,7 @@ def run_trajectories(
     *,
     max_context: int,
     max_prompt_tokens: int | None = None,
+    between_rounds: Callable[[], None] | None = None,
 ) -> tuple[list[list[Trajectory]], dict[str, Any]]:
     """Play `params[i].n` trajectories of each problem in `env`, round by round.
 
@@ -295,6 +296,9 @@ def run_trajectories(
             given at most what is left, and a conversation with no room left for an
             observation and one more token ends truncated ("context").
         max_prompt_tokens: the longest opening prompt; None: `max_context - 1`.
+        between_rounds: called after a round, before the next one's `generate_turn` (the
+            async generator switches to the newest policy version there, so a trajectory
+            may span versions, each turn's tokens stamped with the version that sampled them).
 
     Returns:
         One list of trajectories per problem, in order (a group whose `reset` raised has
@@ -376,6 +380,8 @@ def run_trajectories(
             step_params = replace(p, n=1, seed=seed, max_new_tokens=n_new)
             requests.append(TurnRequest(lv.key, lv.traj.token_ids(), lv.sent, step_params))
             serves.append([lv])
+        if requests and between_rounds is not None:
+            between_rounds()
     trajs = [t for g in groups for t in g]
     counts = {
         "env_errors": len(errors),
@@ -447,13 +453,16 @@ def sample_env_batch(
     n_prompts: int,
     generate_turn: GenerateTurn | None = None,
     meta: dict[str, Any] | None = None,
+    between_rounds: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """`experience.sample_batch` for an environment: the same problems, seeds and sampling
     settings (`cfg.rollout`), each trajectory played to its end; a one-turn `TaskEnv` gives
     the batch `sample_batch` gives for its task. `generate_turn` defaults to
     `default_engine(...)` (FromCache for a multi-turn env). `meta` gains "gen_s",
     "gen_tokens" (sampled), "obs_tokens" and the driver's counts (`run_trajectories`).
-    Groups whose `reset` raised are left out (counted in "env_errors").
+    Groups whose `reset` raised are left out (counted in "env_errors"). `between_rounds`
+    runs between rounds of turns (`run_trajectories`) for an environment played by tidal's
+    driver (one that overrides `Env.play`, as verifiers', is played without it).
 
     Raises:
         ValueError: an opening prompt over `rollout.max_prompt_tokens`, or a template without
@@ -468,15 +477,28 @@ def sample_env_batch(
     if generate_turn is None:
         generate_turn = default_engine(policy.generator, env, sum(p.n for p in params))
     try:
-        groups, counts = env.play(
-            problems,
-            params,
-            policy=policy,
-            codec=codec,
-            generate_turn=generate_turn,
-            max_context=policy.generator.capacity,
-            max_prompt_tokens=policy.max_prompt_tokens,
-        )
+        if between_rounds is not None and type(env).play is Env.play:
+            # tidal's driver (what Env.play runs), the weights switching between its rounds
+            groups, counts = run_trajectories(
+                env,
+                problems,
+                codec,
+                generate_turn,
+                params,
+                max_context=policy.generator.capacity,
+                max_prompt_tokens=policy.max_prompt_tokens,
+                between_rounds=between_rounds,
+            )
+        else:
+            groups, counts = env.play(
+                problems,
+                params,
+                policy=policy,
+                codec=codec,
+                generate_turn=generate_turn,
+                max_context=policy.generator.capacity,
+                max_prompt_tokens=policy.max_prompt_tokens,
+            )
     finally:
         if isinstance(generate_turn, FromCache):
             generate_turn.close()

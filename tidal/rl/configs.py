@@ -157,6 +157,6 @@ def rl_calculator() -> RLConfig:
         lr_scheduler=SchedulerConfig(warmup_steps=3, decay_fraction=1.0, decay_type="cosine"),
         trainer=TrainerConfig(micro_batch_size=32),
         generator=GeneratorRoleConfig(count=1, max_batch=64),
-        rl=LoopConfig(steps=30, eval_every=10),
+        rl=LoopConfig(steps=20, eval_every=10),
         checkpoint=RLCheckpointConfig(enable=False),
     )

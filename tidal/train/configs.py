@@ -222,9 +222,9 @@ def sft_calculator_tools() -> Config:
             val_fraction=0.02,
         ),
         # A conversation is 250-320 tokens, 230 of them the tool list and the question.
-        training=TrainingConfig(steps=300, batch_size=8, seq_len=512, seed=0),
+        training=TrainingConfig(steps=150, batch_size=8, seq_len=512, seed=0),
         optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1),
-        lr_scheduler=SchedulerConfig(warmup_steps=30, decay_fraction=0.3, decay_type="cosine"),
-        metrics=MetricsConfig(log_every=25, val_every=100, val_batches=4),
+        lr_scheduler=SchedulerConfig(warmup_steps=15, decay_fraction=0.3, decay_type="cosine"),
+        metrics=MetricsConfig(log_every=10, val_every=0),
         sample=SampleConfig(max_new_tokens=0),
     )

@@ -63,7 +63,8 @@ def parse_teacher_spec(spec: str, *, where: str = "spec") -> tuple[str, float, d
             f"{list(TEACHER_ENVS)}, written ENV:tool=P[:PARAM=N|MIN-MAX...] "
             "(e.g. calculator:tool=0.3:terms=2)"
         )
-    tool, params = 0.5, {}
+    tool = 0.5
+    params: dict[str, Any] = {}
     for opt in opts:
         key, eq, value = opt.partition("=")
         if not eq or not key:

@@ -1,6 +1,6 @@
 """`make demo-tools`: its SFT data (tidal/rl/envs/teacher.py) is what the `calculator`
 environment's trajectories are, token for token, and a few steps of `rl_calculator`, shrunk,
-run through `tidal rl` with the warm start trained from that data."""
+run through `tidal rl` with the warm start trained from that data (30 s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,6 @@ def test_teacher_spec_errors_and_the_generated_dataset():
         DataConfig(dataset="generated", path="tidal.rl.envs.teacher:teacher_chats:" + SPEC)
 
 
-@pytest.mark.slow
 def test_a_few_steps_of_the_tools_demo(tmp_path, cache_dir):
     out = tmp_path / "run"
     r = tidal_rl(

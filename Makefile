@@ -1,6 +1,7 @@
 # tidal: `make demo` is RL post-training on CPU: it warm-starts the debug model on addition
 # with SFT (cached after the first run), then runs GRPO through the store and prints held-out
-# pass@1 before and after. `make demo-pretrain` trains the debug model on Shakespeare;
+# pass@1 before and after; `make demo-tools` does the same with the calc tool (multi-turn).
+# `make demo-pretrain` trains the debug model on Shakespeare;
 # `make test` runs lint (ruff, mypy) and the tests.
 # Both create .venv on first use and reuse it (and the downloaded corpus) afterwards.
 PYTHON ?= python3
@@ -16,7 +17,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tidal-installed
 TEST_STAMP := $(VENV)/.tidal-test-installed
 
-.PHONY: demo-async setup setup-test demo demo-pretrain test lint format clean
+.PHONY: demo-async demo-tools setup setup-test demo demo-pretrain test lint format clean
 
 setup: $(STAMP)
 
@@ -71,6 +72,10 @@ demo-async: setup  # the demo's config in async mode, then both runs side by sid
 	$(BIN)/tidal rl --config rl_addition --rl.mode async --loss.tis_cap 2.0 \
 		--job.output_dir outputs/rl_addition_async
 	$(BIN)/python -m tidal.rl.compare outputs/rl_addition outputs/rl_addition_async
+
+demo-tools: setup  # GRPO with the calc tool: an SFT warm start that sometimes calls it, then RL
+	rm -rf outputs/rl_calculator  # a fresh run refuses a folder holding an earlier run's metrics
+	$(BIN)/tidal rl --config rl_calculator
 
 demo-pretrain: setup
 	$(BIN)/tidal fetch shakespeare

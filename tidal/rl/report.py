@@ -285,7 +285,9 @@ def summary_line(s: dict[str, Any]) -> str:
 
 
 def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -> None:
-    """reward_mean and eval_pass1 against step, in one PNG.
+    """reward_mean and eval_pass1 against step, in one PNG; for an environment with tools
+    (records with `tool_calls_mean`), tool calls per trajectory too, on a right-hand axis:
+    the training samples' per step and the held-out greedy ones' at each eval.
 
     Raises:
         ImportError: matplotlib is missing (pip install 'tidal[plot]')."""
@@ -317,7 +319,27 @@ def plot(steps: list[dict], evals: list[dict], path: Path, *, title: str = "") -
     ax.set_xlabel("step (policy version)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    handles, labels = ax.get_legend_handles_labels()
+    calls = [(r["step"], r["tool_calls_mean"]) for r in steps if "tool_calls_mean" in r]
+    if calls and any(n for _, n in calls):
+        right = ax.twinx()
+        right.plot(*zip(*calls, strict=True), label="tool calls / trajectory", color="tab:green")
+        held = [
+            (r["step"], r["eval_tool_calls_mean"]) for r in evals if "eval_tool_calls_mean" in r
+        ]
+        if held:
+            right.plot(
+                *zip(*held, strict=True),
+                "s--",
+                label="tool calls / trajectory (held-out)",
+                color="tab:green",
+            )
+        top = max(n for _, n in [*calls, *held])
+        right.set_ylim(-0.02 * top, 1.02 * max(top, 1.0))
+        right.set_ylabel("tool calls per trajectory")
+        more_h, more_l = right.get_legend_handles_labels()
+        handles, labels = handles + more_h, labels + more_l
+    ax.legend(handles, labels, loc="lower right", fontsize=8)
     if title:
         ax.set_title(title, fontsize=8, wrap=True)
     fig.tight_layout()

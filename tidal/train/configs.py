@@ -196,3 +196,35 @@ def sft_addition_slips() -> Config:
     cfg.data.path = "add:1-3:slip=0.55"
     cfg.training.steps = 300
     return cfg
+
+
+@register
+def sft_calculator_tools() -> Config:
+    """The `make demo-tools` warm start: SFT from scratch on the `calculator` environment's
+    problems (two products, 1-3 digit operands), played by a teacher who calls the `calc`
+    tool on 30% of them and guesses the rest (the last digits wrong). The model learns to call
+    the tool sometimes; RL on the true answer then makes it call more (docs/rl.md)."""
+    return Config(
+        job=JobConfig(
+            name="sft_calculator_tools",
+            output_dir="outputs/sft_calculator_tools",
+            cpu_kernels="portable",
+        ),
+        model=ModelConfig(flavor="debug", vocab_size=1024),
+        data=DataConfig(
+            dataset="generated",
+            # Imported by name when the data is built: tidal/train imports nothing of tidal/rl.
+            path="tidal.rl.envs.teacher:teacher_chats:calculator:tool=0.3:terms=2:digits=1-3",
+            format="chat",
+            tokenizer="bpe",
+            vocab_size=1024,
+            num_problems=20_000,
+            val_fraction=0.02,
+        ),
+        # A conversation is 250-320 tokens, 230 of them the tool list and the question.
+        training=TrainingConfig(steps=150, batch_size=8, seq_len=512, seed=0),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1),
+        lr_scheduler=SchedulerConfig(warmup_steps=15, decay_fraction=0.3, decay_type="cosine"),
+        metrics=MetricsConfig(log_every=10, val_every=0),
+        sample=SampleConfig(max_new_tokens=0),
+    )

@@ -22,6 +22,7 @@ whether it reused the cache or built it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import time
@@ -31,12 +32,20 @@ from pathlib import Path
 from typing import Any
 
 from tidal.train.data import arithmetic
-from tidal.train.data.chat import ChatEncoder, ChatTemplate, Messages, find_template, training_text
+from tidal.train.data.chat import (
+    ChatEncoder,
+    ChatTemplate,
+    Messages,
+    check_messages,
+    find_template,
+    training_text,
+)
 from tidal.train.data.config import (
     CHAT_SPECIAL_TOKENS,
     SPECIAL_TOKENS,
     DataConfig,
     SourceConfig,
+    parse_generator,
 )
 from tidal.train.data.fetch import fetch_shakespeare, main_fetch, shakespeare_dir
 from tidal.train.data.loader import Batch, InterleavedLoader, PackedLoader
@@ -286,6 +295,33 @@ def _chat_template(cfg: DataConfig, tokenizer: Tokenizer | None) -> ChatTemplate
     return template
 
 
+def _generated_splits(
+    cfg: DataConfig, source: SourceConfig
+) -> tuple[tuple[list[Messages], Any], tuple[list[Messages], Any]]:
+    """The splits of a dataset="generated" source: its function called once per split
+    (imported by name, so tidal/train imports nothing of the module it names)."""
+    module_name, fn_name, spec = parse_generator(source.path)
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name, None)
+    except ImportError as e:
+        raise ValueError(
+            f"DataConfig.path={source.path!r}: cannot import {module_name!r}: {e}"
+        ) from None
+    if not callable(fn):
+        raise ValueError(f"DataConfig.path={source.path!r}: {module_name} has no {fn_name!r}")
+    n_val = math.ceil(cfg.num_problems * cfg.val_fraction)
+    parts = []
+    for split, n in (("train", cfg.num_problems), ("val", n_val)):
+
+        def where(i: int, split: str = split) -> str:
+            return f"generated {split} sample {i} of {source.path}"
+
+        chats = [check_messages(m, where(i)) for i, m in enumerate(fn(spec, n, split=split))]
+
+        parts.append((chats, where))
+    return parts[0], parts[1]
+
+
 def _chat_splits(
     cfg: DataConfig, source: SourceConfig
 ) -> tuple[tuple[list[Messages], Any], tuple[list[Messages], Any]]:
@@ -306,6 +342,8 @@ def _chat_splits(
 
             out.append(([p.messages() for p in problems], where))
         return out[0], out[1]
+    if source.dataset == "generated":
+        return _generated_splits(cfg, source)
     samples, wheres = load_chats(cfg, source)
     if not samples:
         raise ValueError(f"dataset={source.dataset!r} path={source.path!r} yielded no chat samples")

@@ -8,7 +8,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-SourceKind = Literal["shakespeare", "text", "jsonl", "parquet", "hf", "arithmetic"]
+SourceKind = Literal["shakespeare", "text", "jsonl", "parquet", "hf", "arithmetic", "generated"]
 DatasetKind = Literal[SourceKind, "interleave"]
 DataFormat = Literal["text", "chat"]
 StoppingStrategy = Literal["first_exhausted", "all_exhausted"]
@@ -50,10 +50,33 @@ def _check_source(
         from tidal.train.data.arithmetic import parse_spec
 
         parse_spec(path, where=f"{where}.path")  # raises ValueError naming the bad part
+    elif dataset == "generated":
+        if fmt != "chat":
+            raise ValueError(
+                f"{where}.dataset='generated' generates chat samples; set DataConfig.format='chat'"
+            )
+        parse_generator(path, where=f"{where}.path")
     elif dataset != "interleave" and not path:
         raise ValueError(
             f"{where}.path is required for dataset={dataset!r} (a file, a directory or a glob)"
         )
+
+
+def parse_generator(path: str, *, where: str = "DataConfig.path") -> tuple[str, str, str]:
+    """`"pkg.mod:fn:SPEC"` -> ("pkg.mod", "fn", "SPEC"): the generator of a
+    dataset="generated" source (SPEC may hold colons, and may be empty).
+
+    Raises:
+        ValueError: not MODULE:FUNCTION[:SPEC], naming `where`.
+    """
+    module, _, rest = path.partition(":")
+    fn, _, spec = rest.partition(":")
+    if not module or not fn.isidentifier():
+        raise ValueError(
+            f"{where}={path!r}: dataset='generated' needs MODULE:FUNCTION[:SPEC], e.g. "
+            "tidal.rl.envs.teacher:teacher_chats:calculator:tool=0.3"
+        )
+    return module, fn, spec
 
 
 DEFAULT_CACHE_DIR = "~/.cache/tidal"
@@ -119,14 +142,20 @@ class DataConfig:
     `parquet`: one document per row, text in column `text_field`. `hf`:
     `datasets.load_dataset` (or `load_from_disk` for a `save_to_disk` folder) on local files
     only, text in column `text_field`; needs `pip install tidal[data]`. `arithmetic`: worked
-    arithmetic problems generated in code (format chat; see `path`). `interleave`: the
+    arithmetic problems generated in code (format chat; see `path`). `generated`:
+    chat samples a function returns (format chat; see `path`). `interleave`: the
     `sources`, mixed by weight."""
 
     path: str = ""
     """A file, a directory (searched recursively for files of the kind) or a glob pattern.
     Required for every kind but `shakespeare` (ignored) and `interleave` (unused). For
     `arithmetic`: comma-separated problem forms `FORM[:MIN-MAX]` with FORM one of add, sub, mul
-    and MIN-MAX the operand digits (add:1-4, sub:1-4, mul:1-4 by default); empty is `add`."""
+    and MIN-MAX the operand digits (add:1-4, sub:1-4, mul:1-4 by default); empty is `add`.
+    For `generated`: `MODULE:FUNCTION[:SPEC]`, a function called as `FUNCTION(SPEC, n,
+    split="train"|"val")` that returns `n` chat samples (lists of messages) of that split,
+    deterministically, the splits disjoint; e.g.
+    `tidal.rl.envs.teacher:teacher_chats:calculator:tool=0.3:terms=2` (tool-calling
+    conversations of an RL environment, docs/rl.md "Tools demo")."""
 
     format: DataFormat = "text"
     """`text`: documents for pre-training, every token in the loss. `chat`: records holding a
@@ -157,7 +186,7 @@ class DataConfig:
     reshuffled pass."""
 
     num_problems: int = 50_000
-    """dataset=arithmetic: problems generated for the training split of each arithmetic
+    """dataset=arithmetic or generated: problems generated for the training split of each such
     source; the validation split gets `val_fraction` as many, never the same problems."""
 
     tokenizer: str = "bpe"

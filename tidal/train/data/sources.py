@@ -67,7 +67,7 @@ def load_chats(cfg: DataConfig, source: SourceConfig) -> tuple[list[Messages], l
         ValueError: a record without the messages field, or a malformed sample (not a list of
             role/content messages, or no assistant turn), naming the file and line or row.
     """
-    if source.dataset in ("shakespeare", "text", "arithmetic"):
+    if source.dataset in ("shakespeare", "text", "arithmetic", "generated"):
         raise ValueError(f"dataset={source.dataset!r} has no chat records to read")
     samples: list[Messages] = []
     wheres: list[str] = []

@@ -1,5 +1,5 @@
 """Async mode with an environment: between rounds of turns the generator switches to the
-newest staged policy version (`_Feed.between_rounds`), so a trajectory spans versions, each
+newest staged policy version (`Feed.between_rounds`), so a trajectory spans versions, each
 sampled token stamped with (and log-probs from) the version that sampled it; the intake's
 staleness bound and the loss's correction read those per-token versions, and observation
 tokens (version -1, masked out) never count as stale. The whole run is in
@@ -18,7 +18,7 @@ from tests.rl.test_envs import encoder, tok  # noqa: F401 (fixtures)
 from tidal.generate import Generator, GeneratorConfig
 from tidal.generate.scoring import logprobs
 from tidal.rl.config import RolloutConfig
-from tidal.rl.distributed.async_generator import _Feed
+from tidal.rl.distributed.async_generator import Feed
 from tidal.rl.distributed.intake import drop_stale
 from tidal.rl.distributed.prefetch import Stager
 from tidal.rl.distributed.schedule import AsyncSchedule
@@ -62,7 +62,7 @@ def test_a_trajectory_spans_versions_at_a_turn_boundary(encoder, engine):  # noq
         stager.start()
         try:
             assert stager.wait_staged(30) == 1  # staged before the batch: swapped after turn 0
-            feed = _Feed(
+            feed = Feed(
                 policy=policy,  # type: ignore[arg-type]
                 task=env,
                 link=None,  # type: ignore[arg-type]

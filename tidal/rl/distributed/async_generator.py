@@ -25,7 +25,7 @@ main rank puts rollouts and evaluations.
 An environment (tidal/rl/envs) is played a batch at a time: once its queue slot is free, the
 batch's trajectories run to their end (`sample_env_batch`) and it is put under the same key.
 Between rounds of turns the generator swaps in the newest version staged, without waiting
-(`_Feed.between_rounds`; no swaps within a turn), so a trajectory may span versions, each
+(`Feed.between_rounds`; no swaps within a turn), so a trajectory may span versions, each
 sampled token stamped with the version that sampled it (observations: -1, masked out of the
 loss); a trajectory continued from its cache row keeps the keys and values the older version
 wrote, as a single-turn sequence does after an in-flight swap. Batches do not overlap:
@@ -87,7 +87,7 @@ class _Fed:
 
 
 @dataclass
-class _Feed:
+class Feed:
     """The stream's feed (see the module docstring): decides at each feed point whether the
     next batch may start, and keeps the figures each completed batch reports."""
 
@@ -241,7 +241,7 @@ def generate_loop_async(
         store.get_state_dict(POLICY, into=gen.model.state_dict(), version=version)
         gen.version = version
 
-    def evaluate_held(feed: _Feed, version: int) -> None:
+    def evaluate_held(feed: Feed, version: int) -> None:
         """Score the version held; swaps are off (the feed paused them, or the stream ended)."""
         assert gen.swap_hook is None and gen.version == version, (gen.version, version)
         with feed.timer("eval_s"):  # not counted as the next batch's time
@@ -273,7 +273,7 @@ def generate_loop_async(
         on_device=on_device,
     )
     first = first_batch(store, index)
-    feed = _Feed(
+    feed = Feed(
         policy=policy,
         task=task,
         link=link,
@@ -314,10 +314,10 @@ def generate_loop_async(
         evaluate_held(feed, steps)
 
 
-def _play_env_batch(feed: _Feed, env: Env, key: str, keep: int) -> None:
+def _play_env_batch(feed: Feed, env: Env, key: str, keep: int) -> None:
     """An environment's next batch, played whole (`sample_env_batch`) once its queue slot is
     free, and put as a single-turn batch is. Its weights switch between rounds of turns
-    (`_Feed.between_rounds`), never within a turn: a trajectory may span versions, each
+    (`Feed.between_rounds`), never within a turn: a trajectory may span versions, each
     token stamped with the version that sampled it. Returns at once when the run is over or
     an evaluation is due (`feed.over`, `feed.eval_due`)."""
     seeds = feed.start_batch(idle=True)  # waits (bounded) for the slot: never None

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `build_model` reads (`tidal generate` and `tidal serve` share them)."""
     parser.add_argument(
         "--config", default="debug", help="named config: its model (seed init), its tokenizer"
     )
@@ -59,6 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("tidal", "torchtitan"),
         help="the weights' layout of a --checkpoint without tidal.json (another tool's DCP)",
     )
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="weights' dtype (auto: bf16 on CUDA, fp32 on CPU)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompts", help='JSON lines: {"prompt": ...} or {"messages": [...]}')
     parser.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -77,13 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fixed reduction orders: log-probs bitwise equal to the trainer's",
     )
     parser.add_argument("--max-batch", type=int, default=32, help="samples decoded at once")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "fp32", "bf16"],
-        help="weights' dtype (auto: bf16 on CUDA, fp32 on CPU)",
-    )
 
 
 def main(argv: list[str]) -> int:

@@ -28,17 +28,9 @@ MISSING_EXTRA = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="debug", help="named config: its model, tokenizer")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face folder (weights, tokenizer)")
-    source.add_argument(
-        "--checkpoint", metavar="DIR", help="a tidal run's DCP checkpoint (step-N, or its folder)"
-    )
-    parser.add_argument(
-        "--layout",
-        choices=("tidal", "torchtitan"),
-        help="the weights' layout of a --checkpoint without tidal.json (another tool's DCP)",
-    )
+    from tidal.generate.cli import add_model_arguments
+
+    add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every request")
@@ -69,13 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-key", default="policy", help="the state dict's key in the store")
     parser.add_argument(
         "--follow-every", type=float, default=1.0, help="seconds between checks for a version"
-    )
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "fp32", "bf16"],
-        help="weights' dtype (auto: bf16 on CUDA, fp32 on CPU)",
     )
 
 

@@ -12,13 +12,24 @@ from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
 from tidal.parallel.dims import ParallelDims
 
 
-def _model(attention="sdpa"):
-    m = Transformer(get_flavor("tiny", attention=attention))
+def _model(attention="sdpa", **kw):
+    m = Transformer(get_flavor("tiny", attention=attention, **kw))
     m.init_weights(seed=3)
+    _random_biases(m)
     return m
 
 
-def _grads(rank, world, layout):
+def _random_biases(model):
+    """Non-zero q/k/v biases (init_weights zeroes them), the same values in every layout."""
+    from tidal.models.transformer import _normal
+
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if name.endswith(".bias"):
+                _normal(p, 0.5, torch.Generator().manual_seed(i))
+
+
+def _grads(rank, world, layout, model_kw):
     """Backward of one batch through the unsharded model and through `layout`; returns the
     max abs difference of every parameter's gradient (sharded grads made whole)."""
     import torch.distributed as dist
@@ -33,18 +44,19 @@ def _grads(rank, world, layout):
         dims = ParallelDims(world_size=world, **layout)
         mesh = dims.build_mesh("cpu")
         tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
-        ref = _model()
+        ref = _model(**model_kw)
         loss = cross_entropy_sum(ref(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
 
         with torch.device("meta"):
-            sharded = Transformer(get_flavor("tiny"))
+            sharded = Transformer(get_flavor("tiny", **model_kw))
         cfg = ParallelismConfig(**layout)
         parallelize(
             sharded, mesh, dims, cfg, ActivationCheckpointConfig(), compile=False, param_dtype=None
         )
         sharded.to_empty(device="cpu")
         sharded.init_weights(seed=3)
+        _random_biases(sharded)
         dp = dims.dp_shard
         local = tokens[rank % dp :: dp] if dp > 1 else tokens  # FSDP: disjoint rows per rank
         logits = sharded(local[:, :-1])
@@ -67,13 +79,19 @@ def _grads(rank, world, layout):
 
 
 @pytest.mark.parametrize(
-    "layout", [{"tp": 2, "dp_shard": 1}, {"dp_shard": 2}], ids=["tp2", "fsdp2"]
+    "layout, model_kw",
+    [
+        ({"tp": 2, "dp_shard": 1}, {}),
+        ({"dp_shard": 2}, {}),
+        ({"tp": 2, "dp_shard": 1}, {"qkv_bias": True}),  # Qwen 2: biases sharded with q/k/v
+    ],
+    ids=["tp2", "fsdp2", "tp2_qkv_bias"],
 )
-def test_sharded_gradients_match_unsharded(layout, tmp_path):
-    for diffs in run_ranks(2, _grads, layout, tmp_path=tmp_path):
+def test_sharded_gradients_match_unsharded(layout, model_kw, tmp_path):
+    for diffs in run_ranks(2, _grads, layout, model_kw, tmp_path=tmp_path):
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-5, f"{worst}: {diffs[worst]}"
-        assert len(diffs) == len(list(_model().parameters()))
+        assert len(diffs) == len(list(_model(**model_kw).parameters()))
 
 
 def _cp_flex_forward(rank, world):

@@ -23,6 +23,20 @@ def _llama3(**kw: Any) -> ModelArgs:
     return ModelArgs(**(base | kw))
 
 
+def _qwen2(**kw: Any) -> ModelArgs:
+    """Qwen 2.5 as released (config.json: rope_theta 1e6, rms_norm_eps 1e-6, biases on q/k/v,
+    sliding window off)."""
+    base: dict[str, Any] = dict(
+        family="qwen2",
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        qkv_bias=True,
+        max_seq_len=32768,
+    )
+    return ModelArgs(**(base | kw))
+
+
 def _qwen3(**kw: Any) -> ModelArgs:
     base: dict[str, Any] = dict(
         family="qwen3",
@@ -61,6 +75,20 @@ FLAVORS: dict[str, ModelArgs] = {
         vocab_size=512,
         rope_theta=10_000.0,
         max_seq_len=512,
+    ),
+    "debug_qwen2": ModelArgs(
+        family="qwen2",
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=768,
+        vocab_size=4096,
+        norm_eps=1e-6,
+        rope_theta=10_000.0,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_seq_len=2048,
     ),
     "debug_qwen3": ModelArgs(
         family="qwen3",
@@ -128,6 +156,36 @@ FLAVORS: dict[str, ModelArgs] = {
         rope_scaling=LLAMA31_SCALING,
         max_seq_len=131072,
         extra={"published_params": 70_553_706_496},
+    ),
+    # Qwen 2.5 base models (Qwen/Qwen2.5-0.5B, -1.5B, -7B; the Instruct, Math and
+    # DeepSeek-R1-Distill-Qwen models of these sizes share the shapes). 7B: untied, vocab 152064.
+    "qwen2_5_0_5b": _qwen2(
+        dim=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        ffn_dim=4864,
+        tie_embeddings=True,
+        extra={"published_params": 494_032_768},
+    ),
+    "qwen2_5_1_5b": _qwen2(
+        dim=1536,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        ffn_dim=8960,
+        tie_embeddings=True,
+        extra={"published_params": 1_543_714_304},
+    ),
+    "qwen2_5_7b": _qwen2(
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_dim=18944,
+        vocab_size=152064,
+        max_seq_len=131072,
+        extra={"published_params": 7_615_616_512},
     ),
     "qwen3_0_6b": _qwen3(
         dim=1024,

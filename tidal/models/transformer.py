@@ -1,16 +1,21 @@
-"""Llama 3 and Qwen 3 decoder-only transformers, in one file.
+"""Llama 3, Qwen 2 / 2.5 and Qwen 3 decoder-only transformers, in one file.
 
-Both families share one block structure; the differences are flags on `ModelArgs`:
+The families share one block structure; the differences are flags on `ModelArgs`:
 
 - Token embedding, then `n_layers` pre-norm blocks, a final RMSNorm and an output projection.
 - Attention: grouped-query attention (GQA, `n_kv_heads` <= `n_heads`), rotary position
   embeddings in the rotate-half layout that Hugging Face checkpoints use (so weights load
-  without a permutation), no biases. Llama 3.1 frequency scaling (`rope_scaling`) for the
-  Llama flavors that have it. Qwen 3 adds a per-head RMSNorm on queries and keys (QK-norm)
-  and a head dim that need not equal dim / n_heads.
+  without a permutation), no biases except Qwen 2's. Llama 3.1 frequency scaling
+  (`rope_scaling`) for the Llama flavors that have it. Qwen 2 / 2.5 adds biases on the
+  query, key and value projections only (`qkv_bias`; the output projection and the MLP have
+  none) and uses RoPE base 1e6; its sliding-window attention is off in every released
+  checkpoint, and tidal, which implements full causal attention only, refuses a config that
+  turns it on (tidal/models/hf/qwen2.py). Qwen 3 drops the biases and adds a per-head
+  RMSNorm on queries and keys (QK-norm) and a head dim that need not equal dim / n_heads.
 - MLP: SwiGLU, `w2(silu(w1 x) * w3 x)`.
 - Norms: RMSNorm everywhere (eps 1e-5 for Llama, 1e-6 for Qwen).
-- Output: a separate projection, or tied to the embedding (`tie_embeddings`, small Qwen 3).
+- Output: a separate projection, or tied to the embedding (`tie_embeddings`: Llama 3.2 1B,
+  Qwen 2.5 0.5B and 1.5B, small Qwen 3).
 - Attention kernels: `scaled_dot_product_attention` (causal) by default; flex attention with
   a document-causal block mask for packed sequences when `attention="flex"`.
 - Generation: `forward_cached` runs the same blocks over a `KVCache` (per-row lengths) at
@@ -69,7 +74,7 @@ class RopeScaling:
 class ModelArgs:
     """Architecture of one decoder. Named flavors live in tidal/models/flavors.py."""
 
-    family: Literal["llama3", "qwen3"] = "llama3"
+    family: Literal["llama3", "qwen2", "qwen3"] = "llama3"
     """Model family; selects nothing by itself but names the checkpoint format."""
     dim: int = 256
     """Model (residual stream) width D."""
@@ -93,6 +98,8 @@ class ModelArgs:
     """Llama 3.1 frequency scaling, or None."""
     qk_norm: bool = False
     """RMSNorm on each query and key head before RoPE (Qwen 3)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen 2 / 2.5); initialized to zero."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection."""
     max_seq_len: int = 2048
@@ -168,9 +175,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.k
         self.kind = args.attention
-        self.wq = nn.Linear(args.dim, args.n_heads * args.k, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.k, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.k, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.k, args.dim, bias=False)
         self.fused = False  # one product for Q, K and V (`Transformer.fuse_projections`)
         self.q_norm: nn.RMSNorm | None = None
@@ -189,8 +196,10 @@ class Attention(nn.Module):
         B, T, _ = x_BTD.shape
         if self.fused:
             projections = (self.wq.weight, self.wk.weight, self.wv.weight)
+            biases = (self.wq.bias, self.wk.bias, self.wv.bias)  # all None, or all set
+            bias_E = torch.cat(biases) if biases[0] is not None else None
             # One product over the stacked weights, split back along the features (views).
-            qkv_BTE = F.linear(x_BTD, torch.cat(projections))
+            qkv_BTE = F.linear(x_BTD, torch.cat(projections), bias_E)
             q_BTE, k_BTE, v_BTE = qkv_BTE.split([w.shape[0] for w in projections], dim=-1)
         else:
             q_BTE, k_BTE, v_BTE = self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
@@ -350,10 +359,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope", rope_tables(args), persistent=False)
 
     def fuse_projections(self) -> int:
-        """Compute Q, K and V as one product with the concatenated weights, and W1 and W3 as
-        another, in every block whose projections are plain `nn.Linear` layers without hooks
-        (a float8 layer, or one that tensor parallelism wrapped with its input and output
-        hooks, keeps its own product). Parameters and state-dict keys do not change.
+        """Compute Q, K and V as one product with the concatenated weights (and biases, with
+        `qkv_bias`), and W1 and W3 as another, in every block whose projections are plain
+        `nn.Linear` layers without hooks (a float8 layer, or one that tensor parallelism
+        wrapped with its input and output hooks, keeps its own product). Parameters and
+        state-dict keys do not change.
 
         The weights are concatenated on each forward and the concatenation is saved for
         backward. With fp32 weights under bf16 autocast that takes the place of the bf16 copies
@@ -376,7 +386,8 @@ class Transformer(nn.Module):
         """Initialise every parameter and buffer in place (after `to_empty`).
 
         Linear weights are truncated normals with std 0.02, the residual-branch outputs (wo,
-        w2) scaled down with depth, the output projection with std dim**-0.5, norms at one.
+        w2) scaled down with depth, the output projection with std dim**-0.5, norms at one,
+        biases (Qwen 2's q/k/v) at zero.
         Each parameter draws from its own generator seeded by (seed, parameter name), so a
         parameter gets the same values whichever other parameters exist in this process (a
         pipeline stage) and however it is sharded.
@@ -387,6 +398,9 @@ class Transformer(nn.Module):
             # Names as in the state dict: wrappers (activation checkpointing, compile) that a
             # parallelize step may have put around blocks add segments that are not saved.
             name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if name.endswith(".bias"):
+                param.zero_()
+                continue
             std = self._init_std(name)
             if std is None:
                 param.fill_(1.0)  # RMSNorm scales

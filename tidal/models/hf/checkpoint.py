@@ -16,8 +16,8 @@ Who calls what:
 
 Every check happens before the first tensor byte is read: config fields, safetensors headers,
 names, shapes and dtypes. Each family's names and config fields live in its adapter
-(tidal/models/hf/llama.py, qwen3.py); no tensor needs a permutation, since tidal's attention
-uses the rotate-half RoPE layout of Hugging Face checkpoints.
+(tidal/models/hf/llama.py, qwen2.py, qwen3.py); no tensor needs a permutation, since tidal's
+attention uses the rotate-half RoPE layout of Hugging Face checkpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tidal.models.hf import llama, qwen3
+from tidal.models.hf import llama, qwen2, qwen3
 from tidal.models.hf.common import (
     DTYPE_CODES,
     FLOAT_DTYPES,
@@ -44,7 +44,11 @@ from tidal.models.hf.common import (
 )
 from tidal.models.transformer import ModelArgs, Transformer, rope_tables
 
-ADAPTERS: dict[str, Adapter] = {llama.MODEL_TYPE: llama, qwen3.MODEL_TYPE: qwen3}
+ADAPTERS: dict[str, Adapter] = {
+    llama.MODEL_TYPE: llama,
+    qwen2.MODEL_TYPE: qwen2,
+    qwen3.MODEL_TYPE: qwen3,
+}
 """config.json `model_type` -> the family's adapter module."""
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
@@ -126,7 +130,7 @@ def load_hf(
 
     Args:
         path: folder with config.json and model.safetensors, or shards with
-            model.safetensors.index.json (Llama 2/3/3.1/3.2 or Qwen 3).
+            model.safetensors.index.json (Llama 2/3/3.1/3.2, Qwen 2/2.5 or Qwen 3).
         device: where the parameters go.
         dtype: cast every parameter to this dtype; None keeps each tensor's stored dtype
             (so `save_hf` writes the same bytes back).

@@ -72,7 +72,7 @@ def require_safetensors():
 
 
 class Adapter(Protocol):
-    """One model family's mapping (a module: tidal/models/hf/llama.py, qwen3.py)."""
+    """One model family's mapping (a module: tidal/models/hf/llama.py, qwen2.py, qwen3.py)."""
 
     MODEL_TYPE: str
     """`model_type` in config.json."""
@@ -164,13 +164,17 @@ def read_config(folder: Path) -> ConfigFields:
     return ConfigFields(raw, str(path))
 
 
-def check_common_fields(c: ConfigFields, architecture: str) -> None:
-    """Fields both families refuse unless they have the value tidal's math implements."""
+def check_common_fields(
+    c: ConfigFields, architecture: str, *, attention_bias: bool = False
+) -> None:
+    """Fields every family refuses unless they have the value tidal's math implements.
+    `attention_bias`: the value the family's attention has (True for Qwen 2, whose q/k/v
+    projections always carry biases)."""
     archs = c.raw.get("architectures")
     if archs is not None and archs != [architecture]:
         c.refuse("architectures", archs, f"[{architecture!r}] (a causal language model)")
     c.expect("hidden_act", ("silu",))
-    c.expect("attention_bias", (False,))
+    c.expect("attention_bias", (attention_bias,))
     c.expect("mlp_bias", (False,))
     c.expect("rope_interleaved", (False,))
     c.expect("partial_rotary_factor", (1.0,))

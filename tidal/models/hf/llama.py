@@ -58,6 +58,8 @@ def model_args(c: ConfigFields) -> ModelArgs:
 
 def hf_config(args: ModelArgs) -> dict[str, Any]:
     """config.json for `args` (without torch_dtype, which the writer adds)."""
+    if args.qkv_bias:
+        raise ValueError("a Llama checkpoint has no q/k/v biases; args.qkv_bias must be False")
     if args.qk_norm:
         raise ValueError("a Llama checkpoint has no QK-norm; args.qk_norm must be False")
     return {

@@ -63,6 +63,8 @@ def model_args(c: ConfigFields) -> ModelArgs:
 
 def hf_config(args: ModelArgs) -> dict[str, Any]:
     """config.json for `args` (without torch_dtype, which the writer adds)."""
+    if args.qkv_bias:
+        raise ValueError("a Qwen 3 checkpoint has no q/k/v biases; args.qkv_bias must be False")
     if not args.qk_norm:
         raise ValueError("a Qwen 3 checkpoint always has QK-norm; args.qk_norm must be True")
     return {

@@ -1,6 +1,7 @@
 """Training a mixture-of-experts model on CPU: the loss goes down, the routing metrics are
-logged, the router's auxiliary loss enters the gradient with its coefficient, and the
-aux-loss-free expert bias is updated after each step toward balance."""
+logged, the router's auxiliary loss enters the gradient with its coefficient, the
+aux-loss-free expert bias is updated after each step toward balance and resumes exactly from
+a checkpoint, and a Hugging Face Qwen 3 MoE folder converts to DCP and back and starts a run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import json
 import pytest
 import torch
 
+from tests.train.test_checkpoint import VOCAB, random_data, step_records, train
+from tests.train.test_hf_checkpoint import assert_bytes_equal, tensors
+from tidal.models import Transformer, get_flavor, save_hf
 from tidal.models.moe import moe_layers
+from tidal.train.checkpoint.hf import dcp_to_hf, hf_to_dcp, read_model
 from tidal.train.config_parse import apply_overrides
 from tidal.train.configs import get_config
 
@@ -72,3 +77,41 @@ def test_moe_options_are_refused_where_they_mean_nothing(tmp_path):
         apply_overrides(get_config("debug"), ["--model.moe_load_balance", "sinkhorn"])
     with pytest.raises(ValueError, match="training.moe_aux_loss_coef must be >= 0"):
         apply_overrides(get_config("debug"), ["--training.moe_aux_loss_coef", "-1"])
+
+
+MOE_BIAS = ("--model.flavor", "debug_moe", "--model.moe_load_balance", "bias")
+
+
+def test_a_moe_run_resumes_exactly_with_its_expert_bias(tmp_path):
+    """The expert bias is saved with the model: a run stopped at step 10 and resumed gives the
+    straight run's losses and bias, bit for bit."""
+
+    def bias(out):
+        sd = read_model(out / "checkpoint" / "step-20", log=lambda _: None)[1]
+        return sd["layers.2.feed_forward.expert_bias"]
+
+    train(tmp_path / "straight", *MOE_BIAS)
+    train(tmp_path / "run", *MOE_BIAS, stop_at=10)
+    train(tmp_path / "run", *MOE_BIAS)
+    ref, got = step_records(tmp_path / "straight"), step_records(tmp_path / "run")
+    assert [got[s] for s in range(11, 21)] == [ref[s] for s in range(11, 21)]
+    assert bias(tmp_path / "run").abs().sum() > 0
+    assert torch.equal(bias(tmp_path / "run"), bias(tmp_path / "straight"))
+
+
+def test_a_hugging_face_moe_converts_and_trains(tmp_path):
+    """A Qwen 3 MoE folder: HF -> DCP -> HF byte-identical (stacked experts through the
+    per-expert tensors), and a run starts from its weights."""
+    model = Transformer(get_flavor("debug_moe", vocab_size=VOCAB, n_layers=2))
+    model.init_weights(seed=4)
+    save_hf(model, tmp_path / "hf")
+    dcp = hf_to_dcp(tmp_path / "hf", tmp_path / "dcp", log=lambda _: None)
+    dcp_to_hf(dcp, tmp_path / "back", log=lambda _: None)
+    assert_bytes_equal(tensors(tmp_path / "hf"), tensors(tmp_path / "back"))
+    train(tmp_path / "run", "--checkpoint.initial_load_hf", str(tmp_path / "hf"), steps=3)
+    first = step_records(tmp_path / "run")[1][0]
+    batch = next(iter(random_data().train))
+    with torch.no_grad():
+        logits = model(batch.input_ids)
+        want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
+    assert first == pytest.approx(want.item(), abs=1e-5)

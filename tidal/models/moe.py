@@ -266,7 +266,8 @@ class MoE(nn.Module):
         # Sort the N x K token copies by expert (stable: by token within an expert).
         flat_M = experts_NK.flatten()
         order_M = flat_M.argsort(stable=True)
-        counts_E = torch.bincount(flat_M, minlength=E)
+        # histc, not bincount: a static shape that torch.compile keeps in the graph.
+        counts_E = torch.histc(flat_M.float(), bins=E, min=0, max=E).to(torch.int64)
         self.last_counts_E = counts_E.detach()
         self.last_aux_loss = aux_loss(probs_NE, counts_E)
         y_MD = self.experts(x_ND[order_M // K], counts_E)

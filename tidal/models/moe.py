@@ -10,8 +10,10 @@ A block of a model whose `ModelArgs.moe` is set replaces its SwiGLU MLP with `Mo
   w2 [E, D, F], w3 [E, F, D] (expert e's slices are Hugging Face's per-expert matrices).
 - Expert compute: the token copies are sorted by expert; on a GPU (sm90+, bf16 compute) one
   `torch._grouped_mm` per projection over groups padded to 16 bytes of rows (the grouped
-  kernel's alignment); elsewhere one matmul per expert over its contiguous rows
-  (`GroupedExperts.impl`). No capacity factor: every token reaches its k experts, none is dropped.
+  kernel's alignment); elsewhere, and in batch-invariant mode (whose fixed-block matmuls
+  then make each token's result independent of the batch), one matmul per expert over its
+  contiguous rows (`GroupedExperts.impl`). No capacity factor: every token reaches its k
+  experts, none is dropped.
 - Shared experts (DeepSeek V3, `n_shared_experts`): one always-on SwiGLU of width
   n_shared x F added to the routed output.
 - Load balancing (`load_balance`):
@@ -41,6 +43,9 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from tidal.models.batch_invariant import BatchInvariantMode
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -200,6 +205,8 @@ class GroupedExperts(nn.Module):
         w2: torch.Tensor = self.w2
         w3: torch.Tensor = self.w3
         impl = self.impl
+        if impl == "auto" and _batch_invariant():
+            impl = "loop"  # the mode's fixed-block matmuls; it has no grouped kernel
         if impl == "auto":
             device = x_MD.device.type
             autocast = torch.is_autocast_enabled(device)
@@ -211,6 +218,11 @@ class GroupedExperts(nn.Module):
         if impl == "grouped_mm":
             return experts_grouped_mm(x_MD, counts_E, w1, w2, w3)
         return experts_loop(x_MD, counts_E, w1, w2, w3)
+
+
+def _batch_invariant() -> bool:
+    """Whether the forward runs in batch-invariant mode (tidal/models/batch_invariant.py)."""
+    return any(isinstance(m, BatchInvariantMode) for m in _get_current_dispatch_mode_stack())
 
 
 class SharedExperts(nn.Module):

@@ -332,7 +332,7 @@ class StepPath:
             return plain(out.detach()) / self.grad_scale, [r.metrics for r in records]
         output, labels, _ = self.forward(batch, fused_loss=loss.fused)
         value, record = loss(output, batch, labels)
-        moe = collect_moe(self.model)
+        moe = collect_moe(self.model) if self.args.moe is not None else None
         if moe is not None:
             if loss.aux_scale:
                 value = value + loss.aux_scale * moe.aux_loss

@@ -147,7 +147,7 @@ def test_transformers_4_style_and_llama2_defaults(tmp_path):
         (
             "tiny_llama",
             {"model_type": "mistral"},
-            r"'model_type' = 'mistral'.*\['llama', 'qwen2', 'qwen3'\]",
+            r"'model_type' = 'mistral'.*\['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]",
         ),
         ("tiny_qwen3", {"model_type": None}, r"'model_type' = None"),
         ("tiny_llama", {"attention_bias": True}, r"'attention_bias' = True"),

@@ -17,7 +17,7 @@ def tiny(**kw):
     return model.eval()
 
 
-@pytest.fixture(params=["debug", "debug_qwen3"])
+@pytest.fixture(params=["debug", "debug_qwen3", "debug_moe"])
 def model(request):
     args = get_flavor(request.param, **TINY)
     if args.head_dim is not None:
@@ -124,7 +124,11 @@ def test_compiled_blocks_share_one_graph_across_layers_and_batches(model):
             got = model.forward_cached(tokens[:b, 5:], cache, positions=positions, blocks=blocks)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(cache.k[1], eager_cache.k[1], atol=1e-6, rtol=1e-6)
-        assert counter.frame_count == 2, counter.frame_count
+        # MoE blocks on CPU break the graph at the per-expert loop (it reads the counts on
+        # the host): equal logits, but more frames. A graph-captured MoE decode is the
+        # generator's part of issue 36.
+        if model.args.moe is None:
+            assert counter.frame_count == 2, counter.frame_count
         with pytest.raises(ValueError, match="blocks has 1 callables, the model 2"):
             model.forward_cached(tokens, cache, blocks=blocks[:1])
     torch._dynamo.reset()

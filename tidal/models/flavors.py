@@ -1,10 +1,12 @@
-"""Named model shapes. `published_params` is the count from the model card / checkpoint."""
+"""Named model shapes. `published_params` is the count from the model card / checkpoint (for
+a mixture of experts, the total over every expert)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
 
+from tidal.models.moe import MoEArgs
 from tidal.models.transformer import ModelArgs, RopeScaling
 
 LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
@@ -205,6 +207,51 @@ FLAVORS: dict[str, ModelArgs] = {
     ),
     "qwen3_8b": _qwen3(
         dim=4096, n_layers=36, n_heads=32, ffn_dim=12288, extra={"published_params": 8_190_735_360}
+    ),
+}
+
+
+def _qwen3_moe(moe: MoEArgs, **kw: Any) -> ModelArgs:
+    return _qwen3(family="qwen3_moe", moe=moe, **kw)
+
+
+# Qwen 3 MoE shapes (tidal/models/moe.py): every block's MLP a mixture of SwiGLU experts.
+FLAVORS |= {
+    # CPU tests and demos: debug_qwen3's attention, 8 experts of width 128, 2 per token.
+    "debug_moe": ModelArgs(
+        family="qwen3_moe",
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        ffn_dim=768,
+        vocab_size=4096,
+        norm_eps=1e-6,
+        rope_theta=10_000.0,
+        qk_norm=True,
+        max_seq_len=2048,
+        moe=MoEArgs(n_experts=8, top_k=2, ffn_dim=128),
+    ),
+    # One GPU benchmarks: 0.98B parameters in all, 0.45B active per token (0.14B outside
+    # the embeddings): 64 fine-grained experts of width 256, 8 per token, as in Qwen3-30B-A3B.
+    "qwen3_moe_1b": _qwen3_moe(
+        MoEArgs(n_experts=64, top_k=8, ffn_dim=256),
+        dim=1024,
+        n_layers=12,
+        n_heads=16,
+        n_kv_heads=4,
+        ffn_dim=3072,
+    ),
+    # Qwen/Qwen3-30B-A3B: 30.5B parameters, 3.35B active (128 experts, 8 per token).
+    "qwen3_30b_a3b": _qwen3_moe(
+        MoEArgs(n_experts=128, top_k=8, ffn_dim=768),
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=6144,
+        extra={"published_params": 30_532_122_624},
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Llama 3, Qwen 2 / 2.5 and Qwen 3 decoder-only transformers, in one file.
+"""Llama 3, Qwen 2 / 2.5, Qwen 3 and Qwen 3 MoE decoder-only transformers, in one file.
 
 The families share one block structure; the differences are flags on `ModelArgs`:
 
@@ -12,7 +12,9 @@ The families share one block structure; the differences are flags on `ModelArgs`
   checkpoint, and tidal, which implements full causal attention only, refuses a config that
   turns it on (tidal/models/hf/qwen2.py). Qwen 3 drops the biases and adds a per-head
   RMSNorm on queries and keys (QK-norm) and a head dim that need not equal dim / n_heads.
-- MLP: SwiGLU, `w2(silu(w1 x) * w3 x)`.
+- MLP: SwiGLU, `w2(silu(w1 x) * w3 x)`; or, with `ModelArgs.moe`, a mixture of SwiGLU
+  experts in every block (Qwen 3 MoE, with DeepSeek V3's shared experts and aux-loss-free
+  balancing as options: tidal/models/moe.py).
 - Norms: RMSNorm everywhere (eps 1e-5 for Llama, 1e-6 for Qwen).
 - Output: a separate projection, or tied to the embedding (`tie_embeddings`: Llama 3.2 1B,
   Qwen 2.5 0.5B and 1.5B, small Qwen 3).
@@ -54,6 +56,7 @@ from torch import nn
 
 from tidal.models import batch_invariant as bi
 from tidal.models.kv_cache import KVCache, LayerCache
+from tidal.models.moe import MoE, MoEArgs
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -74,7 +77,7 @@ class RopeScaling:
 class ModelArgs:
     """Architecture of one decoder. Named flavors live in tidal/models/flavors.py."""
 
-    family: Literal["llama3", "qwen2", "qwen3"] = "llama3"
+    family: Literal["llama3", "qwen2", "qwen3", "qwen3_moe"] = "llama3"
     """Model family; selects nothing by itself but names the checkpoint format."""
     dim: int = 256
     """Model (residual stream) width D."""
@@ -87,7 +90,8 @@ class ModelArgs:
     head_dim: int | None = None
     """Head dim K; derived as dim // n_heads when None."""
     ffn_dim: int = 768
-    """SwiGLU hidden width F."""
+    """SwiGLU hidden width F (of the dense MLP; with `moe`, Hugging Face's intermediate_size,
+    kept for its config.json)."""
     vocab_size: int = 4096
     """Vocabulary size V (rows of the embedding)."""
     norm_eps: float = 1e-5
@@ -106,6 +110,8 @@ class ModelArgs:
     """Longest sequence (prompt plus generation) the RoPE tables cover."""
     attention: Literal["sdpa", "flex"] = "sdpa"
     """Attention kernel: causal SDPA, or flex attention with document-causal masking."""
+    moe: MoEArgs | None = None
+    """Mixture-of-experts MLP in every block (tidal/models/moe.py); None for a dense model."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form notes (e.g. the published parameter count); not used by the math."""
 
@@ -246,7 +252,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+        self.feed_forward: FeedForward | MoE = (
+            FeedForward(args.dim, args.ffn_dim) if args.moe is None else MoE(args.dim, args.moe)
+        )
 
     def forward(self, x_BTD, rope, mask, cache: LayerCache | None = None):
         """`cache`: this layer's view of the KV cache (`KVCache.layers[layer_id]`). The block
@@ -385,15 +393,18 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Initialise every parameter and buffer in place (after `to_empty`).
 
-        Linear weights are truncated normals with std 0.02, the residual-branch outputs (wo,
-        w2) scaled down with depth, the output projection with std dim**-0.5, norms at one,
-        biases (Qwen 2's q/k/v) at zero.
+        Linear weights (and stacked experts) are truncated normals with std 0.02, the
+        residual-branch outputs (wo, w2) scaled down with depth, the output projection with
+        std dim**-0.5, norms at one, biases (Qwen 2's q/k/v, MoE expert biases) at zero.
         Each parameter draws from its own generator seeded by (seed, parameter name), so a
         parameter gets the same values whichever other parameters exist in this process (a
         pipeline stage) and however it is sharded.
         """
         device = self.rope.device
         self.rope.copy_(rope_tables(self.args, device=device))
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.init_buffers()
         for name, param in self.named_parameters():
             # Names as in the state dict: wrappers (activation checkpointing, compile) that a
             # parallelize step may have put around blocks add segments that are not saved.
@@ -414,7 +425,7 @@ class Transformer(nn.Module):
             return self.args.dim**-0.5
         if "norm" in name.rsplit(".", 2)[-2]:
             return None
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             layer_id = int(name.split(".")[1])
             return 0.02 / math.sqrt(2 * (layer_id + 1))
         return 0.02

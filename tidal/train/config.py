@@ -57,6 +57,12 @@ class ModelConfig:
     document-causal masking, so packed documents do not attend to each other."""
     vocab_size: int | None = None
     """Override the flavor's vocabulary size (e.g. to match a small tokenizer); None keeps it."""
+    moe_load_balance: Literal["aux_loss", "bias"] | None = None
+    """Load balancing of a mixture-of-experts model (tidal/models/moe.py): aux_loss adds the
+    router's auxiliary loss x training.moe_aux_loss_coef to the training loss (Switch/Qwen);
+    bias moves a per-expert selection bias toward balance after each step (aux-loss-free,
+    DeepSeek V3). None keeps the model's (aux_loss for every MoE flavor and Hugging Face
+    Qwen 3 MoE). Refused for a dense model."""
 
     def __post_init__(self) -> None:
         require(
@@ -70,6 +76,11 @@ class ModelConfig:
         require(
             self.vocab_size is None or self.vocab_size > 0,
             f"model.vocab_size must be positive or none, got {self.vocab_size}",
+        )
+        require(
+            self.moe_load_balance in (None, "aux_loss", "bias"),
+            f"model.moe_load_balance must be one of aux_loss, bias or none; "
+            f"got {self.moe_load_balance!r}",
         )
 
 
@@ -112,6 +123,10 @@ class TrainingConfig:
     their gradient never exist whole. Applies without tensor or pipeline parallelism,
     batch-invariant mode or a converted (float8) output layer; elsewhere, and for injected
     (RL) losses, the logits are computed whole as before."""
+    moe_aux_loss_coef: float = 1e-3
+    """Weight of the router's auxiliary load-balancing loss (its mean over the MoE layers, 1.0
+    when balanced) in the training loss of a mixture-of-experts model balanced by aux_loss;
+    0 leaves it out (it is still logged as moe_aux_loss). Unused by dense models."""
     seed: int = 0
     """Seed for weight init, data order and sampling."""
     deterministic: bool = False
@@ -131,6 +146,10 @@ class TrainingConfig:
                 f"training.{name} must be positive, got {getattr(self, name)}",
             )
         require(self.max_norm >= 0, f"training.max_norm must be >= 0, got {self.max_norm}")
+        require(
+            self.moe_aux_loss_coef >= 0,
+            f"training.moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}",
+        )
         require(
             self.compile_mode in ("default", "max-autotune-no-cudagraphs"),
             f"training.compile_mode must be default or max-autotune-no-cudagraphs, "

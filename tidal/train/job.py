@@ -4,6 +4,7 @@ model: the device, seeding, and every check a user can fail (`check_job`). Run b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from typing import Any
@@ -82,6 +83,11 @@ def check_job(
                 "orders cover causal sdpa attention on plain (not tensor-sharded or fused) "
                 "weights in eager mode"
             )
+    if args.moe is not None and (dims.tp > 1 or dims.pp > 1):
+        raise ValueError(
+            f"model.flavor {cfg.model.flavor!r} is a mixture of experts: it runs on one process "
+            f"or with FSDP, not with parallelism.tp={dims.tp} / parallelism.pp={dims.pp}"
+        )
     if t.fuse_projections and dims.tp > 1:
         raise ValueError(
             f"training.fuse_projections=true does not work with parallelism.tp={dims.tp}: "
@@ -119,8 +125,18 @@ def model_args_for(cfg: Config) -> ModelArgs:
     if cfg.checkpoint.initial_load_hf:  # the architecture of a Hugging Face folder
         from tidal.train.checkpoint.hf import hf_args_for
 
-        return hf_args_for(cfg)
-    overrides: dict[str, Any] = {"attention": cfg.model.attention}
-    if cfg.model.vocab_size is not None:
-        overrides["vocab_size"] = cfg.model.vocab_size
-    return get_flavor(cfg.model.flavor, **overrides)
+        args = hf_args_for(cfg)
+    else:
+        overrides: dict[str, Any] = {"attention": cfg.model.attention}
+        if cfg.model.vocab_size is not None:
+            overrides["vocab_size"] = cfg.model.vocab_size
+        args = get_flavor(cfg.model.flavor, **overrides)
+    balance = cfg.model.moe_load_balance
+    if balance is not None:
+        if args.moe is None:
+            raise ValueError(
+                f"model.moe_load_balance={balance} needs a mixture-of-experts model; "
+                f"model.flavor {cfg.model.flavor!r} is dense"
+            )
+        args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, load_balance=balance))
+    return args

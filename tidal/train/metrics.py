@@ -49,9 +49,12 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def flops_per_token(model: Transformer, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) for `model` at `seq_len`."""
+    """Training FLOPs per token (forward + backward) for `model` at `seq_len` (a mixture of
+    experts: its active parameters, the k routed experts of each token)."""
     a = model.args
     n_params = sum(p.numel() for p in model.parameters())
+    if a.moe is not None:
+        n_params -= a.n_layers * a.moe.inactive_params(a.dim)
     n_embedding = a.vocab_size * a.dim
     if a.tie_embeddings:  # the shared table still does the output matmul
         n_embedding = 0

@@ -39,6 +39,12 @@ The micro-batch path is one for both losses: the model's output goes to the `Ste
   on the last stage per pipeline micro-batch, passed per call as a keyword argument of its
   loss function (tidal/train/pipeline_step.py). The step's loss and metrics live on the last
   stage and are reduced over the pipeline group, so every rank gets them.
+- mixture of experts (tidal/models/moe.py): after each micro-batch's forward the router's
+  auxiliary loss (mean over layers) is added to the value backward starts from, x
+  `moe_aux_coef` / the step's micro-batches (a mean over micro-batches; FSDP's average
+  makes it a mean over ranks), and the tokens per expert are summed over the step and the
+  data-parallel ranks (`moe_counts`, for the aux-loss-free bias update and the load metrics
+  `moe_aux_loss`, `moe_load_max`, `moe_load_min`, `moe_dropped_tokens`). Not under PP.
 - context parallel: the default loss sums over this rank's slice of every sequence and the
   count covers whole sequences. `logprobs` gathers the slices back into whole rows. An
   injected loss is refused: per-sequence terms (GRPO's per-sequence means, GSPO's sequence
@@ -57,6 +63,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from tidal.models.moe import collect_moe, load_metrics
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.parallel.context import ContextParallel
 from tidal.train.data import Batch
@@ -90,7 +97,8 @@ class StepResult:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """The injected loss's metrics reduced over micro-batches and data-parallel ranks (sum;
     max for names ending in "_max", min for "_min"): 0-dim fp32 device tensors, not synced,
-    the same on every rank. Empty for the default cross entropy."""
+    the same on every rank. Empty for the default cross entropy. A mixture-of-experts model
+    adds its routing metrics (`moe_*`, see `StepPath.moe_metrics`)."""
 
 
 class MicroRecord(NamedTuple):
@@ -122,6 +130,9 @@ class StepLoss:
     """The injected loss; None for the default cross entropy."""
     sequences: float | torch.Tensor = 1.0
     """Rows with a valid label, at least 1 (`StepNorms.sequences`; injected losses only)."""
+    aux_scale: float = 0.0
+    """Weight of a micro-batch's MoE auxiliary loss: the coefficient / the step's micro-batches
+    (0: not added)."""
 
     @property
     def fused(self) -> bool:
@@ -167,6 +178,7 @@ class StepPath:
         document_mask: bool = False,
         fused_loss: bool = False,
         pipeline: PipelineStep | None = None,
+        moe_aux_coef: float = 0.0,
     ):
         self.model, self.args, self.mesh, self.cp = model, args, mesh, cp
         # Packed chat samples: each sees only its own document with SDPA too (a dense mask;
@@ -182,6 +194,12 @@ class StepPath:
         # exactly what they were before batch-invariant mode existed.
         self.model_kwargs: dict[str, Any] = {"batch_invariant": True} if batch_invariant else {}
         self.pipeline = pipeline
+        # The router's auxiliary loss weight (MoE models balanced by aux_loss; 0 otherwise).
+        self.moe_aux_coef = moe_aux_coef
+        self.moe_counts: torch.Tensor | None = None
+        """Tokens per expert [L, E] of the last step, summed over micro-batches and data-parallel
+        ranks (None for a dense model)."""
+        self._moe_aux: list[torch.Tensor] = []
 
     # -- contexts and reductions ----------------------------------------------------------
 
@@ -271,12 +289,14 @@ class StepPath:
         step_loss = self.step_loss(batches, n_tokens, loss)
         total = torch.zeros((), device=self.device)
         metrics: list[dict[str, torch.Tensor]] = []
+        self.moe_counts, self._moe_aux = None, []
         for batch in batches:
             share, micro_metrics = self.forward_backward(batch, step_loss)
             total += share
             metrics += micro_metrics
         total = self.reduce(self.reduce(total, "pp"))  # under PP only the last stage has it
-        return total, ({} if loss is None else self._reduce_metrics(metrics))
+        reduced = {} if loss is None else self._reduce_metrics(metrics)
+        return total, reduced | self.moe_metrics()
 
     def step_loss(self, batches: list[Batch], n_tokens: int, loss: TokenLoss | None) -> StepLoss:
         """The step's loss with its normalizers: `n_tokens` (this rank's valid labels) and,
@@ -284,8 +304,9 @@ class StepPath:
         # A step whose batches hold no target (chat rows of prompts only) contributes 0.
         count = self.global_count(n_tokens)
         tokens = max(count, 1.0) if isinstance(count, float) else count.clamp(min=1.0)
+        aux_scale = self.moe_aux_coef / len(batches)
         if loss is None:
-            return StepLoss(self, tokens)
+            return StepLoss(self, tokens, aux_scale=aux_scale)
         if self.cp is not None:
             raise ValueError(
                 "an injected loss does not run under context parallelism (parallelism.cp="
@@ -295,7 +316,7 @@ class StepPath:
         for b in batches:  # counted on the device: no sync
             rows += (b.labels != IGNORE_INDEX).any(1).sum()
         sequences = self.reduce(rows, "dp").clamp(min=1.0)
-        return StepLoss(self, tokens, loss, sequences)
+        return StepLoss(self, tokens, loss, sequences, aux_scale)
 
     def forward_backward(
         self, batch: Batch, loss: StepLoss
@@ -311,9 +332,28 @@ class StepPath:
             return plain(out.detach()) / self.grad_scale, [r.metrics for r in records]
         output, labels, _ = self.forward(batch, fused_loss=loss.fused)
         value, record = loss(output, batch, labels)
+        moe = collect_moe(self.model) if self.args.moe is not None else None
+        if moe is not None:
+            if loss.aux_scale:
+                value = value + loss.aux_scale * moe.aux_loss
+            counts = moe.counts_LE
+            self.moe_counts = counts if self.moe_counts is None else self.moe_counts + counts
+            self._moe_aux.append(moe.aux_loss.detach())
         with self.loss_context():
             value.backward()
         return record.loss, [record.metrics]
+
+    def moe_metrics(self) -> dict[str, torch.Tensor]:
+        """The step's routing metrics of a mixture-of-experts model (empty otherwise), the same
+        on every rank: `moe_aux_loss` (the auxiliary loss, mean over layers, micro-batches and
+        data-parallel ranks) and the load balance of `tidal.models.moe.load_metrics`. Sums
+        `moe_counts` over the data-parallel ranks."""
+        if self.moe_counts is None:
+            return {}
+        self.moe_counts = self.reduce(self.moe_counts)
+        aux = self.reduce(torch.stack(self._moe_aux).mean())
+        ranks = self.mesh["dp_cp"].size() if self.mesh is not None else 1
+        return {"moe_aux_loss": aux / ranks} | load_metrics(self.moe_counts)
 
     def _reduce_metrics(self, per_micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Micro-batch metrics reduced over micro-batches, pipeline stages (only the last

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tidal.models.moe import update_expert_bias
 from tidal.models.transformer import Transformer
 from tidal.parallel.context import ContextParallel
 from tidal.parallel.grad_norm import clip_grad_norm
@@ -253,6 +254,11 @@ class Trainer:
             and self.dims.pp == 1
             and (self.model.output is None or type(self.model.output) is nn.Linear),
             pipeline=self.pipeline,
+            moe_aux_coef=(
+                t.moe_aux_loss_coef
+                if self.args.moe is not None and self.args.moe.load_balance == "aux_loss"
+                else 0.0
+            ),
         )
         self.params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = build_optimizer(self.modules, cfg.optimizer, self.device)
@@ -413,6 +419,8 @@ class Trainer:
             )
             self.checkpoint.wait_before_update()  # a staged save must have copied the weights
             self.optimizer.step()
+            if self.path.moe_counts is not None:  # aux-loss-free balancing, if configured
+                update_expert_bias(self.model, self.path.moe_counts)
             if self.float8 is not None:
                 self.float8.after_optimizer_step(self.modules)  # FSDP float8 weight scales
             self.optimizer.zero_grad(set_to_none=True)
@@ -594,6 +602,8 @@ class Trainer:
             "data_wait_s": watch.totals.get("data_wait", 0.0) / steps,
             "elapsed_s": time.perf_counter() - start,
         }
+        # A mixture of experts: the last step's routing (load balance, auxiliary loss).
+        record |= {k: float(v) for k, v in result.metrics.items() if k.startswith("moe_")}
         if logger is None:
             return record
         first = self._first_step
@@ -607,6 +617,8 @@ class Trainer:
             f"tflops {tflops:.1f}{mfu} mem {record['peak_memory_gib']:.2f}GiB "
             f"data {1000 * record['data_wait_s']:.1f}ms eta {eta:.0f}s"
         )
+        if "moe_aux_loss" in record:
+            line += f" moe load {record['moe_load_max']:.2f} aux {record['moe_aux_loss']:.3f}"
         logger.log(record, line)
         return record
 

@@ -16,8 +16,10 @@ Who calls what:
 
 Every check happens before the first tensor byte is read: config fields, safetensors headers,
 names, shapes and dtypes. Each family's names and config fields live in its adapter
-(tidal/models/hf/llama.py, qwen2.py, qwen3.py); no tensor needs a permutation, since tidal's
-attention uses the rotate-half RoPE layout of Hugging Face checkpoints.
+(tidal/models/hf/llama.py, qwen2.py, qwen3.py, qwen3_moe.py); no tensor needs a permutation,
+since tidal's attention uses the rotate-half RoPE layout of Hugging Face checkpoints. A stacked
+tensor (an MoE layer's experts, [E, ...]) maps to E checkpoint tensors, one per expert: each is
+read into, or written from, its slice along the first dim.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tidal.models.hf import llama, qwen2, qwen3
+from tidal.models.hf import llama, qwen2, qwen3, qwen3_moe
 from tidal.models.hf.common import (
     DTYPE_CODES,
     FLOAT_DTYPES,
     Adapter,
     ConfigFields,
+    HFName,
     TensorEntry,
     read_config,
     read_folder,
@@ -48,6 +51,7 @@ ADAPTERS: dict[str, Adapter] = {
     llama.MODEL_TYPE: llama,
     qwen2.MODEL_TYPE: qwen2,
     qwen3.MODEL_TYPE: qwen3,
+    qwen3_moe.MODEL_TYPE: qwen3_moe,
 }
 """config.json `model_type` -> the family's adapter module."""
 
@@ -160,7 +164,7 @@ def load_hf(
         model = Transformer(args)
     plan = _plan(model.state_dict(), adapter, args, entries, folder, strict=True)
     # Each parameter takes the stored dtype (or `dtype`) while still on the meta device.
-    stored = {key: entry for key, _, entry in plan}
+    stored = {key: entry if isinstance(entry, TensorEntry) else entry[0] for key, _, entry in plan}
     for module_name, module in model.named_modules():
         for name, p in list(module.named_parameters(recurse=False)):
             key = f"{module_name}.{name}" if module_name else name
@@ -203,6 +207,10 @@ def load_hf_state_dict(
     _fill(_plan(state_dict, adapter, args, read_folder(folder), folder, strict=strict))
 
 
+Planned = TensorEntry | tuple[TensorEntry, ...]
+"""A checkpoint tensor, or the per-expert tensors of a stacked one (its slices along dim 0)."""
+
+
 def _plan(
     state_dict: Mapping[str, torch.Tensor],
     adapter: Adapter,
@@ -211,10 +219,12 @@ def _plan(
     folder: Path,
     *,
     strict: bool,
-) -> list[tuple[str, torch.Tensor, TensorEntry]]:
-    """Match every state-dict key to a checkpoint tensor of the same shape and a float dtype."""
+) -> list[tuple[str, torch.Tensor, Planned]]:
+    """Match every state-dict key to a checkpoint tensor of the same shape and a float dtype
+    (a stacked key: to one tensor per slice, of the slice's shape and all of one dtype)."""
     names = adapter.hf_names(args)
-    plan, used = [], set()
+    plan: list[tuple[str, torch.Tensor, Planned]] = []
+    used: set[str] = set()
     for key, dst in state_dict.items():
         hf = names.get(_canonical(key))
         if hf is None:
@@ -222,21 +232,32 @@ def _plan(
                 f"state dict key {key!r} is not a tensor of the {adapter.MODEL_TYPE} model "
                 f"that {folder / 'config.json'} describes"
             )
-        entry = entries.get(hf)
-        if entry is None:
-            raise ValueError(f"{folder}: checkpoint has no tensor {hf!r} (for tidal's {key!r})")
-        if entry.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"{entry.file}: tensor {hf!r} has dtype {entry.dtype}; expected one of "
-                f"{sorted(FLOAT_DTYPES)}"
-            )
-        if tuple(dst.shape) != entry.shape:
-            raise ValueError(
-                f"{entry.file}: tensor {hf!r} has shape {list(entry.shape)}, but tidal's "
-                f"{key!r} has shape {list(dst.shape)}"
-            )
-        plan.append((key, dst, entry))
-        used.add(hf)
+        stacked = isinstance(hf, tuple)
+        if stacked and len(hf) != dst.shape[0]:
+            raise ValueError(f"{key!r} stacks {dst.shape[0]} tensors, its names are {len(hf)}")
+        shape = tuple(dst.shape[1:]) if stacked else tuple(dst.shape)
+        found: list[TensorEntry] = []
+        for name in hf if isinstance(hf, tuple) else (hf,):
+            entry = entries.get(name)
+            if entry is None:
+                raise ValueError(
+                    f"{folder}: checkpoint has no tensor {name!r} (for tidal's {key!r})"
+                )
+            if entry.dtype not in FLOAT_DTYPES or entry.dtype != (found or [entry])[0].dtype:
+                raise ValueError(
+                    f"{entry.file}: tensor {name!r} has dtype {entry.dtype}; expected one of "
+                    f"{sorted(FLOAT_DTYPES)}"
+                    + (f", the same as {found[0].name!r}'s" if found else "")
+                )
+            if entry.shape != shape:
+                part = f"a slice of tidal's {key!r}" if stacked else f"tidal's {key!r}"
+                raise ValueError(
+                    f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}, but {part} "
+                    f"has shape {list(shape)}"
+                )
+            found.append(entry)
+            used.add(name)
+        plan.append((key, dst, tuple(found) if stacked else found[0]))
     unused = sorted(set(entries) - used)
     # Tolerated leftovers: RoPE tables some exporters save, and a copy of a tied embedding.
     derived = [n for n in unused if n.endswith("rotary_emb.inv_freq")]
@@ -255,8 +276,9 @@ def _plan(
     return plan
 
 
-def _fill(plan: list[tuple[str, torch.Tensor, TensorEntry]]) -> None:
-    """Copy each checkpoint tensor, or the slice a DTensor's local shard holds, into place."""
+def _fill(plan: list[tuple[str, torch.Tensor, Planned]]) -> None:
+    """Copy each checkpoint tensor, or the slice a DTensor's local shard holds, into place
+    (stacked: each slice along dim 0 from its own tensor)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -274,7 +296,14 @@ def _fill(plan: list[tuple[str, torch.Tensor, TensorEntry]]) -> None:
                 if local.numel() == 0:  # an uneven split left this rank nothing
                     continue
                 box = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-                local.copy_(reader.read(entry, box))
+                if isinstance(entry, tuple):
+                    for i, e in enumerate(range(box[0].start, box[0].stop)):
+                        local[i].copy_(reader.read(entry[e], box[1:]))
+                else:
+                    local.copy_(reader.read(entry, box))
+            elif isinstance(entry, tuple):
+                for e, part in enumerate(entry):
+                    dst[e].copy_(reader.read(part))
             else:
                 dst.copy_(reader.read(entry))
 
@@ -299,6 +328,13 @@ def _check_box_layout(key: str, placements) -> None:
             )
         if isinstance(p, Shard):
             sharded.add(p.dim)
+
+
+def _split(hf: HFName, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one tidal tensor: itself, or its slices along dim 0."""
+    if isinstance(hf, str):
+        return {hf: t.contiguous()}
+    return {name: t[e].contiguous() for e, name in enumerate(hf)}
 
 
 def save_hf(
@@ -367,7 +403,7 @@ def save_hf_state_dict(
             f"state dict does not match a {args.family} model of these args: missing "
             f"{missing[:5]}, unknown {unknown[:5]}"
         )
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     for key, hf in names.items():
         t = sd[key]
         if isinstance(t, DTensor):
@@ -377,7 +413,8 @@ def save_hf_state_dict(
             )
         if t.is_meta or not t.is_floating_point():
             raise TypeError(f"{key!r} is a {t.dtype} tensor on {t.device}: nothing to save")
-        tensors[hf] = t.detach().to(device="cpu", dtype=dtype or t.dtype).contiguous()
+        t = t.detach().to(device="cpu", dtype=dtype or t.dtype)
+        tensors |= _split(hf, t)
     dtypes = [t.dtype for t in tensors.values()]
     main = max(set(dtypes), key=dtypes.count)
     assert main in DTYPE_CODES, f"unexpected dtype {main}"

@@ -71,8 +71,12 @@ def require_safetensors():
     return safetensors
 
 
+HFName = str | tuple[str, ...]
+"""A tidal tensor's Hugging Face name, or the names of its slices along dim 0 (stacked experts)."""
+
+
 class Adapter(Protocol):
-    """One model family's mapping (a module: tidal/models/hf/llama.py, qwen2.py, qwen3.py)."""
+    """One model family's mapping (a module: tidal/models/hf/llama.py, qwen2.py, qwen3.py, ...)."""
 
     MODEL_TYPE: str
     """`model_type` in config.json."""
@@ -83,7 +87,7 @@ class Adapter(Protocol):
 
     def hf_config(self, args: ModelArgs) -> dict[str, Any]: ...
 
-    def hf_names(self, args: ModelArgs) -> dict[str, str]: ...
+    def hf_names(self, args: ModelArgs) -> Mapping[str, HFName]: ...
 
 
 # ---------------------------------------------------------------------------------------

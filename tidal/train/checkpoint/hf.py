@@ -543,10 +543,11 @@ def _read_hf(
 
     entries = read_folder(src)
     names = adapter_for(args).hf_names(args)
-    state_dict = {
-        key: torch.empty(entries[hf].shape, dtype=dtype or FLOAT_DTYPES[entries[hf].dtype])
-        for key, hf in names.items()
-    }
+    state_dict = {}
+    for key, hf in names.items():
+        first = entries[hf if isinstance(hf, str) else hf[0]]
+        shape = first.shape if isinstance(hf, str) else (len(hf), *first.shape)  # stacked
+        state_dict[key] = torch.empty(shape, dtype=dtype or FLOAT_DTYPES[first.dtype])
     # strict=False: each chunk is a subset; check_hf has matched the whole folder already.
     read_in_chunks(state_dict, lambda chunk: load_hf_state_dict(src, chunk, strict=False), src, log)
     return state_dict

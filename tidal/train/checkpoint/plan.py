@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tidal.models.moe import MoEArgs
 from tidal.models.transformer import ModelArgs, RopeScaling, Transformer
 from tidal.train.checkpoint import layout
 from tidal.train.checkpoint import torchtitan as tt
@@ -72,6 +73,8 @@ def args_from_info(info: dict[str, Any], path: Path) -> ModelArgs | None:
             raise ValueError(f"unknown model fields {unknown}")
         if isinstance(fields.get("rope_scaling"), dict):
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        if isinstance(fields.get("moe"), dict):
+            fields["moe"] = MoEArgs(**fields["moe"])
         if isinstance(model.get("hf"), dict):
             fields["extra"] = {"hf": dict(model["hf"])}
         return ModelArgs(**fields)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.parallel._launch import run_ranks
+from tidal.parallel import pipeline
 from tidal.train.config_parse import apply_overrides
 from tidal.train.configs import get_config
 
@@ -246,6 +247,10 @@ CASES = {
 def test_loss_parity(name, reference, tmp_path, text_corpus, cache_dir):
     world, extra = CASES[name]
     cfg = make_config(tmp_path, text_corpus, cache_dir, *extra)
+    if "ZBVZeroBubble" in extra and torch_version() < pipeline.ZBV_GLOO_MIN_TORCH:
+        with pytest.raises(AssertionError, match="'ZBVZeroBubble' on gloo .* needs torch >="):
+            run_ranks(world, train_losses, cfg, tmp_path=tmp_path)
+        return
     results = run_ranks(world, train_losses, cfg, tmp_path=tmp_path)
     ref = torch.tensor(reference)
     for rank, losses in enumerate(results):
@@ -265,6 +270,20 @@ def test_loss_parity(name, reference, tmp_path, text_corpus, cache_dir):
             msg=lambda m, r=rank: f"{name} rank {r} grad norm: {m}",
         )
     assert ref[-1, 0] < ref[0, 0]  # the runs really trained
+
+
+def torch_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def test_zbv_on_gloo_with_an_old_torch_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(pipeline.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(pipeline.torch, "__version__", "2.11.0+cpu")
+    with pytest.raises(ValueError, match=r"'ZBVZeroBubble' on gloo \(CPU\) needs torch >= 2.13"):
+        pipeline.require_zbv_support("ZBVZeroBubble", None)
+    pipeline.require_zbv_support("InterleavedZeroBubble", None)  # other schedules run
+    monkeypatch.setattr(pipeline.torch, "__version__", "2.13.0")
+    pipeline.require_zbv_support("ZBVZeroBubble", None)
 
 
 def _bitwise_losses(rank, world, cfg, reference: bool):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp_schedules
 
@@ -51,6 +52,26 @@ SCHEDULE_CLASSES = {
     "ZBVZeroBubble": pp_schedules.ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
+
+
+ZBV_GLOO_MIN_TORCH = (2, 13)
+"""torch 2.11's ZBVZeroBubble fails its first step on gloo: the shape exchange of the V's
+first stage breaks the connection ("Pair is not connected"; measured on 2.11, fine on 2.13)."""
+
+
+def require_zbv_support(schedule: str, pp_group) -> None:
+    """Refuse ZBVZeroBubble on gloo with a torch older than ZBV_GLOO_MIN_TORCH, in one line
+    before any stage is built, instead of gloo's error at the first step."""
+    if schedule != "ZBVZeroBubble" or dist.get_backend(pp_group) != "gloo":
+        return
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if version < ZBV_GLOO_MIN_TORCH:
+        need = ".".join(map(str, ZBV_GLOO_MIN_TORCH))
+        raise ValueError(
+            f"parallelism.pp_schedule 'ZBVZeroBubble' on gloo (CPU) needs torch >= {need}, "
+            f"this is {torch.__version__}: its first step fails in torch's shape exchange; "
+            "use 'InterleavedZeroBubble' or a newer torch"
+        )
 
 
 def stage_layers(n_layers: int, n_stages: int, split: str = "") -> list[list[int]]:
@@ -157,6 +178,7 @@ class PipelineRunner:
         n_microbatches: int,
         loss_fn: Callable[..., torch.Tensor],
     ):
+        require_zbv_support(schedule, pp_group)
         self.stage_objs = [
             PipelineStage(m, sid, stages.n_stages, device, group=pp_group)
             for sid, m in zip(stages.ids, stages.modules, strict=True)

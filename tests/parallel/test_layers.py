@@ -21,12 +21,17 @@ def _model(attention="sdpa", **kw):
 
 def _random_biases(model):
     """Non-zero q/k/v biases (init_weights zeroes them), the same values in every layout."""
-    from tidal.models.transformer import _normal
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if name.endswith(".bias"):
-                _normal(p, 0.5, torch.Generator().manual_seed(i))
+                full = torch.empty(p.shape).normal_(
+                    0.0, 0.5, generator=torch.Generator().manual_seed(i)
+                )
+                if isinstance(p, DTensor):  # each rank keeps its shard of the same values
+                    full = distribute_tensor(full, p.device_mesh, p.placements)
+                p.copy_(full)
 
 
 def _grads(rank, world, layout, model_kw):

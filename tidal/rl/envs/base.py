@@ -287,7 +287,11 @@ class _ProblemsOf(Task):
         return self.env.key(problem)
 
     def grade(self, completion: str, reference: Any) -> Grade:  # pragma: no cover - unused
-        raise NotImplementedError
+        # Only the problem streams are used: an environment's rewards come from its steps.
+        raise TypeError(
+            f"environment {self.env.name!r} grades trajectories through step(turn), not a "
+            "single completion string"
+        )
 
 
 @dataclass(kw_only=True)

@@ -439,6 +439,8 @@ class Volume:
         self._lock = threading.Lock()
         self._done_writing = threading.Condition(self._lock)
         self._pool_wake = threading.Condition(self._lock)
+        self._nixl: Any = None  # its NIXL agent, made at the first vol_nixl (transports/nixl.py)
+        self.nixl_loopback = True  # the server listens on loopback only: so does UCX
         self._pool_thread: threading.Thread | None = None
         if pool:
             self._pool_thread = threading.Thread(
@@ -505,6 +507,8 @@ class Volume:
                 seg = as_bytes(mapping)
             self._segments[slot] = (mapping, seg)
             self.used += nbytes
+            if self._nixl is not None:
+                self._nixl.register(slot, seg)
 
     def _create_parts(self, slot: int, nbytes: int) -> Mapping:
         """Create the part files of a new slot (sparse: the first writer allocates the pages)
@@ -548,6 +552,8 @@ class Volume:
         with self._lock:
             for slot in slots:
                 rec = self._segments.pop(slot, None)
+                if self._nixl is not None:
+                    self._nixl.deregister(slot)
                 self._grants.pop(slot, None)
                 self._populated.discard(slot)
                 if rec is None:
@@ -675,6 +681,20 @@ class Volume:
             view = view.contiguous()
         return view.reshape(-1).numpy().data
 
+    def nixl_describe(self, slots: list[int]) -> tuple[str, bytes, list[tuple[int, int, int]]]:
+        """This volume's NIXL agent name, its metadata for ``slots`` and (slot, address,
+        bytes) of each that exists; the agent is made, and every slot registered with it,
+        at the first call. StoreError if NIXL is not installed here."""
+        from tidal.store.transports import nixl
+
+        with self._lock:
+            if self._nixl is None:
+                agent = nixl.VolumeAgent(self.volume_id, self.nixl_loopback)
+                for slot, (_, seg) in self._segments.items():
+                    agent.register(slot, seg)
+                self._nixl = agent
+            return self._nixl.describe(slots)
+
     @property
     def reserved(self) -> int:
         """Bytes of allocated part files waiting in the reserve."""
@@ -692,3 +712,5 @@ class Volume:
         self.destroy(list(self._segments))
         with self._lock:
             self._reserve.close()
+            if self._nixl is not None:
+                self._nixl.close()

@@ -61,8 +61,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 GB = 1e9
-Path = Literal["design, GPU-direct", "design, host-staged", "as built (TCP)"]
-PATHS: tuple[Path, ...] = ("design, GPU-direct", "design, host-staged", "as built (TCP)")
+Path = Literal["design, GPU-direct", "design, host-staged", "as built (TCP)", "as built (NIXL)"]
+PATHS: tuple[Path, ...] = (
+    "design, GPU-direct",
+    "design, host-staged",
+    "as built (TCP)",
+    "as built (NIXL)",
+)
 
 # -- calibration: tidal's own single-host figures ---------------------------------------------
 # H200 host, torch 2.11.0+cu130, 2026-12-01, store v2; a Llama-3-1.5B-shaped bf16 state dict
@@ -90,6 +95,11 @@ STREAM_CHUNKS = 8  # a writer reports progress at most 8 times a put (tidal/stor
 MIN_CHUNK = 64e6  # ... and only every 64 MB
 TCP_PIECE = 16 << 20  # bytes per vol_read request (tidal/store/transports/tcp.py)
 TCP_CONNECTIONS = 2  # connect(connections=2): requests in flight per volume
+# NIXL one-sided reads, one reader process from one volume process: the only NIXL figure
+# measured (benchmarks/store_transports.py, 2-core VM, 2026-12-07: 0.54 GB in 16 tensors,
+# 0.124 s, UCX over CMA on one host; no RDMA NIC there). Across hosts over RDMA a link is
+# assumed to run at least this fast, up to the NIC (--nixl-gbps plugs in a measured figure).
+NIXL_LINK_GBPS = 0.537 / 0.1243
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +116,10 @@ class Case:
     nic_scope: Literal["gpu", "node"] = "gpu"
     tensors: int = 2000  # Kimi-K2-like: 61 layers x ~17 weights (fused experts) + FP8 scales
     replicated_frac: float = 0.001
+    nixl_gbps: float = NIXL_LINK_GBPS  # one reader's NIXL read rate (as built (NIXL))
 
     def __post_init__(self) -> None:
-        for name in ("params", "dtype_bytes", "nic_gbps"):
+        for name in ("params", "dtype_bytes", "nic_gbps", "nixl_gbps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("trainer_gpus", "replicas", "tp", "gpus_per_node", "tensors"):
@@ -246,6 +257,18 @@ def predict(c: Case, path: Path) -> Prediction:
         requests = c.window / TCP_PIECE / TCP_CONNECTIONS * NET_RTT_US * 1e-6
         network, relay, final = max(receive, send) + requests, 0.0, 0.0  # copy_ is in recv
         per_tensor = c.tensors * HOST_OP_US * 1e-6 * 2
+    elif path == "as built (NIXL)":
+        # Every process pulls its own window by one-sided READs from the trainer hosts' host
+        # slots straight into its GPU tensors (registered VRAM: GPUDirect RDMA assumed), one
+        # posted request a get (descriptors cached); the volume processes' CPUs do not serve
+        # the bytes, their NICs do.
+        publish = c.shard / pcie
+        reader = min(c.nic, c.nixl_gbps * GB)
+        receive = c.window / reader
+        served = c.gen_gpus * c.window / c.trainer_nodes
+        send = served / (min(c.gpus_per_node, c.trainer_gpus) * c.nic)
+        network, relay, final = max(receive, send) + NET_RTT_US * 1e-6, 0.0, 0.0
+        per_tensor = c.tensors * HOST_OP_US * 1e-6 * 2
     else:
         gpu = path == "design, GPU-direct"
         publish = c.shard / (dev if gpu else pcie)
@@ -380,7 +403,7 @@ def report(c: Case) -> dict[str, Any]:
         )
     print("(byte phases stream through a pipeline, the controller's busy time overlaps them:")
     print(" a total is not the sum of its row)")
-    for p in (preds[0], preds[2]):
+    for p in (preds[0], preds[2], preds[3]):
         print(
             f"{p.path}: {p.total:.2f} s = {p.total / 1.3:.2f}x Perplexity's 1.3 s, "
             f"{p.total / 16.04:.2f}x checkpoint-engine's 16.0 s"
@@ -423,6 +446,7 @@ HELP = {
     "nic_scope": "gpu: one NIC per GPU (HGX H100/H200: 8 x 400 Gb/s a node); node: shared",
     "tensors": "tensors in the state dict (a guess for MoE models: fused expert stacks)",
     "replicated_frac": "share of the bytes every TP rank needs whole (norms, routers)",
+    "nixl_gbps": "one reader's NIXL read rate, GB/s (default: measured over CMA on one host)",
 }
 
 

@@ -126,3 +126,52 @@ def test_a_reserve_sized_for_a_state_dict_holds_every_part_its_first_put_needs()
         assert torch.equal(store.get_state_dict("p")["big"], sd["big"])
     with pytest.raises(ValueError, match="reserve files hold 1 to"):
         Volume("v0", new_store_id(), reserve=[PART + 1])
+
+
+def _wait_reserved(vol: Volume, nbytes: int, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while vol.reserved < nbytes:
+        assert time.monotonic() < deadline, f"pool holds {vol.reserved} bytes, not {nbytes}"
+        time.sleep(0.02)
+
+
+def test_a_pool_fills_in_the_background_and_refills_after_new_slots_take_it():
+    before = shm_segments(os.getpid())
+    vol = Volume("v0", new_store_id(), pool=4 * PART)
+    try:
+        _wait_reserved(vol, 4 * PART)
+        files = _reserve_files()
+        assert len(files) == 4 and all(_allocated(f) >= PART for f in files)  # written
+        vol.create(1, 2 * PART)  # two full parts, taken from the pool
+        assert vol.reserved == 2 * PART
+        _wait_reserved(vol, 4 * PART)  # topped up once no slot was created for a while
+        vol.segment(1)[:] = 7
+        assert int(vol.segment(1).sum()) == 7 * 2 * PART
+    finally:
+        vol.close()
+    assert shm_segments(os.getpid()) == before  # the pool's files and the slot unlinked
+
+
+def test_a_pool_makes_files_of_the_sizes_new_slots_asked_for(tmp_path):
+    from tidal.store.reserve import Reserve
+
+    mib = 1 << 20
+    r = Reserve(str(tmp_path), "tidal-1.2x0abcde-v0", 4 * mib)
+    assert r.classes == [4 * mib, 2 * mib, mib]
+    assert r.next_size(12 * mib) == 4 * mib  # at first a share of each class
+    assert not r.take(str(tmp_path / "a"), 2 * mib - 4096)  # empty: records the demand
+    assert r.next_size(12 * mib) == 2 * mib  # then the class that was asked for
+    assert r.class_of(mib // 2) is None and r.class_of(3 * mib) == 4 * mib
+    n = r.number()
+    assert r.allocate(n, 2 * mib) is None
+    r.add(n, 2 * mib)
+    assert r.take(str(tmp_path / "b"), 2 * mib - 4096)  # the near size, truncated
+    assert os.path.getsize(tmp_path / "b") == 2 * mib - 4096
+    r.close()
+
+
+def test_a_bad_pool_is_refused():
+    with pytest.raises(ValueError, match="pool must be a number of bytes"):
+        Volume("v0", new_store_id(), pool=-1)

@@ -22,6 +22,13 @@ from tidal.store.standalone import run_volume
 from tidal.store.volume import Volume, new_store_id, reap_stale
 
 PROG = "tidal store"
+# A served volume keeps this much shared memory written ahead, refilled in the background,
+# so that the first put of a new key copies into existing pages (tidal/store/volume.py).
+POOL_GB = 2.0
+POOL_HELP = (
+    "shared memory kept written ahead in the background for new keys' first puts "
+    "(at most a quarter of the free space; 0: none)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="memory allocated at start for new keys' first puts",
     )
+    serve.add_argument("--pool-gb", type=float, default=POOL_GB, help=POOL_HELP)
     serve.add_argument("--shm-dir", default="/dev/shm", help="where segments live")
     serve.add_argument("--no-volume", action="store_true", help="metadata only (volumes join)")
     serve.set_defaults(func=_serve)
@@ -51,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _token_args(vol, "the store's shared secret")
     vol.add_argument("--capacity-gb", type=float, default=None)
     vol.add_argument("--reserve-gb", type=float, default=0.0)
+    vol.add_argument("--pool-gb", type=float, default=POOL_GB, help=POOL_HELP)
     vol.add_argument("--shm-dir", default="/dev/shm")
     vol.set_defaults(func=_volume)
 
@@ -121,14 +130,20 @@ def _serve(args: argparse.Namespace) -> int:
             shm_dir=args.shm_dir,
             capacity=_gb(args.capacity_gb),
             reserve=_gb(args.reserve_gb) or 0,
+            pool=_gb(args.pool_gb) or 0,
         )
-    server = Server(
-        controller=Controller(store_id, keep=args.keep),
-        volume=volume,
-        host=args.host,
-        port=args.port,
-        token=_token(args),
-    )
+    try:
+        server = Server(
+            controller=Controller(store_id, keep=args.keep),
+            volume=volume,
+            host=args.host,
+            port=args.port,
+            token=_token(args),
+        )
+    except BaseException:
+        if volume is not None:
+            volume.close()  # its reserve and pool files, and the pool's thread
+        raise
     print(f"tidal store serving at {server.address} (pid {os.getpid()})", flush=True)
     print(f"export TIDAL_STORE={server.address}", flush=True)
     try:
@@ -152,6 +167,7 @@ def _volume(args: argparse.Namespace) -> int:
         shm_dir=args.shm_dir,
         capacity=_gb(args.capacity_gb),
         reserve=_gb(args.reserve_gb) or 0,
+        pool=_gb(args.pool_gb) or 0,
         ready=ready,
     )
     return 0

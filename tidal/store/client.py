@@ -52,8 +52,8 @@ class Store:
         connections: int = 2,
         _server: Server | None = None,
     ) -> None:
-        if transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', got {transport!r}")
+        if transport not in ("auto", "shm", "tcp", "nixl"):
+            raise ValueError(f"transport must be 'auto', 'shm', 'tcp' or 'nixl', got {transport!r}")
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         if not timeout > 0:
@@ -536,8 +536,10 @@ def connect(
     Args:
         address: ``tcp://host:port`` of a store started by ``tidal store serve``.
         token: shared secret, required when the store listens on a non-loopback address.
-        transport: ``"auto"`` (shared memory for volumes on this host, TCP otherwise),
-            ``"shm"`` or ``"tcp"`` to force one.
+        transport: ``"auto"`` (shared memory for volumes on this host; for others NIXL
+            when installed, ``tidal[nixl]``, else TCP), ``"shm"``, ``"tcp"`` or ``"nixl"``
+            to force one (``"nixl"`` reads volumes on this host by NIXL too; StoreError
+            at once if NIXL is not installed).
         timeout: seconds to wait for any reply before raising StoreError.
         keep: versions retained per key by an embedded store (ignored when connecting).
         volume: put this client's shards into the named volume instead of a local one.

@@ -12,7 +12,8 @@ Who serves what:
 - ``controller``: metadata ops, on the controller's port (``tidal store serve`` or the
   embedded store). Any client that passed ``hello`` may send them; ops on a version or a
   device volume are further checked against the connection that owns it.
-- ``volume``: the data path of a shared-memory volume over TCP (``vol_write`` / ``vol_read``),
+- ``volume``: the data path of a shared-memory volume over TCP (``vol_write`` / ``vol_read``,
+  and ``vol_nixl``, which describes slots for NIXL reads),
   on the port of the process that holds the memory. A write needs the grant the controller
   issued for that slot, which no committed slot has.
 - ``registration``: the controller's requests to a standalone volume process, sent over the
@@ -399,6 +400,18 @@ VOL_READ = _op(
     {"nbytes": s_int()},
     reply_payload=True,
     doc="a sub-box of the shard a slot holds, contiguous",
+)
+VOL_NIXL = _op(
+    "vol_nixl",
+    "volume",
+    {"slots": s_slots},
+    {
+        "agent": s_str(256),
+        "metadata": wire.s_blob(16 << 20),
+        "slots": s_list(s_map({"slot": s_slot, "addr": s_int(), "nbytes": s_int()}), MAX_ITEMS),
+    },
+    doc="the volume's NIXL agent (name, metadata for these slots) and where each slot is in "
+    "its memory, for one-sided reads (tidal/store/transports/nixl.py)",
 )
 VOL_CREATE = _op(
     "vol_create",

@@ -170,6 +170,8 @@ class Server:
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._handlers = self._build_handlers()
+        if volume is not None:
+            volume.nixl_loopback = is_loopback(host)
         if controller is not None and volume is not None:
             controller.add_volume(
                 VolumeRec(
@@ -194,6 +196,7 @@ class Server:
         out: dict[str, Handler] = {"bye": self._bye, "hello": self._hello_again}
         if self.volume is not None:
             out["vol_write"], out["vol_read"] = self._vol_write, self._vol_read
+            out["vol_nixl"] = self._vol_nixl
         if self.controller is not None:
             for name, op in ops.OPS.items():
                 if (
@@ -229,6 +232,12 @@ class Server:
         assert self.volume is not None, "served only with a volume"
         view = self.volume.read_view(**fields)
         return {"nbytes": view.nbytes}, view
+
+    def _vol_nixl(self, cid: int, fields: dict[str, Any], plen: int, sock: socket.socket) -> Reply:
+        assert self.volume is not None, "served only with a volume"
+        agent, metadata, where = self.volume.nixl_describe(fields["slots"])
+        slots = [{"slot": s, "addr": a, "nbytes": n} for s, a, n in where]
+        return {"agent": agent, "metadata": metadata, "slots": slots}, None
 
     # ------------------------------------------------------------------ connections
 

@@ -35,7 +35,7 @@ from tidal.store.transports.cuda.ipc import CudaIpcTransport
 from tidal.store.transports.shm import ShmTransport
 from tidal.store.transports.tcp import TcpTransport
 
-TransportChoice = Literal["auto", "shm", "tcp"]
+TransportChoice = Literal["auto", "shm", "tcp", "nixl"]
 
 
 class Session:
@@ -49,6 +49,10 @@ class Session:
         volume: str | None,
         connections: int,
     ) -> None:
+        if transport == "nixl":  # one clear error now, before connecting, if not installed
+            from tidal.store.transports import nixl
+
+            nixl.load()
         self.address = address
         self.token = token
         self.timeout = timeout
@@ -64,6 +68,8 @@ class Session:
         self.shm = ShmTransport(self.host, self.segments)
         self.tcp = TcpTransport(token, timeout, connections)
         self._cuda: CudaIpcTransport | None = None
+        self._nixl: Transport | None = None
+        self._nixl_missing = False  # auto: NIXL is not installed here
         self.closed = False
         self.hook: Callable[[str, ops.Op, dict[str, Any]], None] | None = None  # testing
 
@@ -128,6 +134,35 @@ class Session:
                 self._cuda = CudaIpcTransport(self.host, self.writer_conn, self.main, self.timeout)
             return self._cuda
 
+    def nixl(self) -> Transport:
+        """This handle's NIXL transport (tidal/store/transports/nixl.py), made at first use;
+        StoreError if NIXL is not installed. With ``transport='auto'`` a volume whose NIXL
+        cannot be set up is read over TCP instead."""
+        from tidal.store.transports.nixl import NixlTransport
+
+        with self._lock:
+            if self._nixl is None:
+                self._nixl = NixlTransport(
+                    self.tcp.call,
+                    lambda vol: self.shm if self.shm.reaches(vol) else self.tcp,
+                    self.timeout,
+                    fallback=self.tcp if self.transport == "auto" else None,
+                )
+            return self._nixl
+
+    def _nixl_for_auto(self) -> Transport | None:
+        """NIXL for a volume on another host with ``transport='auto'``, if installed and
+        this machine has an RDMA device (``nixl.has_rdma``: over plain TCP, UCX is slower
+        than the TCP transport)."""
+        if self._nixl_missing:
+            return None
+        from tidal.store.transports import nixl
+
+        if not nixl.has_rdma() or not nixl.available():
+            self._nixl_missing = True
+            return None
+        return self.nixl()
+
     def put_volume(self, memory: str) -> str | None:
         """The volume a put with ``memory=`` names: this handle's device volume for
         "cuda", else the one ``connect(volume=)`` chose (None: the controller picks)."""
@@ -135,11 +170,14 @@ class Session:
 
     def transport_for(self, vol: VolumeInfo, slot: int | None = None) -> Transport:
         """The transport to ``vol``: CUDA IPC for device memory, shared memory when the
-        volume is on this host (unless ``transport='tcp'``), else TCP."""
+        volume is on this host (unless ``transport='tcp'`` or ``'nixl'``), else NIXL when
+        installed, else TCP; ``'nixl'`` reads every shared-memory volume by NIXL."""
         if vol.kind == "cuda":
             return self.cuda()
         if self.transport == "tcp":
             return self.tcp
+        if self.transport == "nixl":
+            return self.nixl()
         if self.shm.reaches(vol):
             if self.transport == "shm" and slot is not None:
                 self.shm.check(vol, slot)
@@ -148,7 +186,7 @@ class Session:
             raise StoreError(
                 f"transport='shm' but the segments of volume {vol.id!r} are not on this host"
             )
-        return self.tcp
+        return self._nixl_for_auto() or self.tcp
 
     def close(self, keep_views: bool) -> None:
         """Close connections and transports; ``keep_views``: zero-copy views are alive and
@@ -166,6 +204,8 @@ class Session:
         self.main.close(graceful=True)
         if self._cuda is not None:
             self._cuda.close()
+        if self._nixl is not None:
+            self._nixl.close()
         self.tcp.close()
         self.shm.close()
 

@@ -34,6 +34,7 @@ def run_volume(
     shm_dir: str = "/dev/shm",
     capacity: int | None = None,
     reserve: int = 0,
+    pool: int = 0,
     ready: Callable[[str], None] | None = None,
     timeout: float = 30.0,
 ) -> None:
@@ -46,8 +47,19 @@ def run_volume(
         StoreError: the controller cannot be reached or refuses the volume.
     """
     reap_stale(shm_dir)
-    vol = Volume(volume_id, new_store_id(), shm_dir=shm_dir, capacity=capacity, reserve=reserve)
-    server = Server(volume=vol, host=host, port=port, token=token)
+    vol = Volume(
+        volume_id,
+        new_store_id(),
+        shm_dir=shm_dir,
+        capacity=capacity,
+        reserve=reserve,
+        pool=pool,
+    )
+    try:
+        server = Server(volume=vol, host=host, port=port, token=token)
+    except BaseException:
+        vol.close()  # its reserve and pool files, and the pool's thread
+        raise
     try:
         reg = Conn(controller_address, token, timeout)
         try:

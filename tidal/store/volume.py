@@ -69,6 +69,7 @@ _PART0 = re.compile(r"tidal-(\d+\.\d+x[0-9a-f]{6})-([A-Za-z0-9_.-]{1,96})-([1-9]
 # Bytes per file of a slot: a multiple of the page size (and of 2 MB, should hugepages
 # back tmpfs), and part of the layout every process of a store must agree on.
 PART_BYTES = 64 << 20
+POOL_IDLE_S = 0.5  # a volume's pool refills once no slot was created for this long
 
 
 def pid_namespace() -> int:
@@ -385,11 +386,24 @@ class Volume:
         shm_dir: str = "/dev/shm",
         capacity: int | None = None,
         reserve: int | Sequence[int] = 0,
+        pool: int = 0,
     ) -> None:
         """``reserve``: shared memory to allocate now, for new slots to take
         (tidal/store/reserve.py): bytes (in full-size part files), or the sizes of the part
         files to make (:func:`reserve_for`). The first puts of new keys then write into
-        pages that exist instead of faulting them in."""
+        pages that exist instead of faulting them in.
+
+        ``pool``: bytes of such files a background thread keeps ready (of the sizes the
+        last new slots had, see ``Reserve.next_size``), written while no slot was created
+        for ``POOL_IDLE_S`` and never past a quarter of the directory's free space: what
+        ``tidal store serve`` uses so that a plain first put needs no ``reserve``. Chosen by
+        measurement on the 2-core VM (2026-12-07, benchmarks/store_cold.py: 512 MB bf16 in
+        16 tensors, two fresh processes through ``tidal store serve``): fresh tmpfs pages
+        cost a host fault each there (pwrite, fallocate and first touch of anonymous
+        memory all ran at 4.7-5.4 GB/s against memcpy at 15 in one process); the first
+        put ran at 3.1-3.2 GB/s without a pool and 4.9-5.1 GB/s with one. No huge pages
+        back tmpfs there (``shmem_enabled`` never), and more threads than the 2 cores gain
+        nothing: pages written ahead are the only way past the fault rate."""
         self.volume_id = check_volume_id(volume_id)
         self.store_id = store_id
         self.shm_dir = os.path.normpath(os.path.abspath(shm_dir))
@@ -407,9 +421,15 @@ class Volume:
             sizes = list(reserve)
         else:
             raise ValueError(f"reserve must be a number of bytes >= 0, got {reserve!r}")
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
+            raise ValueError(f"pool must be a number of bytes >= 0, got {pool!r}")
         self._reserve = Reserve(self.shm_dir, f"tidal-{store_id}-{self.volume_id}", PART_BYTES)
         if sizes:
             self._reserve.fill(sizes)
+        self._reserve.target = max(self._reserve.target, pool)
+        self._pool = pool
+        self._closed = False
+        self._last_create = -float("inf")
         self.capacity = capacity
         self.used = 0
         self._segments: dict[int, tuple[Mapping | None, torch.Tensor]] = {}
@@ -418,12 +438,54 @@ class Volume:
         self._inflight: dict[int, int] = {}  # slot -> network writes receiving into it
         self._lock = threading.Lock()
         self._done_writing = threading.Condition(self._lock)
+        self._pool_wake = threading.Condition(self._lock)
+        self._nixl: Any = None  # its NIXL agent, made at the first vol_nixl (transports/nixl.py)
+        self.nixl_loopback = True  # the server listens on loopback only: so does UCX
+        self._pool_thread: threading.Thread | None = None
+        if pool:
+            self._pool_thread = threading.Thread(
+                target=self._fill_pool, name=f"tidal-pool-{self.volume_id}", daemon=True
+            )
+            self._pool_thread.start()
+
+    def _fill_pool(self) -> None:
+        """Keep the reserve at ``pool`` bytes: one file at a time (its size from
+        ``Reserve.next_size``), written outside
+        the lock, only once no slot was created for ``POOL_IDLE_S`` (a put in progress
+        keeps the memory bandwidth), and not past a quarter of the free space."""
+        while True:
+            with self._pool_wake:
+                while True:
+                    if self._closed:
+                        return
+                    idle = time.monotonic() - self._last_create
+                    held = self._reserve.bytes
+                    if held < self._pool and idle >= POOL_IDLE_S:
+                        st = os.statvfs(self.shm_dir)
+                        if 4 * (held + PART_BYTES) <= st.f_bavail * st.f_frsize + held:
+                            break
+                    wait = POOL_IDLE_S - idle if idle < POOL_IDLE_S else 1.0
+                    self._pool_wake.wait(max(wait, 0.01))
+                n, size = self._reserve.number(), self._reserve.next_size(self._pool)
+            err = self._reserve.allocate(n, size)
+            with self._lock:
+                if err is None and not self._closed:
+                    self._reserve.add(n, size)
+                    continue
+                if err is None:
+                    self._reserve.discard(n)
+                    return
+                self._pool = 0  # the directory is full or unusable: stop, puts fault pages
+                return
 
     def path(self, slot: int, part: int = 0) -> str:
         return segment_path(self.shm_dir, self.store_id, self.volume_id, slot, part)
 
     def create(self, slot: int, nbytes: int) -> None:
         with self._lock:
+            self._last_create = time.monotonic()
+            if self._pool:
+                self._pool_wake.notify()
             if slot in self._segments:
                 raise StoreError(f"volume {self.volume_id}: slot {slot} already exists")
             if self.capacity is not None and self.used + nbytes > self.capacity:
@@ -445,6 +507,8 @@ class Volume:
                 seg = as_bytes(mapping)
             self._segments[slot] = (mapping, seg)
             self.used += nbytes
+            if self._nixl is not None:
+                self._nixl.register(slot, seg)
 
     def _create_parts(self, slot: int, nbytes: int) -> Mapping:
         """Create the part files of a new slot (sparse: the first writer allocates the pages)
@@ -488,6 +552,8 @@ class Volume:
         with self._lock:
             for slot in slots:
                 rec = self._segments.pop(slot, None)
+                if self._nixl is not None:
+                    self._nixl.deregister(slot)
                 self._grants.pop(slot, None)
                 self._populated.discard(slot)
                 if rec is None:
@@ -615,6 +681,20 @@ class Volume:
             view = view.contiguous()
         return view.reshape(-1).numpy().data
 
+    def nixl_describe(self, slots: list[int]) -> tuple[str, bytes, list[tuple[int, int, int]]]:
+        """This volume's NIXL agent name, its metadata for ``slots`` and (slot, address,
+        bytes) of each that exists; the agent is made, and every slot registered with it,
+        at the first call. StoreError if NIXL is not installed here."""
+        from tidal.store.transports import nixl
+
+        with self._lock:
+            if self._nixl is None:
+                agent = nixl.VolumeAgent(self.volume_id, self.nixl_loopback)
+                for slot, (_, seg) in self._segments.items():
+                    agent.register(slot, seg)
+                self._nixl = agent
+            return self._nixl.describe(slots)
+
     @property
     def reserved(self) -> int:
         """Bytes of allocated part files waiting in the reserve."""
@@ -623,7 +703,14 @@ class Volume:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
+            self._pool_wake.notify_all()
+        if self._pool_thread is not None:
+            self._pool_thread.join(60)  # at most one part file being written
+        with self._lock:
             self._reserve.target = 0  # destroyed slots' files are unlinked, not kept
         self.destroy(list(self._segments))
         with self._lock:
             self._reserve.close()
+            if self._nixl is not None:
+                self._nixl.close()

@@ -134,6 +134,16 @@ def s_bytes(size: int) -> Checker:
     return check
 
 
+def s_blob(max_len: int) -> Checker:
+    """Opaque bytes of at most ``max_len`` (a peer library's own encoding, never unpickled)."""
+
+    def check(v: Any, f: str) -> None:
+        if not isinstance(v, bytes) or len(v) > max_len:
+            _fail(f, f"at most {max_len} bytes", v)
+
+    return check
+
+
 def s_bool(v: Any, f: str) -> None:
     if not isinstance(v, bool):
         _fail(f, "a boolean", v)

@@ -15,12 +15,11 @@ per volume, the fastest both sides support:
   volume's data port, several connections in parallel, bytes received straight into the
   destination. Works between any two hosts.
 
-An RDMA transport (GPU-direct reads between hosts) would be a fourth module here: a class
-with the same two methods, registering its memory (pinned host or GPU slots) with the NIC
-when the volume creates a slot and reading remote slots by their keys, with the volume's
-address and keys published through the controller's volume record (tidal/store/ops.py
-``s_volume``), and ``Session.transport_for`` choosing it when both sides have the library.
-It is not written: no transfer library is installed on the machines tidal is tested on.
+- ``nixl`` (tidal/store/transports/nixl.py, the extra ``tidal[nixl]``): one-sided READs of a
+  volume's slots through NIXL/UCX (RDMA between hosts), straight into the destination; a
+  volume registers its slots with its agent once, a reader learns each slot once through
+  ``vol_nixl`` on the volume's data port. Used for volumes on other hosts where the machine
+  has an RDMA device, or everywhere with ``transport="nixl"``.
 
 Lifecycle: a store handle makes its transports when it is created (CUDA IPC on its first use)
 and closes them in ``Store.close()``; every method is called from the thread running a put or

@@ -44,6 +44,10 @@ class TcpTransport(Transport):
                 pool = self._pools[address] = Pool(address, self._token, self._timeout)
             return pool
 
+    def call(self, address: str, op: ops.Op, **kw: Any) -> dict[str, Any]:
+        """One request to the volume at ``address`` on a pooled connection."""
+        return self._call(address, op, **kw)
+
     def _call(self, address: str, op: ops.Op, **kw: Any) -> dict[str, Any]:
         pool = self._pool(address)
         conn = pool.borrow()

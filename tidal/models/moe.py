@@ -201,9 +201,18 @@ class GroupedExperts(nn.Module):
         """auto: grouped_mm where `grouped_mm_available`, else loop."""
 
     def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        w1: torch.Tensor = self.w1
-        w2: torch.Tensor = self.w2
-        w3: torch.Tensor = self.w3
+        return self.compute(x_MD, counts_E, self.w1, self.w2, self.w3)
+
+    def compute(
+        self,
+        x_MD: torch.Tensor,
+        counts_E: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+    ) -> torch.Tensor:
+        """The experts `w1`/`w2`/`w3` (these parameters, or an expert-parallel rank's local
+        slices of them) over rows sorted by expert, `counts_E` per expert."""
         impl = self.impl
         if impl == "auto" and _batch_invariant():
             impl = "loop"  # the mode's fixed-block matmuls; it has no grouped kernel

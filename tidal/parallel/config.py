@@ -59,9 +59,15 @@ class ParallelismConfig:
     layers evenly."""
     cp_load_balance: bool = True
     """Context parallel: give each rank two mirrored chunks so causal work is even."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model: each routed expert lives on one of
+    `ep` ranks, which exchange token copies by all-to-all around the experts. Borrowed from
+    `dp_shard` (must divide it): the experts are FSDP-sharded over the remaining
+    dp_shard / ep ranks, every other parameter over all dp_shard as usual (tidal/parallel/
+    expert.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "cp"):
+        for name in ("dp_replicate", "tp", "pp", "cp", "ep"):
             require(
                 getattr(self, name) >= 1,
                 f"parallelism.{name} must be >= 1, got {getattr(self, name)}",

@@ -14,6 +14,12 @@ the farthest apart. Derived, flattened dimensions:
   weights and see different parts of the same sequences, so they shard like data parallel);
 - `dp_cp`: dp_replicate x dp_shard x cp, the ranks whose gradients and token counts are summed.
 
+Expert parallelism (`ep` > 1, mixture-of-experts models) borrows its ranks from dp_shard, as
+torchtitan's does: the root dimension dp_shard is then split into `dp_shard_mod_ep` (outer)
+x `ep` (inner, adjacent ranks), and `dp_shard` becomes a flattened dimension of the two, so
+everything that shards or reduces over dp_shard is unchanged. The routed experts are sharded
+over `ep` and FSDP-sharded over `dp_shard_mod_ep` (tidal/parallel/expert.py).
+
 At world size 1 every degree is 1 and the same code runs with degenerate meshes.
 """
 
@@ -51,6 +57,8 @@ def check_layout(
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    if cfg.ep > 1:
+        check_ep(cfg, args, world_size=world_size, model_name=model_name)
     # The degrees multiply to the world size; dp_shard=-1 takes what the others leave.
     others = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
     if cfg.dp_shard == -1 and world_size % others:
@@ -138,7 +146,30 @@ def check_layout(
         tp=cfg.tp,
         pp=cfg.pp,
         world_size=world_size,
+        ep=cfg.ep,
     )
+
+
+def check_ep(cfg: ParallelismConfig, args: ModelArgs, *, world_size: int, model_name: str) -> None:
+    """The expert-parallel degree against the model and the world (`check_layout`'s first
+    checks when `cfg.ep` > 1)."""
+    if args.moe is None:
+        raise ValueError(
+            f"parallelism.ep={cfg.ep} needs a mixture-of-experts model; {model_name} is dense"
+        )
+    if args.moe.n_experts % cfg.ep:
+        raise ValueError(
+            f"parallelism.ep={cfg.ep} must divide the {args.moe.n_experts} experts of {model_name}"
+        )
+    if world_size % cfg.ep:
+        raise ValueError(f"parallelism.ep={cfg.ep} must divide the world size {world_size}")
+    # With every other degree 1, dp_shard is the world, so ep divides it.
+    others = {"dp_replicate": cfg.dp_replicate, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp}
+    bad = ", ".join(f"parallelism.{k}={v}" for k, v in others.items() if v > 1)
+    if bad:
+        raise ValueError(
+            f"parallelism.ep={cfg.ep} composes with FSDP (dp_shard) only, not with {bad}"
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,12 +183,17 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     world_size: int = 1
+    ep: int = 1
+    """Expert-parallel degree, borrowed from dp_shard (not a factor of the world size)."""
 
     def __post_init__(self) -> None:
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         assert min(self.degrees.values()) >= 1 and product == self.world_size, (
             f"degrees {self.degrees} must be >= 1 and multiply to the world size "
             f"{self.world_size}; check_layout validates a layout"
+        )
+        assert self.ep >= 1 and self.dp_shard % self.ep == 0, (
+            f"ep={self.ep} must divide dp_shard={self.dp_shard}"
         )
 
     @property
@@ -172,16 +208,33 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1 or self.dp_replicate > 1
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """The ranks the routed experts are FSDP-sharded over: dp_shard / ep."""
+        return self.dp_shard // self.ep
+
+    @property
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
     def build_mesh(self, device_type: str) -> NamedMesh:
-        """The named world mesh with the flattened dp, dp_shard_cp and dp_cp dimensions."""
-        mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS)
-        flat = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        """The named world mesh with the flattened dp, dp_shard_cp and dp_cp dimensions (and,
+        with ep > 1, root dimensions dp_shard_mod_ep and ep, flattened into dp_shard)."""
+        if self.ep == 1:
+            mesh = init_device_mesh(
+                device_type, tuple(self.degrees.values()), mesh_dim_names=MESH_DIMS
+            )
+            shard: tuple[str, ...] = ("dp_shard",)
+            flat = {}
+        else:
+            names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+            sizes = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.cp, self.tp)
+            mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+            shard = ("dp_shard_mod_ep", "ep")
+            flat = {"dp_shard": mesh[shard]._flatten("dp_shard")}
+        flat |= {
+            "dp": mesh[("dp_replicate", *shard)]._flatten("dp"),
+            "dp_shard_cp": mesh[(*shard, "cp")]._flatten("dp_shard_cp"),
+            "dp_cp": mesh[("dp_replicate", *shard, "cp")]._flatten("dp_cp"),
         }
         return NamedMesh(mesh, flat)
 

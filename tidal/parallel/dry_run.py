@@ -5,8 +5,10 @@
 cuts pipeline stages, applies the full `parallelize` (TP, activation checkpointing, FSDP;
 compile is skipped) to meta-device models and reports, per pipeline stage, what one rank
 holds: parameters, and the bytes of parameters, gradients and AdamW state. No tensor is
-allocated and no math runs. `tidal train --dry-run WORLD_SIZE` calls it with the pieces of
-the training config (tidal/cli.py).
+allocated and no math runs. With expert parallelism it also reports the EP layout: experts per
+rank, the ranks they are FSDP-sharded over, and the expert parameters one rank holds.
+`tidal train --dry-run WORLD_SIZE` calls it with the pieces of the training config
+(tidal/cli.py).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def dry_run(
             per_rank = [(0, [0], [full])]
         reports: list[dict] = []
         for pp_rank, ids, modules in per_rank:
-            n = 0
+            n = n_experts = 0
             for m in modules:
                 parallelize(
                     m,
@@ -83,6 +85,9 @@ def dry_run(
                     param_dtype=torch.bfloat16 if bf16 else None,
                 )
                 n += sum(local_numel(p) for p in m.parameters())
+                n_experts += sum(
+                    local_numel(p) for name, p in m.named_parameters() if ".experts." in name
+                )
             # fp32 master weights + fp32 grads + AdamW exp_avg and exp_avg_sq.
             state_gib = n * 4 * 4 / GIB
             reports.append(
@@ -90,17 +95,33 @@ def dry_run(
                     "pp_rank": pp_rank,
                     "stages": ids,
                     "params_per_rank": n,
+                    "expert_params_per_rank": n_experts,
                     "param_state_gib": state_gib,
                 }
             )
         layout = ", ".join(f"{k}={v}" for k, v in dims.degrees.items())
+        if dims.ep > 1:
+            layout += f", ep={dims.ep} (of dp_shard)"
         log(
             f"dry run: {model_name} ({total / 1e9:.2f}B parameters) on {world_size} ranks: {layout}"
         )
+        if dims.ep > 1 and args.moe is not None:
+            E = args.moe.n_experts
+            log(
+                f"  expert parallel: {E // dims.ep} of {E} experts per rank (ep={dims.ep}), "
+                f"FSDP-sharded over dp_shard/ep={dims.dp_shard_mod_ep} ranks; other parameters "
+                f"over dp_shard={dims.dp_shard}"
+            )
         for r in reports:
             log(
                 f"  pp rank {r['pp_rank']} (stages {r['stages']}): "
-                f"{r['params_per_rank'] / 1e6:,.1f}M parameters per rank, "
+                f"{r['params_per_rank'] / 1e6:,.1f}M parameters per rank"
+                + (
+                    f" ({r['expert_params_per_rank'] / 1e6:,.1f}M of them routed experts)"
+                    if args.moe is not None
+                    else ""
+                )
+                + ", "
                 f"{r['param_state_gib']:.2f} GiB for weights + grads + AdamW state"
             )
         log("layout OK: meshes built and every stage sharded on the meta device")

@@ -10,6 +10,10 @@
 4. FSDP2 `fully_shard` per block and at the root over `dp_shard_cp` (HSDP when
    `dp_replicate > 1`: a 2-D (dp_replicate, dp_shard_cp) mesh), with a MixedPrecisionPolicy.
 
+Expert parallelism (`ep` > 1, mixture-of-experts models) comes with step 1: the routed experts
+are sharded over the `ep` mesh dimension and exchange tokens by all-to-all; in step 4 they
+are FSDP-sharded over `dp_shard_mod_ep` before their block (tidal/parallel/expert.py).
+
 It works on a meta-device model: call it before `to_empty` and `init_weights`, and after any
 float8 conversion (tidal/train/float8.py), which must see plain `nn.Linear`s. Context
 parallelism is applied per step around forward and backward (tidal/parallel/context.py), and
@@ -38,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 from tidal.models.transformer import Transformer
 from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
 from tidal.parallel.dims import NamedMesh, ParallelDims
+from tidal.parallel.expert import apply_ep, shard_experts
 
 
 def tp_plan_root(loss_parallel: bool, sequence_parallel: bool = True) -> dict:
@@ -209,8 +214,11 @@ def apply_fsdp(
     *,
     param_dtype: torch.dtype | None,
     reshard_after_forward: str,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """FSDP2 per block, then the root (embedding, norm, output) in one more group."""
+    """FSDP2 per block, then the root (embedding, norm, output) in one more group. With
+    `expert_mesh` (expert parallel: dp_shard_mod_ep), each block's expert-parallel experts
+    first get their own group over it."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
@@ -219,6 +227,14 @@ def apply_fsdp(
             reshard = i < len(blocks) - 1
         else:
             reshard = reshard_after_forward == "always"
+        if expert_mesh is not None:
+            shard_experts(
+                block,
+                expert_mesh,
+                mp=mp,
+                reshard_after_forward=reshard,
+                divide_factor=float(dp_mesh.size()),
+            )
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(
         model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always"
@@ -249,6 +265,8 @@ def parallelize(
     assert mesh is not None or not sharded, "a sharded layout needs a device mesh"
     if dims.tp > 1 and mesh is not None:
         apply_tp(model, mesh["tp"], cfg.loss_parallel, float8=float8_tp)
+    if dims.ep > 1 and mesh is not None:
+        apply_ep(model, mesh["ep"])
     apply_ac(model, ac)
     if compile:
         apply_compile(model, compile_mode, compile_dynamic)
@@ -260,6 +278,10 @@ def parallelize(
         else:
             dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
         apply_fsdp(
-            model, dp_mesh, param_dtype=param_dtype, reshard_after_forward=cfg.reshard_after_forward
+            model,
+            dp_mesh,
+            param_dtype=param_dtype,
+            reshard_after_forward=cfg.reshard_after_forward,
+            expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep > 1 else None,
         )
     return model

@@ -86,7 +86,8 @@ def check_job(
     if args.moe is not None and (dims.tp > 1 or dims.pp > 1):
         raise ValueError(
             f"model.flavor {cfg.model.flavor!r} is a mixture of experts: it runs on one process "
-            f"or with FSDP, not with parallelism.tp={dims.tp} / parallelism.pp={dims.pp}"
+            f"or with FSDP and expert parallel (parallelism.ep), not with "
+            f"parallelism.tp={dims.tp} / parallelism.pp={dims.pp}"
         )
     if t.fuse_projections and dims.tp > 1:
         raise ValueError(

@@ -267,6 +267,7 @@ class Trainer:
         self._first_step = 0
         self.train_iter = iter(self.data.train) if self.data.train is not None else None
         layout = ", ".join(f"{k}={v}" for k, v in self.dims.degrees.items() if v > 1) or "single"
+        layout += f", ep={self.dims.ep}" if self.dims.ep > 1 else ""
         hf = cfg.checkpoint.initial_load_hf
         name = f"hf:{hf}" if hf else cfg.model.flavor  # the flavor is ignored for an HF model
         self.log(

@@ -598,4 +598,3 @@ def test_a_template_with_its_own_tool_format(tok):
         "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-

@@ -60,6 +60,9 @@ $(TEST_STAMP): $(STAMP)
 	# httpx (FastAPI's TestClient) and the official openai client (the version verifiers 0.4.0
 	# brings).
 	$(BIN)/python -m pip install -q fastapi==0.163.2 uvicorn==0.54.0 httpx==0.28.1 openai==2.54.0
+	# tests/store/test_nixl.py: the nixl extra (~120 MB; UCX inside). --no-deps: it needs only
+	# torch and numpy, here already (without it pip may fetch a CUDA torch).
+	$(BIN)/python -m pip install -q --no-deps nixl-cu12==1.5.1
 	touch $(TEST_STAMP)
 
 demo: setup

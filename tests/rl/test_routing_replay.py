@@ -177,3 +177,34 @@ def _fields(b: RolloutBatch) -> dict:
     import dataclasses
 
     return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+
+
+def test_grpo_loop_with_replay_on_a_tiny_moe(tmp_path, cache_dir, capsys):
+    """`rl_addition_moe` through the one-process loop, shrunk: with replay in batch-invariant
+    mode every step reports no gap and ratios of exactly one; a dense policy is refused with
+    one line before anything is built."""
+    import json
+
+    from tidal.rl import grpo
+
+    base = [
+        "--config", "rl_addition_moe", "--policy.cache_dir", str(cache_dir),
+        "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+        "--rollout.max_new_tokens", "6", "--task.eval_problems", "2", "--rl.steps", "2",
+        "--job.device", "cpu", "--generator.device", "cpu", "--metrics.plot", "false",
+    ]  # fmt: skip
+    out = tmp_path / "moe"
+    args = ["--job.output_dir", str(out), "--generator.batch_invariant", "true"]
+    assert grpo.main([*base, *args, "--loss.routing_replay", "true"]) == 0
+    steps = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["logprob_diff_max"] == 0.0 and r["logprob_diff_mean"] == 0.0
+        assert r["ratio_max"] == 1.0 and r["ratio_min"] == 1.0
+        assert r["moe_load_max"] >= 1.0
+    dense = ["--model.flavor", "debug", "--loss.routing_replay", "true"]
+    capsys.readouterr()
+    assert grpo.main([*base, "--job.output_dir", str(tmp_path / "dense"), *dense]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "loss.routing_replay=true replays the experts" in err[0], err
+    assert "is dense" in err[0]

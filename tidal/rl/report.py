@@ -397,6 +397,7 @@ def step_record(
         **{k: v for k, v in metrics.items() if k in CORRECTION_METRICS},
         "logprob_diff_max": metrics.get("logprob_diff_max"),
         "logprob_diff_mean": metrics.get("logprob_diff_mean"),
+        **{k: v for k, v in metrics.items() if k.startswith("moe_")},  # MoE policies
         "loss": metrics.get("loss"),
         "groups_dropped": adv.dropped_groups if adv is not None else 0,
         "groups": adv.groups if adv is not None else 0,

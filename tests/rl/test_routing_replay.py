@@ -30,18 +30,25 @@ from tidal.train.trainer import Trainer
 PROMPTS = [[0, 5, 7, 9], list(range(2, 20)), [0, 4]]
 
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def moe_trainer(out, device: str = "cpu") -> Trainer:
+    """The fp32 `debug_moe` trainer in batch-invariant mode (vocabulary 512)."""
     cfg = rl_config(
-        tmp_path_factory.mktemp("replay"),
+        out,
         "--model.flavor",
         "debug_moe",
         "--training.batch_invariant",
         "true",
         "--training.seq_len",
         "48",
+        "--job.device",
+        device,
     )
-    t = Trainer(cfg, data=no_data(), log=lambda *a: None)
+    return Trainer(cfg, data=no_data(), log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    t = moe_trainer(tmp_path_factory.mktemp("replay"))
     yield t
     t.close()
 
@@ -49,11 +56,11 @@ def trainer(tmp_path_factory):
 def stale_generator(trainer: Trainer) -> Generator:
     """A generator on a copy of the trainer's weights whose MoE layers select with a bias the
     trainer does not have (the weights are the same probabilities: only the choice moves)."""
-    model = Transformer(trainer.args)
+    model = Transformer(trainer.args).to(trainer.device)
     model.load_state_dict(trainer.model.state_dict())
     g = torch.Generator().manual_seed(0)
     for m in moe_layers(model):
-        m.expert_bias = torch.randn(m.args.n_experts, generator=g) * 0.02
+        m.expert_bias = (torch.randn(m.args.n_experts, generator=g) * 0.02).to(trainer.device)
     cfg = GeneratorConfig(
         max_batch=4, max_seq_len=48, check_every=4, batch_invariant=True, record_routing=True
     )
@@ -73,7 +80,25 @@ def rollout_of(gen: Generator) -> RolloutBatch:
 
 
 def test_replay_makes_the_trainers_logprobs_the_generators_bits(trainer):
-    rollout = rollout_of(stale_generator(trainer))
+    check_replay_is_bitwise(trainer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replay_is_bitwise_on_cuda(tmp_path):
+    """The same in fp32 on a GPU: the generator's MoE experts take their loop (batch-invariant
+    mode), so its decode steps run without CUDA graphs."""
+    trainer = moe_trainer(tmp_path, "cuda")
+    try:
+        check_replay_is_bitwise(trainer)
+    finally:
+        trainer.close()
+
+
+def check_replay_is_bitwise(trainer: Trainer) -> None:
+    gen = stale_generator(trainer)
+    assert not gen.captures
+    rollout = rollout_of(gen)
     assert rollout.prompt_experts is not None and rollout.prompt_experts.dtype == torch.uint8
     assert rollout.completion_experts is not None
     cfg = LossConfig(drop_equal_groups=False)

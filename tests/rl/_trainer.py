@@ -131,6 +131,10 @@ def reference_step(model: Transformer, batch: Batch, cfg: LossConfig):
         gen_logprobs=x["gen_logprobs"] if cfg.tis_cap else None,
         entropy=entropy,
     )
+    # The generator-trainer log-prob gap PolicyLoss reports.
+    gap = torch.where(x["mask"], (logp.detach() - x["gen_logprobs"]).abs(), 0.0)
+    metrics["logprob_diff_max"] = gap.amax()
+    metrics["logprob_diff_mean"] = gap.sum() / x["mask"].sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss.detach(), metrics, grads

@@ -51,6 +51,7 @@ from tidal.generate.steps import Steps
 from tidal.generate.types import Continuation, Conversation, GeneratorConfig, GeneratorStats, Sample
 from tidal.generate.weights import copy_weights, read_weights
 from tidal.models.kv_cache import KVCache
+from tidal.models.moe import expert_dtype, moe_shape
 from tidal.models.transformer import Transformer
 
 END = object()
@@ -106,7 +107,17 @@ class Generator:
         go on with the new weights; their later tokens are stamped with the new version."""
         self.stats = GeneratorStats()
         self.cache = KVCache.for_model(model, batch_size=cfg.max_batch, capacity=self.capacity)
-        self._rows = Rows(cfg.max_batch, self.capacity + 1, self.device)
+        route = None
+        if cfg.record_routing:
+            moe = moe_shape(model)
+            if moe is None:
+                raise ValueError(
+                    "GeneratorConfig.record_routing=True records the experts of a mixture-of-"
+                    "experts model; this model is dense"
+                )
+            layers, n_experts, top_k = moe
+            route = (layers, self.capacity, top_k, expert_dtype(n_experts))
+        self._rows = Rows(cfg.max_batch, self.capacity + 1, self.device, route)
         self._table = Table(cfg.max_batch)
         self.buckets = buckets(cfg.max_batch)
         self.steps = Steps(model, self.cache, self._rows, cfg, self.stats)
@@ -576,6 +587,9 @@ class Generator:
                 sample = slot.sample(
                     ids, lp[:n].tolist(), slp[:n].tolist(), reason, self.tokenizer, self.version
                 )
+                if rows.route is not None:  # every position the model ran: prompt + n - 1
+                    fed = len(slot.request.prompt) + n - 1
+                    sample.routed_experts = rows.route[slot_id, :, :fed].to("cpu", copy=True)
                 results[slot.request.batch][slot.request.index][slot.sample_index] = sample
                 self._end_turn(slot_id, sample)
             rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True

@@ -398,7 +398,13 @@ class Rows:
         "out_slp",
     )
 
-    def __init__(self, rows: int, width: int, device: torch.device):
+    def __init__(
+        self,
+        rows: int,
+        width: int,
+        device: torch.device,
+        route: tuple[int, int, int, torch.dtype] | None = None,
+    ):
         def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -412,9 +418,16 @@ class Rows:
         self.stop_ids = zeros(rows, MAX_STOP_IDS) - 1
         self.out_tok = zeros(rows, width)
         self.out_lp, self.out_slp = zeros(rows, width, dtype=f32), zeros(rows, width, dtype=f32)
+        self.route: torch.Tensor | None = None
+        """[R, MoE layers, positions, top_k]: the experts of the token at each position of
+        the row (`route` = (layers, positions, top_k, dtype); GeneratorConfig.record_routing)."""
+        if route is not None:
+            layers, positions, k, dtype = route
+            self.route = zeros(rows, layers, positions, k, dtype=dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f) for f in self.FIELDS]
+        extra = [] if self.route is None else [self.route]
+        return [getattr(self, f) for f in self.FIELDS] + extra
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for t in self.tensors():

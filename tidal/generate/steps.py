@@ -48,6 +48,7 @@ from tidal.generate.sampler import sample, variant
 from tidal.generate.slots import Request, Rows, round_up
 from tidal.generate.types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats
 from tidal.models.kv_cache import KVCache
+from tidal.models.moe import grouped_mm_available, moe_layers
 from tidal.models.transformer import Transformer
 
 PREFILL_PAD = 16
@@ -107,6 +108,16 @@ class Steps:
                 "GeneratorConfig.compile=True with batch_invariant=True: compiled kernels fuse "
                 "ops differently from the trainer's eager forward; leave compile=None"
             )
+        self._moe = moe_layers(model)
+        sync = moe_host_sync(model, cfg)
+        if self._graphs_on and sync is not None:
+            if cfg.cuda_graphs:
+                raise ValueError(
+                    f"GeneratorConfig.cuda_graphs=True: this mixture-of-experts model's experts "
+                    f"read their token counts on the host in each step ({sync}), which a CUDA "
+                    "graph cannot capture; leave cuda_graphs=None (off for it)"
+                )
+            self._graphs_on = False
         self._graphs: dict[tuple[int, bool, bool], Any] = {}
         self._pool: Any = None
         self._fns: dict[bool | str, Any] = {}
@@ -220,12 +231,25 @@ class Steps:
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += int(new.sum())
         self.cache.lengths[first.to(dev)] = (start + new).to(dev)
+        if rows.route is not None:  # the prompt tokens' experts, at their positions
+            valid_PT = torch.arange(width) < new[:, None]
+            route_PTLK = torch.stack(
+                [_experts(m).view(len(chunk), width, -1) for m in self._moe], 2
+            )
+            r_M = first[:, None].expand(-1, width)[valid_PT].to(dev)
+            rows.route[r_M, :, positions[valid_PT].to(dev)] = route_PTLK[valid_PT.to(dev)].to(
+                rows.route.dtype
+            )
 
         # Every slot of a group: copy the prompt's cache row, then per-slot state.
         src = [slots[0] for _, slots in chunk for _ in slots[1:]]
         dst = [s for _, slots in chunk for s in slots[1:]]
         if dst:
             self.cache.copy_rows(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            if rows.route is not None:
+                rows.route[torch.tensor(dst, device=dev)] = rows.route[
+                    torch.tensor(src, device=dev)
+                ]
         group = [i for i, (_, slots) in enumerate(chunk) for _ in slots]
         slots_t = torch.tensor([s for _, slots in chunk for s in slots], device=dev)
         params = [(r, j) for r, slots in chunk for j in range(len(slots))]
@@ -321,13 +345,19 @@ class Steps:
     def _decode_logits(self, b: int) -> torch.Tensor:
         """The next-token logits [b, V] of the rows of bucket b (their keys and values cached)."""
         rows = self.rows
-        return self.model.forward_cached(
+        logits_BV = self.model.forward_cached(
             rows.last[:b, None],
             self.cache,
             positions=rows.pos[:b, None],
             batch_invariant=self.config.batch_invariant,
             blocks=self._blocks,
         )[:, 0]
+        if rows.route is not None:  # each row's token's experts, at its position (no sync)
+            route_BLK = torch.stack([_experts(m) for m in self._moe], 1)
+            L, K = route_BLK.shape[1:]
+            idx_BL1K = rows.pos[:b].view(b, 1, 1, 1).expand(b, L, 1, K)
+            rows.route[:b].scatter_(2, idx_BL1K, route_BLK[:, :, None].to(rows.route.dtype))
+        return logits_BV
 
     def _record(self, logits_BV: torch.Tensor, sampled: bool, truncate: bool) -> None:
         """Sample the next token of each of the first b = len(logits_BV) rows, record it and
@@ -406,4 +436,29 @@ class Steps:
         return graph
 
 
-__all__ = ["PREFILL_PAD", "Steps"]
+def _experts(layer: Any) -> torch.Tensor:
+    """The experts an MoE layer's last forward chose, [N, K]."""
+    assert layer.last_experts_NK is not None
+    return layer.last_experts_NK
+
+
+def moe_host_sync(model: Transformer, config: GeneratorConfig) -> str | None:
+    """Why a decode step of this mixture-of-experts model would read the per-expert token
+    counts on the host (the experts' loop path, tidal/models/moe.py), or None: a dense model,
+    or experts through `torch._grouped_mm` (bf16 on an sm90+ GPU), which has no host sync."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    if config.batch_invariant:
+        return "batch-invariant mode runs one matmul per expert"
+    ex = layers[0].experts
+    if ex.impl == "loop":
+        return "GroupedExperts.impl='loop'"
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.amp_dtype or "")
+    dtype = amp or ex.w1.dtype
+    if ex.impl == "auto" and not grouped_mm_available(ex.w1, dtype, *ex.w1.shape[1:]):
+        return f"no grouped GEMM for {dtype} on {ex.w1.device}: one matmul per expert"
+    return None
+
+
+__all__ = ["PREFILL_PAD", "Steps", "moe_host_sync"]

@@ -62,6 +62,11 @@ class GeneratorConfig:
     amp_dtype: Literal["bf16", "fp16"] | None = None
     """Run under autocast in this dtype (fp32 weights, as a trainer without FSDP does).
     A caller's autocast is honoured as well."""
+    record_routing: bool = False
+    """Mixture-of-experts models: record the experts every MoE layer routed each token to
+    (`Sample.routed_experts`, for routing replay in RL). Costs max_batch x MoE layers x
+    max_seq_len x top_k bytes of device memory (uint8 ids; int16 past 256 experts); a dense
+    model is refused."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -118,6 +123,12 @@ class Sample:
     conversation: Conversation | None = None
     """The conversation this turn belongs to (a request made with `keep=True`, or a
     `Continuation`): continue it while it is open. None otherwise."""
+    routed_experts: Any = None
+    """With `GeneratorConfig.record_routing`: the experts each MoE layer routed every token
+    the model ran to, a CPU tensor [MoE layers, len(prompt_ids) + len(completion_ids) - 1,
+    top_k] (uint8, int16 past 256 experts): the prompt's tokens and every completion token
+    but the last (never fed back), in top-k order, i.e. the trainer's input positions. None
+    otherwise."""
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -29,6 +29,11 @@ A block of a model whose `ModelArgs.moe` is set replaces its SwiGLU MLP with `Mo
 - Metrics without a trainer: each layer keeps its last forward's tokens per expert
   (`last_counts_E`) and auxiliary loss (`last_aux_loss`, with its graph);
   `collect_moe(model)` gathers them after a forward. The model holds no parallelism code.
+- Routing replay (R3, for RL): each layer also keeps the experts its last forward chose
+  (`last_experts_NK`: a generator records them per token); inside `replay_routing(model,
+  experts)` every layer takes the given experts instead of its top-k, with its own router's
+  probabilities at them (renormalized as above) as the weights, so the gradient still
+  reaches the router.
 
 Shape legend: N tokens (batch x time), D model dim, E experts, K experts per token (top-k),
 M routed token copies (N x K, sorted by expert; padded for the grouped kernel), F expert
@@ -37,6 +42,8 @@ hidden dim, L MoE layers.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -102,11 +109,16 @@ def route(
     bias_E: torch.Tensor | None,
     top_k: int,
     norm_topk_prob: bool,
+    experts_NK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing: (weights [N, K] in x's dtype, experts [N, K] int64, fp32 probs [N, E]).
-    `bias_E` (aux-loss-free balancing) shifts the choice, not the weights."""
+    `bias_E` (aux-loss-free balancing) shifts the choice, not the weights. `experts_NK`
+    (routing replay) is the choice, in its order; the weights are the probabilities there."""
     probs_NE = F.linear(x_ND, router_ED).float().softmax(dim=-1)
-    if bias_E is None:
+    if experts_NK is not None:
+        experts_NK = experts_NK.long()
+        weights_NK = probs_NE.gather(1, experts_NK)
+    elif bias_E is None:
         weights_NK, experts_NK = probs_NE.topk(top_k, dim=-1)
     else:
         _, experts_NK = (probs_NE + bias_E.float()).topk(top_k, dim=-1)
@@ -269,21 +281,35 @@ class MoE(nn.Module):
         """Tokens routed to each expert by the last forward (int64, detached)."""
         self.last_aux_loss: torch.Tensor | None = None
         """The last forward's auxiliary loss (fp32 0-dim, with its graph)."""
+        self.last_experts_NK: torch.Tensor | None = None
+        """The experts the last forward routed each token to ([B x T, K] int64, detached)."""
+        self.replay_BTK: torch.Tensor | None = None
+        """Routing replay: the experts of each token of the next forwards ([B, T, K] ints),
+        set by `replay_routing`; None routes by top-k."""
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Zero the expert bias (after `to_empty`) and forget the last forward's statistics."""
         if self.expert_bias is not None:
             self.expert_bias.zero_()
-        self.last_counts_E = self.last_aux_loss = None
+        self.last_counts_E = self.last_aux_loss = self.last_experts_NK = None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, D = x_BTD.shape
         K, E = self.args.top_k, self.args.n_experts
         x_ND = x_BTD.reshape(B * T, D)
+        replay_NK = None
+        if self.replay_BTK is not None:
+            if tuple(self.replay_BTK.shape) != (B, T, K):
+                raise ValueError(
+                    f"routing replay: experts of shape {tuple(self.replay_BTK.shape)} for a "
+                    f"forward of [B, T] = [{B}, {T}] tokens, top_k={K}: expected {(B, T, K)}"
+                )
+            replay_NK = self.replay_BTK.reshape(B * T, K).to(x_ND.device)
         weights_NK, experts_NK, probs_NE = route(
-            x_ND, self.router.weight, self.expert_bias, K, self.args.norm_topk_prob
+            x_ND, self.router.weight, self.expert_bias, K, self.args.norm_topk_prob, replay_NK
         )
+        self.last_experts_NK = experts_NK.detach()
         # Sort the N x K token copies by expert (stable: by token within an expert).
         flat_M = experts_NK.flatten()
         order_M = flat_M.argsort(stable=True)
@@ -327,6 +353,49 @@ def collect_moe(model: nn.Module) -> MoEStats | None:
     aux = torch.stack([m.last_aux_loss for m in layers]).mean()  # type: ignore[misc]
     counts = torch.stack([m.last_counts_E for m in layers])  # type: ignore[misc]
     return MoEStats(aux, counts)
+
+
+def moe_shape(model: nn.Module) -> tuple[int, int, int] | None:
+    """(MoE layers, experts, top-k) of a model, None for a dense one."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    return len(layers), layers[0].args.n_experts, layers[0].args.top_k
+
+
+def expert_dtype(n_experts: int) -> torch.dtype:
+    """The compact integer dtype of expert ids (routing records): uint8 up to 256 experts,
+    else int16 (up to 32768)."""
+    return torch.uint8 if n_experts <= 256 else torch.int16
+
+
+@contextlib.contextmanager
+def replay_routing(model: nn.Module, experts_BLTK: torch.Tensor) -> Iterator[None]:
+    """Routing replay: inside, MoE layer l of `model` (module order) routes token (b, t) to
+    the experts `experts_BLTK[b, l, t]` (in that order) instead of its top-k, its weights its
+    own router's probabilities there (renormalized as the model does; the gradient reaches
+    the router). Covers the backward too when it recomputes (activation checkpointing).
+
+    Raises:
+        ValueError: a dense model, or records of another number of layers or top-k (one
+            line, before any forward; the ids are the caller's to check, on the host)."""
+    layers = moe_layers(model)
+    shape = moe_shape(model)
+    if shape is None:
+        raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
+    L, _, K = shape
+    if experts_BLTK.dim() != 4 or experts_BLTK.shape[1] != L or experts_BLTK.shape[3] != K:
+        raise ValueError(
+            f"routed experts of shape {tuple(experts_BLTK.shape)} do not match the model: "
+            f"expected [batch, {L} MoE layers, time, top_k {K}]"
+        )
+    try:
+        for i, m in enumerate(layers):
+            m.replay_BTK = experts_BLTK[:, i]
+        yield
+    finally:
+        for m in layers:
+            m.replay_BTK = None
 
 
 @torch.no_grad()

@@ -101,6 +101,34 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
             )
 
 
+def check_routing_replay(cfg: RLConfig, args: Any, where: str = "the policy's model") -> None:
+    """`loss.routing_replay` asks for a mixture-of-experts policy (`args`: its ModelArgs)
+    trained without pipeline or context parallelism, on single-turn tasks.
+
+    Raises:
+        ValueError: naming the field (one line, before any work)."""
+    if not cfg.loss.routing_replay:
+        return
+    from tidal.rl.envs import ENVS
+
+    if args.moe is None:
+        raise ValueError(
+            f"loss.routing_replay=true replays the experts of a mixture-of-experts model; "
+            f"{where} is dense (no model.moe): set loss.routing_replay false"
+        )
+    p = cfg.parallelism
+    if p.pp > 1 or p.cp > 1:
+        raise ValueError(
+            f"loss.routing_replay=true runs without pipeline or context parallelism; got "
+            f"parallelism.pp={p.pp}, parallelism.cp={p.cp}"
+        )
+    if cfg.task.name in ENVS:
+        raise ValueError(
+            f"loss.routing_replay=true: multi-turn environments (task.name={cfg.task.name!r}) "
+            "do not carry routing records yet; use a single-turn task"
+        )
+
+
 def describe_model(src: PolicySource) -> str:
     """The policy's model, as error messages name it."""
     return f"the policy's model ({src.describe})" if src.describe else "the policy's model"
@@ -234,6 +262,7 @@ def build_generator(cfg: RLConfig, src: PolicySource, *, mesh: Any = None, local
         compile=g.compile,
         cuda_graphs=g.cuda_graphs,
         compile_scope=g.compile_scope,
+        record_routing=cfg.loss.routing_replay,
     )
     return Generator(model, tokenizer=src.tokenizer, config=config)
 

@@ -103,6 +103,31 @@ def rl_llama3_1b() -> RLConfig:
 
 
 @register
+def rl_addition_moe() -> RLConfig:
+    """Routing replay on CPU (docs/rl.md, "Routing replay"): GRPO on addition with the tiny
+    mixture-of-experts policy `debug_moe` (8 experts, 2 per token) from its seed init, a few
+    short steps. It learns little; it measures the generator-trainer log-prob gap
+    (`logprob_diff_max` / `logprob_diff_mean`), with `--loss.routing_replay true` or
+    without."""
+    return RLConfig(
+        job=JobConfig(name="rl_addition_moe", output_dir="outputs/rl_addition_moe"),
+        policy=PolicyConfig(init="seed", tokenizer="sft:sft_addition"),
+        model=ModelConfig(flavor="debug_moe", vocab_size=512),
+        task=TaskConfig(name="addition", params={"digits": [1, 3]}, eval_problems=16),
+        rollout=RolloutConfig(
+            prompts_per_step=8, group_size=4, max_new_tokens=24, max_prompt_tokens=48
+        ),
+        loss=LossConfig(drop_equal_groups=False),
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.0),
+        lr_scheduler=SchedulerConfig(warmup_steps=0, decay_fraction=0.0),
+        trainer=TrainerConfig(micro_batch_size=32),
+        generator=GeneratorRoleConfig(count=1, max_batch=32),
+        rl=LoopConfig(steps=4, eval_every=0),
+        checkpoint=RLCheckpointConfig(enable=False),
+    )
+
+
+@register
 def rl_addition_135m() -> RLConfig:
     """The RL peer benchmark (benchmarks/rl_peer.py, one GPU): `rl_addition`'s task and batch
     (16 prompts x 8 samples x up to 128 new tokens) on a SmolLM2-135M-shaped model, warm-started

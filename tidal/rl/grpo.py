@@ -38,6 +38,7 @@ from typing import Any
 from tidal.rl.build import (
     build_generator,
     build_trainer,
+    check_routing_replay,
     check_task_text,
     make_policy,
     make_task,
@@ -59,7 +60,7 @@ from tidal.rl.report import (
 from tidal.rl.rollout import RolloutBatch
 from tidal.rl.tasks.base import Problem, Task
 from tidal.rl.trainer_inputs import PolicyLoss, set_step_lr, train_on_rollout
-from tidal.rl.warmstart import prepare_policy, resolve_policy
+from tidal.rl.warmstart import policy_args, prepare_policy, resolve_policy
 from tidal.train.cpu_kernels import apply_cpu_kernels
 
 Log = Callable[[str], None]
@@ -214,6 +215,7 @@ def run(cfg: RLConfig, *, log: Log = print) -> dict[str, Any]:
     if check_run_folder(cfg, prog=PROG, log=log):  # finished: its figures printed, no run
         return {}
     task = make_task(cfg)
+    check_routing_replay(cfg, policy_args(cfg, log=log))
     prepare_policy(cfg, log=log)
     src = resolve_policy(cfg, log=log)
     check_task_text(cfg, src, task)

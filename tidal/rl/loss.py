@@ -123,6 +123,13 @@ class LossConfig:
     """Divide advantages by their group's standard deviation (GRPO, DAPO; not Dr. GRPO)."""
     drop_equal_groups: bool = True
     """Dynamic sampling: drop groups whose rewards are all equal (DAPO)."""
+    routing_replay: bool = False
+    """Mixture-of-experts policies: routing replay (R3). The generators record the experts
+    every MoE layer routed each token to, the records travel with the rollout, and the
+    trainer's forward routes every token to those experts, weighted by its own router's
+    probabilities there (the gradient still trains the router). The trainer then computes
+    the generator's routing whatever its own rounding or expert bias would choose
+    (docs/rl.md, "Routing replay"). A dense model is refused."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:

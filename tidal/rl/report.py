@@ -395,6 +395,9 @@ def step_record(
         "ratio_min": metrics.get("ratio_min"),
         "ratio_mean": metrics.get("ratio_mean"),
         **{k: v for k, v in metrics.items() if k in CORRECTION_METRICS},
+        "logprob_diff_max": metrics.get("logprob_diff_max"),
+        "logprob_diff_mean": metrics.get("logprob_diff_mean"),
+        **{k: v for k, v in metrics.items() if k.startswith("moe_")},  # MoE policies
         "loss": metrics.get("loss"),
         "groups_dropped": adv.dropped_groups if adv is not None else 0,
         "groups": adv.groups if adv is not None else 0,

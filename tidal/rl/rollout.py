@@ -15,6 +15,12 @@ Versions: every completion token carries the policy version that produced it
 weights did not change during the sample); in async mode one sample may span versions. -1
 stands for padding and unversioned weights.
 
+Routing replay (mixture-of-experts policies, `loss.routing_replay`): `prompt_experts` and
+`completion_experts` carry the experts the generator's MoE layers routed every token it ran
+to (`Sample.routed_experts`), in the prompt and completion layouts; the trainer's forward
+replays them (tidal/rl/trainer_inputs.py). Absent (None) otherwise, and the state dict is
+then unchanged.
+
 Multi-turn trajectories (tidal/rl/envs) use the same layout: the completion is every token
 after the opening prompt, sampled turns and the environment's observations alike, and
 `loss_mask` is true only on the sampled ones (observations carry log-prob 0 and version -1).
@@ -45,6 +51,9 @@ _TENSORS_NC = {
     "sampling_logprobs": torch.float32,
     "versions": torch.int64,
 }
+_EXPERTS = ("prompt_experts", "completion_experts")
+EXPERT_DTYPES = (torch.uint8, torch.int16)
+"""Dtypes of routing records (`tidal.models.moe.expert_dtype`)."""
 _TENSORS_N = {
     "prompt_lens": torch.int64,
     "rewards": torch.float32,
@@ -103,6 +112,13 @@ class RolloutBatch:
     meta: dict[str, Any] = field(default_factory=dict)
     """Plain values (str, int, float, bool, None, lists and string-keyed dicts) the producer
     adds: a generator id, a seed, timings."""
+    prompt_experts: torch.Tensor | None = None
+    """[N, L, P, K] uint8 (int16 past 256 experts): the experts MoE layer l routed prompt
+    token p to in the generator (L MoE layers, top-k K, in top-k order); 0 at padding. With
+    `completion_experts`; None without routing records."""
+    completion_experts: torch.Tensor | None = None
+    """[N, L, C, K]: the same for completion token c, fed to the model to sample token c + 1
+    (the last completion token never is: its entry, as padding's, is 0)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_ids, torch.Tensor) or self.prompt_ids.dim() != 2:
@@ -121,6 +137,31 @@ class RolloutBatch:
             _check_tensor("loss_mask", self.loss_mask, (N, C), torch.bool)
             if bool((self.loss_mask & ~self.completion_mask).any()):
                 raise ValueError("RolloutBatch.loss_mask must be false outside completion_mask")
+        self._check_experts(N, P, C)
+
+    def _check_experts(self, N: int, P: int, C: int) -> None:
+        pe, ce = self.prompt_experts, self.completion_experts
+        if pe is None and ce is None:
+            return
+        if pe is None or ce is None:
+            raise ValueError("RolloutBatch.prompt_experts and completion_experts come together")
+        for name, t, width in (("prompt_experts", pe, P), ("completion_experts", ce, C)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in EXPERT_DTYPES:
+                got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else t
+                raise ValueError(
+                    f"RolloutBatch.{name} must be a [N, layers, tokens, top_k] tensor of "
+                    f"{EXPERT_DTYPES}, got {got}"
+                )
+            if t.shape[0] != N or t.shape[2] != width:
+                raise ValueError(
+                    f"RolloutBatch.{name} has shape {tuple(t.shape)}; the batch needs "
+                    f"[{N}, layers, {width}, top_k]"
+                )
+        if pe.shape[1] != ce.shape[1] or pe.shape[3] != ce.shape[3] or pe.dtype != ce.dtype:
+            raise ValueError(
+                f"RolloutBatch.prompt_experts {tuple(pe.shape)} {pe.dtype} and "
+                f"completion_experts {tuple(ce.shape)} {ce.dtype} differ in layers, top_k or dtype"
+            )
 
     @property
     def train_mask(self) -> torch.Tensor:
@@ -191,6 +232,7 @@ class RolloutBatch:
                 versions[i, :c] = torch.tensor(s.versions, dtype=torch.int64)
             elif s.weight_version is not None:
                 versions[i, :c] = s.weight_version
+        experts = _pack_experts(samples, P, C)
         return cls(
             prompt_ids=prompt_ids,
             prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int64),
@@ -207,6 +249,7 @@ class RolloutBatch:
             task=task,
             pad_id=pad_id,
             meta=dict(meta or {}),
+            **experts,
         )
 
     @classmethod
@@ -292,6 +335,9 @@ class RolloutBatch:
             sd[name] = getattr(self, name)
         if self.loss_mask is not None:  # multi-turn only: single-turn state dicts unchanged
             sd["loss_mask"] = self.loss_mask
+        if self.prompt_experts is not None:  # routing records only: others unchanged
+            sd["prompt_experts"] = self.prompt_experts
+            sd["completion_experts"] = self.completion_experts
         return sd
 
     @classmethod
@@ -311,7 +357,12 @@ class RolloutBatch:
             raise ValueError("rollout state dict: 'task' must be a str and 'pad_id' an int")
         if not isinstance(sd["answers"], list) or not isinstance(sd["meta"], dict):
             raise ValueError("rollout state dict: 'answers' must be a list and 'meta' a dict")
-        return cls(**{k: sd[k] for k in names}, loss_mask=sd.get("loss_mask"))
+        return cls(
+            **{k: sd[k] for k in names},
+            loss_mask=sd.get("loss_mask"),
+            prompt_experts=sd.get("prompt_experts"),
+            completion_experts=sd.get("completion_experts"),
+        )
 
     # -- for the trainer --------------------------------------------------------------------
 
@@ -360,6 +411,9 @@ class RolloutBatch:
         idx = rows.tolist()
         tensors = {n: getattr(self, n)[rows] for n in ("prompt_ids", *_TENSORS_N, *_TENSORS_NC)}
         loss_mask = None if self.loss_mask is None else self.loss_mask[rows]
+        for name in _EXPERTS:
+            t = getattr(self, name)
+            tensors[name] = None if t is None else t[rows]
         return replace(
             self,
             answers=[self.answers[i] for i in idx],
@@ -411,6 +465,17 @@ class RolloutBatch:
                 t = b.train_mask
                 parts.append(torch.cat([t, t.new_zeros((t.shape[0], C - t.shape[1]))], 1))
             out["loss_mask"] = torch.cat(parts)
+        recorded = [b.prompt_experts is not None for b in batches]
+        if any(recorded):
+            if not all(recorded):
+                raise ValueError("cannot concat batches with and without routing records")
+            for name, width in (("prompt_experts", P), ("completion_experts", C)):
+                parts = []
+                for b in batches:
+                    t = getattr(b, name)
+                    pad = t.new_zeros((*t.shape[:2], width - t.shape[2], t.shape[3]))
+                    parts.append(torch.cat([t, pad], 2))
+                out[name] = torch.cat(parts)
         answers = [a for b in batches for a in b.answers]
         return cls(
             **out, answers=answers, task=first.task, pad_id=first.pad_id, meta=dict(first.meta)
@@ -432,6 +497,36 @@ class RolloutBatch:
             "version_min": float(v.min()) if v.numel() else -1.0,
             "version_max": float(v.max()) if v.numel() else -1.0,
         }
+
+
+def _pack_experts(samples: Sequence[Sample], P: int, C: int) -> dict[str, torch.Tensor]:
+    """`prompt_experts` and `completion_experts` of samples that carry routing records
+    (`Sample.routed_experts`), {} when none does.
+
+    Raises:
+        ValueError: some samples have records and others not, or records of another length,
+            layer count, top-k or dtype."""
+    recs = [s.routed_experts for s in samples]
+    if all(r is None for r in recs):
+        return {}
+    if any(r is None for r in recs):
+        raise ValueError("some samples carry routing records (routed_experts) and others not")
+    first = recs[0]
+    L, K = first.shape[0], first.shape[2]
+    pe = torch.zeros(len(samples), L, P, K, dtype=first.dtype)
+    ce = torch.zeros(len(samples), L, C, K, dtype=first.dtype)
+    for i, (s, r) in enumerate(zip(samples, recs, strict=True)):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        want = (L, p + c - 1, K)
+        if tuple(r.shape) != want or r.dtype != first.dtype:
+            raise ValueError(
+                f"sample {i}: routed_experts {r.dtype} of shape {tuple(r.shape)}, expected "
+                f"{first.dtype} of shape {want} (layers, prompt + completion - 1, top_k)"
+            )
+        fed = r.shape[1]
+        pe[i, :, : min(p, fed)] = r[:, :p]
+        ce[i, :, : max(fed - p, 0)] = r[:, p:]
+    return {"prompt_experts": pe, "completion_experts": ce}
 
 
 def _check_tensor(name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:

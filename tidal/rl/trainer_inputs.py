@@ -56,6 +56,7 @@ _TOKEN_MEANS = (
     "tis_weight_mean",
     "tis_capped_frac",
     "is_masked_frac",
+    "logprob_diff_mean",
 )
 """policy_loss metrics that are means over the micro-batch's tokens."""
 
@@ -70,6 +71,7 @@ def rollout_batches(
     ref_logprobs: torch.Tensor | None = None,
     dp_rank: int = 0,
     dp_world: int = 1,
+    routing_replay: bool = False,
 ) -> list[Batch]:
     """This data-parallel rank's trainer batches of a rollout, on the host.
 
@@ -87,16 +89,21 @@ def rollout_batches(
         ref_logprobs: [N, C] under a frozen reference model, for a KL term; None: no extra.
         dp_rank, dp_world: this rank's share: rows dp_rank, dp_rank + dp_world, ...; every
             rank gets ceil(ceil(N / dp_world) / micro_batch_size) batches.
+        routing_replay: add the rollout's routing records as "routed_experts" (the trainer's
+            forward replays them; `loss.routing_replay`).
 
     Returns:
         Batches with `extras`: "advantages" [B] fp32, "old_logprobs", "gen_logprobs" (the
         generator's) and, if given, "ref_logprobs" [B, T] fp32, and "mask" [B, T] bool (true
-        on the completion tokens trained on, `rollout.train_mask`: labels != IGNORE_INDEX).
+        on the completion tokens trained on, `rollout.train_mask`: labels != IGNORE_INDEX);
+        with `routing_replay`, "routed_experts" [B, MoE layers, T, top_k] (the experts of
+        input position t; positions past a row's tokens get experts 0..top_k-1).
         Empty when no row is kept.
 
     Raises:
         ValueError: a shape that does not match the rollout, a prompt of length 0, a
-            sequence longer than `seq_len`, or bad sizes or ranks.
+            sequence longer than `seq_len`, bad sizes or ranks, or `routing_replay` for a
+            rollout without routing records.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -148,6 +155,8 @@ def rollout_batches(
     extras_N = {name: to_positions(x) for name, x in per_token.items()}
     extras_N["advantages"] = adv_N.float()
     extras_N["mask"] = mask_NT
+    if routing_replay:
+        extras_N["routed_experts"] = _experts_at_positions(rollout, T)
     labels_NT = torch.where(mask_NT, ids_NL[:, 1:], IGNORE_INDEX)
 
     kept = keep.nonzero()[:, 0]
@@ -163,7 +172,7 @@ def rollout_batches(
 
     input_ids = take(ids_NL[:, :-1], rollout.pad_id)
     labels = take(labels_NT, IGNORE_INDEX)
-    extras = {k: take(v, False if v.dtype == torch.bool else 0.0) for k, v in extras_N.items()}
+    extras = {k: take(v, False if v.dtype == torch.bool else 0) for k, v in extras_N.items()}
     batch = Batch(
         input_ids=input_ids,
         labels=labels,
@@ -171,6 +180,54 @@ def rollout_batches(
         extras=extras,
     )
     return [batch.row_slice(s, s + micro_batch_size) for s in range(0, rows, micro_batch_size)]
+
+
+def _experts_at_positions(rollout: RolloutBatch, T: int) -> torch.Tensor:
+    """[N, L, T, K] the routing records of every input position (the prompt's tokens, then
+    the completion's but the last), experts 0..K-1 past each row's tokens."""
+    pe, ce = rollout.prompt_experts, rollout.completion_experts
+    if pe is None or ce is None:
+        raise ValueError(
+            "loss.routing_replay needs the experts the generator routed to, and the rollout "
+            "has none: its generator ran without GeneratorConfig.record_routing"
+        )
+    N, L, _, K = pe.shape
+    out = torch.arange(K, dtype=pe.dtype).expand(N, L, T, K).clone()
+    comp_lens = rollout.completion_mask.sum(1)
+    for i in range(N):
+        p, c = int(rollout.prompt_lens[i]), int(comp_lens[i])
+        fed = max(c - 1, 0)
+        out[i, :, :p] = pe[i, :, :p]
+        out[i, :, p : p + fed] = ce[i, :, :fed]
+    return out
+
+
+def check_routed_experts(rollout: RolloutBatch, moe: Any) -> None:
+    """The rollout's routing records fit a model whose MoE layers are `moe` = (layers,
+    experts, top_k) (`tidal.models.moe.moe_shape`; None: a dense model).
+
+    Raises:
+        ValueError: a dense model, no records, or records of another number of layers or
+            top-k, or naming experts the model does not have (one line, before any work)."""
+    if moe is None:
+        raise ValueError(
+            "loss.routing_replay needs a mixture-of-experts model; the policy is dense"
+        )
+    pe = rollout.prompt_experts
+    if pe is None or rollout.completion_experts is None:
+        raise ValueError(
+            "loss.routing_replay needs the experts the generator routed to, and the rollout "
+            "has none: its generator ran without GeneratorConfig.record_routing"
+        )
+    L, E, K = moe
+    if pe.shape[1] != L or pe.shape[3] != K:
+        raise ValueError(
+            f"the rollout's routed experts are [samples, {pe.shape[1]} layers, tokens, top_k "
+            f"{pe.shape[3]}]; the model has {L} MoE layers with top_k {K}"
+        )
+    top = max(int(pe.max()), int(rollout.completion_experts.max())) if pe.numel() else 0
+    if top >= E:
+        raise ValueError(f"the rollout's routed experts name expert {top}; the model has {E}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +244,9 @@ class PolicyLoss:
     "loss", "pg_loss", "num_tokens" (sums), "ratio_max" (max), "ratio_min" (min) and the
     token means ("kl", "clip_frac", "clip_low_frac", "clip_high_frac", "ratio_mean",
     "entropy", with TIS "tis_weight_mean", "tis_capped_frac", with the mask band
-    "is_masked_frac") over all the step's tokens.
+    "is_masked_frac") over all the step's tokens; with the batch's "gen_logprobs", the gap
+    between this forward's log-probs and the generator's over the tokens trained on,
+    "logprob_diff_max" (max |trainer - generator|) and "logprob_diff_mean" (its token mean).
 
     Example::
 
@@ -236,6 +295,11 @@ class PolicyLoss:
             num_tokens=norms.tokens,
             num_sequences=norms.sequences,
         )
+        if "gen_logprobs" in x:  # the log-prob gap, generator vs trainer
+            m_BT = mask != 0
+            gap_BT = torch.where(m_BT, (logprobs.detach() - x["gen_logprobs"]).abs(), 0.0)
+            m["logprob_diff_max"] = gap_BT.amax() if gap_BT.numel() else gap_BT.sum()
+            m["logprob_diff_mean"] = gap_BT.sum() / m_BT.sum().clamp(min=1)
         share = m["num_tokens"] / norms.tokens  # this micro-batch's part of the step's tokens
         return loss, {k: v * share if k in _TOKEN_MEANS else v for k, v in m.items()}
 
@@ -273,6 +337,13 @@ def train_on_rollout(
     Returns the loss metrics, the real token positions trained on (every kept sample's
     prompt and completion, minus its last token, over all ranks) and the positions the
     trainer ran, padding included."""
+    replay = loss.cfg.routing_replay
+    if replay:
+        from tidal.models.moe import MoEArgs
+
+        moe: MoEArgs | None = trainer.args.moe
+        shape = None if moe is None else (trainer.args.n_layers, moe.n_experts, moe.top_k)
+        check_routed_experts(rollout, shape)
     batches = rollout_batches(
         rollout,
         advantages,
@@ -280,6 +351,7 @@ def train_on_rollout(
         seq_len=seq_len,
         dp_rank=dp_rank,
         dp_world=dp_world,
+        routing_replay=replay,
     )
     if not batches:
         return {}, 0, 0

@@ -166,6 +166,16 @@ def resolve_policy(cfg: RLConfig, *, log: Log = print) -> PolicySource:
     )
 
 
+def policy_args(cfg: RLConfig, *, log: Log = print):
+    """The policy's ModelArgs without training anything: an SFT warm start's from its
+    config (trained or not), others' from `resolve_policy` (its lines are not logged)."""
+    if cfg.policy.kind == "sft":
+        from tidal.train.trainer import model_args_for
+
+        return model_args_for(sft_run(cfg)[0])
+    return resolve_policy(cfg, log=lambda *_: None).args
+
+
 def sft_run(cfg: RLConfig):
     """(the SFT config, its cache folder) of `policy.init = "sft:NAME"`."""
     from tidal.train.config_parse import apply_overrides, to_dict

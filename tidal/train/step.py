@@ -45,6 +45,9 @@ The micro-batch path is one for both losses: the model's output goes to the `Ste
   makes it a mean over ranks), and the tokens per expert are summed over the step and the
   data-parallel ranks (`moe_counts`, for the aux-loss-free bias update and the load metrics
   `moe_aux_loss`, `moe_load_max`, `moe_load_min`, `moe_dropped_tokens`). Not under PP.
+- routing replay (RL, mixture of experts): a batch whose extras hold "routed_experts"
+  [B, MoE layers, T, top_k] runs its forward, and the backward's recomputation, with every MoE
+  layer routing to those experts (`tidal.models.moe.replay_routing`). Not under PP or CP.
 - context parallel: the default loss sums over this rank's slice of every sequence and the
   count covers whole sequences. `logprobs` gathers the slices back into whole rows. An
   injected loss is refused: per-sequence terms (GRPO's per-sequence means, GSPO's sequence
@@ -63,7 +66,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tidal.models.moe import collect_moe, load_metrics
+from tidal.models.moe import collect_moe, load_metrics, replay_routing
 from tidal.models.transformer import ModelArgs, Transformer
 from tidal.parallel.context import ContextParallel
 from tidal.train.data import Batch
@@ -235,6 +238,18 @@ class StepPath:
         host = torch.tensor(float(n), pin_memory=pinned)
         return self.reduce(host.to(self.device, non_blocking=pinned), "dp")
 
+    def routing(self, batch: Batch) -> contextlib.AbstractContextManager:
+        """Routing replay for a batch whose extras hold "routed_experts", else nothing."""
+        experts = batch.extras.get("routed_experts")
+        if experts is None:
+            return contextlib.nullcontext()
+        if self.pipeline is not None or self.cp is not None:
+            raise ValueError(
+                "routing replay (loss.routing_replay) runs without pipeline or context "
+                "parallelism: set parallelism.pp 1 and parallelism.cp 1"
+            )
+        return replay_routing(self.model, experts)
+
     # -- forward --------------------------------------------------------------------------
 
     def forward(
@@ -325,22 +340,24 @@ class StepPath:
         micro-batches, in the schedule); returns its share of the step's loss (0 on pipeline
         ranks without the last stage) and the loss's metrics."""
         if self.pipeline is not None:
+            self.routing(batch)  # refuses routing replay
             with self.autocast():  # the schedule runs forward, loss and backward inside
                 out, records = self.pipeline.forward_backward(batch, loss, **self.model_kwargs)
             if out is None:
                 return torch.zeros((), device=self.device), []
             return plain(out.detach()) / self.grad_scale, [r.metrics for r in records]
-        output, labels, _ = self.forward(batch, fused_loss=loss.fused)
-        value, record = loss(output, batch, labels)
-        moe = collect_moe(self.model) if self.args.moe is not None else None
-        if moe is not None:
-            if loss.aux_scale:
-                value = value + loss.aux_scale * moe.aux_loss
-            counts = moe.counts_LE
-            self.moe_counts = counts if self.moe_counts is None else self.moe_counts + counts
-            self._moe_aux.append(moe.aux_loss.detach())
-        with self.loss_context():
-            value.backward()
+        with self.routing(batch):  # the backward too: activation checkpoints recompute
+            output, labels, _ = self.forward(batch, fused_loss=loss.fused)
+            value, record = loss(output, batch, labels)
+            moe = collect_moe(self.model) if self.args.moe is not None else None
+            if moe is not None:
+                if loss.aux_scale:
+                    value = value + loss.aux_scale * moe.aux_loss
+                counts = moe.counts_LE
+                self.moe_counts = counts if self.moe_counts is None else self.moe_counts + counts
+                self._moe_aux.append(moe.aux_loss.detach())
+            with self.loss_context():
+                value.backward()
         return record.loss, [record.metrics]
 
     def moe_metrics(self) -> dict[str, torch.Tensor]:
@@ -392,7 +409,8 @@ class StepPath:
         """fp32 [B, T] log p(labels) of one batch, 0 where the label is IGNORE_INDEX, on every
         rank (the caller disables grad and sets eval mode)."""
         if self.pipeline is None:
-            logits, labels, positions = self.forward(batch)
+            with self.routing(batch):
+                logits, labels, positions = self.forward(batch)
             logp, _ = token_logprobs(logits, labels, batch_invariant=self.batch_invariant)
             if self.cp is not None:
                 assert positions is not None
@@ -403,6 +421,7 @@ class StepPath:
             logp, _ = token_logprobs(logits, micro.labels, batch_invariant=self.batch_invariant)
             return torch.zeros((), device=self.device), logp
 
+        self.routing(batch)  # refuses routing replay
         with self.autocast():
             _, records = self.pipeline.forward(batch, record, **self.model_kwargs)
         if self.pipeline.has_last:

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from tidal.rl.build import check_task_text, describe_model, generator_device, make_task
+from tidal.rl.build import (
+    check_routing_replay,
+    check_task_text,
+    describe_model,
+    generator_device,
+    make_task,
+)
 from tidal.rl.config import RLConfig
 from tidal.rl.distributed.coupling import STOP, generator_name
 from tidal.rl.distributed.generator_ranks import check_generator_layouts, generator_command
@@ -65,10 +71,12 @@ def check_rl_job(cfg: RLConfig, *, log: Log = print) -> PolicySource | None:
             sft = sft_run(cfg)[0]
             where = f"the SFT warm start's model {sft.model.flavor!r}"
             check_generator_layouts(cfg, model_args_for(sft), cuda_devices=gpus, where=where)
+            check_routing_replay(cfg, model_args_for(sft), where)
             return None
     else:
         src = resolve_policy(cfg, log=log)
     check_generator_layouts(cfg, src.args, cuda_devices=gpus, where=describe_model(src))
+    check_routing_replay(cfg, src.args, describe_model(src))
     check_task_text(cfg, src, task)
     return src
 

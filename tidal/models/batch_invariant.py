@@ -11,6 +11,8 @@ shape:
   on a 3-D input may produce): the rows are cut into blocks of `row_block(device)` rows
   (padded with zeros), one call per block. A row's result then depends only on the row and
   the weight, not on M.
+  Each block's product cuts K into `K_PARTS` parts summed by a fixed tree (`tree_sum`), so
+  the order of a weight's sum does not depend on how tensor parallelism splits K either.
 - Row reductions over the last dim (`mean` and `sum` as in RMSNorm, `_log_softmax`,
   `_softmax`, the fused RMSNorm kernel of CUDA): the same fixed row blocks. Each
   replacement returns the dtypes of the kernel it replaces (RMSNorm: rows in the input
@@ -26,16 +28,19 @@ shape:
 
 `BatchInvariantMode` is a TorchDispatchMode: it sees the aten ops under autograd and
 autocast, replaces the ones above in the forward pass and lets the backward pass run the
-normal kernels (gradients need not be invariant). `Transformer.forward(...,
-batch_invariant=True)` enters it and switches attention to the chunked kernel; the trainer's
-scoring path (tidal.generate.logprobs) and the generator call the same forward.
+normal kernels (gradients need not be invariant). With DTensor arguments (tensor
+parallelism) it runs the same replacements on the local shards, and sums a row-parallel
+layer's partial sums over ranks in a fixed order (tidal/models/batch_invariant_tp.py).
+`Transformer.forward(..., batch_invariant=True)` enters it and switches attention to the
+chunked kernel; the trainer's scoring path (tidal.generate.logprobs) and the generator call
+the same forward.
 
 Where this departs from the reference designs (Thinking Machines' batch_invariant_ops, which
 write persistent Triton kernels): plain PyTorch ops at fixed shapes, so the same code runs on
-CPU and CUDA, under autograd, inside CUDA graphs, and with tensor-parallel DTensors passed
-through untouched. The invariance then rests on a library computing a given shape the same
-way each time, which holds for MKL and ATen on CPU (tests/generate/test_batch_invariant.py checks
-bit equality) and for cuBLAS at a fixed shape, layout, alignment and workspace: every matmul
+CPU and CUDA, under autograd, inside CUDA graphs, and on tensor-parallel DTensor shards.
+The invariance then rests on a library computing a given shape the same way each time,
+which holds for MKL and ATen on CPU (tests/generate/test_batch_invariant.py checks bit
+equality) and for cuBLAS at a fixed shape, layout, alignment and workspace: every matmul
 call of the mode has one shape per weight (linear layers) or one shape in all (attention),
 whatever the batch, the sequence length or the number of queries (`-m gpu` checks bf16 on
 CUDA).
@@ -67,6 +72,13 @@ from torch.utils._python_dispatch import (
 
 KV_CHUNK = 64
 """Keys per attention chunk: the decode split of the KV cache by a fixed size (not count)."""
+
+K_PARTS = 8
+"""Parts of a matmul's reduction dim (each weight's K, where it divides): each part's product
+is computed on its own and the parts are summed by a fixed tree (`tree_sum`). A row-parallel
+layer sharded over TP ranks (a power of two up to K_PARTS) then computes the same subtrees
+on its ranks, and the mode's fixed-order all-reduce adds them as the tree's top levels: TP 2
+gives the bits of TP 1."""
 
 _ROW_BLOCK = {"cpu": 16, "cuda": 128}
 _QUERY_BLOCK = {"cpu": 8, "cuda": 16}
@@ -121,14 +133,54 @@ def _last_dim(x: torch.Tensor, dims) -> bool:
     return dims is not None and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1
 
 
+def k_parts(K: int) -> int:
+    """Parts of the reduction dim K of a matmul in the mode: K_PARTS where K divides into
+    them, else 1 (one part: such a weight cannot be sharded over K bitwise)."""
+    return K_PARTS if K % K_PARTS == 0 else 1
+
+
+def tree_sum(x_P: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 as a fixed pairwise tree: (x0 + x1) + (x2 + x3), ... An aligned
+    power-of-two run of consecutive entries is one subtree, so ranks that each hold such a
+    run, sum it, and sum their results with this again, get the same bits."""
+    while x_P.shape[0] > 1:
+        if x_P.shape[0] % 2:  # an odd last entry waits for the next level
+            x_P = torch.cat([x_P[:-1:2] + x_P[1::2], x_P[-1:]])
+        else:
+            x_P = x_P[0::2] + x_P[1::2]
+    return x_P[0]
+
+
+def _split_k_mm(a_RK: torch.Tensor, b_KN: torch.Tensor, parts: int | None = None) -> torch.Tensor:
+    """a @ b with K cut into `parts` (default `k_parts(K)`) equal parts, one product per part
+    (a single bmm of a fixed shape per weight), summed by `tree_sum`. The parts of bf16/fp16
+    inputs are computed and summed in fp32 and rounded once, as one matmul would. A rank of a
+    row-parallel layer passes its share of the whole weight's parts."""
+    R, K = a_RK.shape
+    P = k_parts(K) if parts is None else parts
+    if P == 1:
+        return _aten.mm.default(a_RK, b_KN)
+    dtype = a_RK.dtype
+    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    a_PRk = a_RK.view(R, P, K // P).transpose(0, 1).to(wide)
+    b_PkN = b_KN.reshape(P, K // P, b_KN.shape[1]).to(wide)
+    out_PRN = _aten.bmm.default(a_PRk.contiguous(), b_PkN.contiguous())
+    return tree_sum(out_PRN).to(dtype)
+
+
+def fixed_order_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, parts: int | None = None):
+    """a @ b in the mode's order: fixed blocks of rows, K in `parts` parts summed by a tree."""
+    return by_rows(lambda a_RK: _split_k_mm(a_RK, b_KN, parts), a_MK)
+
+
 def _mm(func, a, b, **kw):
-    return by_rows(lambda a_RK: func(a_RK, b, **kw), a)
+    return fixed_order_mm(a, b)
 
 
 def _addmm(func, bias, a, b, **kw):
-    if bias.dim() != 1:  # a bias per row: no row-independent blocking of it here
+    if bias.dim() != 1 or kw:  # a bias per row, or beta/alpha: no row-independent blocking
         return func(bias, a, b, **kw)
-    return by_rows(lambda a_RK: func(bias, a_RK, b, **kw), a)
+    return by_rows(lambda a_RK: _split_k_mm(a_RK, b) + bias, a)
 
 
 def _bmm(func, a, b):
@@ -136,7 +188,7 @@ def _bmm(func, a, b):
     # arrives here with one weight for the whole batch: fold it ourselves.
     if b.shape[0] == 1 or b.stride(0) == 0:
         N, M, K = a.shape
-        out = by_rows(lambda a_RK: _aten.mm.default(a_RK, b[0]), a.reshape(N * M, K))
+        out = by_rows(lambda a_RK: _split_k_mm(a_RK, b[0]), a.reshape(N * M, K))
         return out.view(N, M, -1)
     return func(a, b)  # a true batch of matrices (attention): its caller fixes the shapes
 
@@ -182,6 +234,20 @@ torch names them); every other op runs its normal kernel."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _is_dtensor(x: torch.Tensor) -> bool:
+    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+
+
+def _is_collective(func) -> bool:
+    return func.namespace == "_c10d_functional"
+
+
+def _tp():
+    from tidal.models import batch_invariant_tp
+
+    return batch_invariant_tp
+
+
 class BatchInvariantMode(TorchDispatchMode):
     """Within this mode, forward matmuls and row reductions run on fixed row blocks.
 
@@ -195,10 +261,17 @@ class BatchInvariantMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         impl = _IMPLS.get(func)
-        if impl is None or torch._C._current_autograd_node() is not None:
+        if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
-        if any(type(a) not in _PLAIN for a in args if isinstance(a, torch.Tensor)):
-            return func(*args, **kwargs)  # tensor subclasses (DTensor) dispatch their own way
+        if impl is None:
+            collective = _tp().COLLECTIVES.get(func) if _is_collective(func) else None
+            return func(*args, **kwargs) if collective is None else collective(func, *args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(_is_dtensor(a) for a in tensors):
+            # Tensor parallel: the same replacement on the local shards (batch_invariant_tp).
+            return _tp().dtensor_op(func, impl, args, kwargs)
+        if any(type(a) not in _PLAIN or a.device.type == "meta" for a in tensors):
+            return func(*args, **kwargs)  # other subclasses (fake tensors), shape inference
         return impl(func, *args, **kwargs)
 
 

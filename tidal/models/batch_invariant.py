@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,27 @@ gives the bits of TP 1."""
 _ROW_BLOCK = {"cpu": 16, "cuda": 128}
 _QUERY_BLOCK = {"cpu": 8, "cuda": 16}
 _PROBLEM_BLOCK = {"cpu": 32, "cuda": 256}
+
+
+_TRITON = {"on": os.environ.get("TIDAL_BI_TRITON", "") == "1"}
+
+
+def use_triton(enabled: bool) -> None:
+    """Run the mode on CUDA with the Triton kernels of tidal/kernels/batch_invariant.py (one
+    launch per matmul, RMSNorm, log-softmax and attention) instead of the torch path's
+    fixed-shape blocks of library calls. Off by default (also TIDAL_BI_TRITON=1); CPU tensors
+    always take the torch path. The two paths give different bits: turn it on for the trainer
+    and the generator alike."""
+    _TRITON["on"] = enabled
+
+
+def _triton_for(x: torch.Tensor):
+    """The Triton kernels module when they are on and x is on CUDA, else None."""
+    if not (_TRITON["on"] and x.is_cuda):
+        return None
+    from tidal.kernels import batch_invariant as kernels
+
+    return kernels
 
 
 def row_block(device: torch.device) -> int:
@@ -168,9 +190,22 @@ def _split_k_mm(a_RK: torch.Tensor, b_KN: torch.Tensor, parts: int | None = None
     return tree_sum(out_PRN).to(dtype)
 
 
-def fixed_order_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, parts: int | None = None):
-    """a @ b in the mode's order: fixed blocks of rows, K in `parts` parts summed by a tree."""
-    return by_rows(lambda a_RK: _split_k_mm(a_RK, b_KN, parts), a_MK)
+def fixed_order_mm(
+    a_MK: torch.Tensor,
+    b_KN: torch.Tensor,
+    parts: int | None = None,
+    bias_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """a @ b (+ bias) in the mode's order: K in `parts` (default `k_parts(K)`) parts summed by
+    a fixed tree; on fixed blocks of rows (torch path) or by the Triton kernel (CUDA, when
+    `use_triton` is on)."""
+    P = k_parts(a_MK.shape[1]) if parts is None else parts
+    kernels = _triton_for(a_MK)
+    if kernels is not None:
+        return kernels.matmul(a_MK, b_KN, bias_N, parts=P)
+    if bias_N is None:
+        return by_rows(lambda a_RK: _split_k_mm(a_RK, b_KN, P), a_MK)
+    return by_rows(lambda a_RK: _split_k_mm(a_RK, b_KN, P) + bias_N, a_MK)
 
 
 def _mm(func, a, b, **kw):
@@ -180,7 +215,7 @@ def _mm(func, a, b, **kw):
 def _addmm(func, bias, a, b, **kw):
     if bias.dim() != 1 or kw:  # a bias per row, or beta/alpha: no row-independent blocking
         return func(bias, a, b, **kw)
-    return by_rows(lambda a_RK: _split_k_mm(a_RK, b) + bias, a)
+    return fixed_order_mm(a, b, bias_N=bias)
 
 
 def _bmm(func, a, b):
@@ -188,7 +223,7 @@ def _bmm(func, a, b):
     # arrives here with one weight for the whole batch: fold it ourselves.
     if b.shape[0] == 1 or b.stride(0) == 0:
         N, M, K = a.shape
-        out = by_rows(lambda a_RK: _split_k_mm(a_RK, b[0]), a.reshape(N * M, K))
+        out = fixed_order_mm(a.reshape(N * M, K), b[0])
         return out.view(N, M, -1)
     return func(a, b)  # a true batch of matrices (attention): its caller fixes the shapes
 
@@ -203,6 +238,9 @@ def _row_reduce(func, x, dim, keepdim=False, **kw):
 def _softmax(func, x, dim, half_to_float):
     if x.dim() < 2 or not _last_dim(x, dim):
         return func(x, dim, half_to_float)
+    kernels = _triton_for(x)
+    if kernels is not None and func is _aten._log_softmax.default:
+        return kernels.log_softmax(x, dtype=torch.float32 if half_to_float else x.dtype)
     return by_rows(lambda x_RV: func(x_RV, -1, half_to_float), x)
 
 
@@ -210,6 +248,9 @@ def _fused_rms_norm(func, x, normalized_shape, weight, eps):
     if len(normalized_shape) != 1 or x.dim() < 2:
         return func(x, normalized_shape, weight, eps)
     # Two outputs: normed rows [.., D] in x's dtype and rstd [.., 1] in fp32 (for bf16 x).
+    kernels = _triton_for(x)
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps)
     return by_rows(lambda x_RD: func(x_RD, normalized_shape, weight, eps), x)
 
 
@@ -314,6 +355,9 @@ class _FixedOrderAttention(torch.autograd.Function):
     def forward(ctx, q_BHTK, k_BGSK, v_BGSK, q_pos_BT):
         ctx.save_for_backward(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
         with torch.autocast(q_BHTK.device.type, enabled=False):  # fp32 matmuls, as documented
+            kernels = _triton_for(q_BHTK)
+            if kernels is not None:
+                return kernels.attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
             return _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
 
     @staticmethod

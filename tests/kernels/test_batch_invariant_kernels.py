@@ -113,3 +113,24 @@ def test_triton_path_against_the_torch_path(dtype):
             bi.use_triton(False)
     tol = 1e-4 if dtype == torch.float32 else 0.1
     torch.testing.assert_close(triton_path, torch_path, atol=tol, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_inside_torch_compile():
+    """The kernels are custom ops (torch.library.triton_op, `torch.ops.tidal.bi_*`): a
+    compiled function calling them gives the eager bits, without a graph break."""
+    from tidal.kernels import batch_invariant as tk
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 256, generator=g).cuda().bfloat16()
+    w = torch.randn(512, 256, generator=g).cuda().bfloat16()
+    scale = torch.rand(256, generator=g).cuda().bfloat16()
+
+    def f(x):
+        h, _ = tk.rms_norm(x, scale, 1e-5)
+        return tk.log_softmax(tk.matmul(h, w.t(), parts=8), dtype=torch.float32)
+
+    compiled = torch.compile(f, fullgraph=True)
+    assert torch.equal(compiled(x), f(x))
+    assert torch.equal(compiled(x[:5]), f(x)[:5])

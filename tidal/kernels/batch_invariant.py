@@ -28,9 +28,11 @@ and reduces with a fixed order inside the row:
   query gets the same bits as the only query of a decode step, as one of a prefill of any
   length, and whatever other sequences share the batch.
 
-Every kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported) on CPU tensors: tests/kernels/ checks values against torch and bitwise invariance
-there on small shapes, and on CUDA under the `gpu` marker.
+Each launch is a custom op (`torch.library.triton_op`, `torch.ops.tidal.bi_*`), so
+`torch.compile` keeps it in its graph. Every kernel runs under Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported) on CPU tensors: tests/kernels/ checks
+values against torch and bitwise invariance there on small shapes, and on CUDA under the
+`gpu` marker.
 
 Shape legend: M rows, K reduction dim, N output columns, V vocabulary, D model width, B batch,
 H query heads, G key/value heads, J = H / G, T queries, S key slots, X = B * G key heads,
@@ -44,6 +46,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from tidal.models.batch_invariant import tree_sum
 
@@ -149,33 +152,36 @@ def matmul(
 ) -> torch.Tensor:
     """a @ b (+ bias) in a's dtype, K in `parts` (1, 2, 4 or 8) equal parts summed by a fixed
     tree; a row's result does not depend on M."""
-    M, K = a_MK.shape
-    N = b_KN.shape[1]
+    K = a_MK.shape[1]
     if parts not in (1, 2, 4, 8) or K % parts:
         raise ValueError(f"matmul: parts={parts} must be 1, 2, 4 or 8 and divide K={K}")
     if b_KN.shape[0] != K:
         raise ValueError(f"matmul: shapes {tuple(a_MK.shape)} and {tuple(b_KN.shape)} differ in K")
+    return torch.ops.tidal.bi_matmul(a_MK, b_KN, bias_N, parts, *blocks).to(a_MK.dtype)
+
+
+@triton_op("tidal::bi_matmul", mutates_args=())
+def _matmul_op(
+    a_MK: torch.Tensor,
+    b_KN: torch.Tensor,
+    bias_N: torch.Tensor | None,
+    parts: int,
+    bm: int,
+    bn: int,
+    bk: int,
+) -> torch.Tensor:
+    """`matmul`'s launch, in fp32 (a custom op: torch.compile and CUDA graphs see one op)."""
+    M, K = a_MK.shape
+    N = b_KN.shape[1]
     out_MN = torch.empty(M, N, device=a_MK.device, dtype=torch.float32)
-    bm, bn, bk = blocks
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _matmul_kernel[grid](
-        a_MK,
-        b_KN,
-        bias_N if bias_N is not None else out_MN,
-        out_MN,
-        M,
-        N,
-        K // parts,
-        *a_MK.stride(),
-        *b_KN.stride(),
-        *out_MN.stride(),
-        HAS_BIAS=bias_N is not None,
-        PARTS=parts,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-    )
-    return out_MN.to(a_MK.dtype)
+    wrap_triton(_matmul_kernel)[grid](
+        a_MK, b_KN, bias_N if bias_N is not None else out_MN, out_MN, M, N, K // parts,
+        a_MK.stride(0), a_MK.stride(1), b_KN.stride(0), b_KN.stride(1),
+        out_MN.stride(0), out_MN.stride(1),
+        HAS_BIAS=bias_N is not None, PARTS=parts, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    return out_MN
 
 
 @triton.jit
@@ -207,14 +213,23 @@ def rms_norm(
     D = x.shape[-1]
     x_MD = x.reshape(-1, D).contiguous()
     eps = torch.finfo(x.dtype).eps if eps is None else eps
+    y_MD, rstd_M = torch.ops.tidal.bi_rms_norm(x_MD, weight, eps, block)
+    return y_MD.view(x.shape), rstd_M.view(*x.shape[:-1], 1)
+
+
+@triton_op("tidal::bi_rms_norm", mutates_args=())
+def _rms_norm_op(
+    x_MD: torch.Tensor, weight: torch.Tensor | None, eps: float, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    M, D = x_MD.shape
     y_MD = torch.empty_like(x_MD)
-    rstd_M = torch.empty(x_MD.shape[0], device=x.device, dtype=torch.float32)
-    if x_MD.shape[0]:
-        _rms_norm_kernel[(x_MD.shape[0],)](
+    rstd_M = torch.empty(M, device=x_MD.device, dtype=torch.float32)
+    if M:
+        wrap_triton(_rms_norm_kernel)[(M,)](
             x_MD, weight if weight is not None else x_MD, y_MD, rstd_M, D, eps,
             HAS_W=weight is not None, BLOCK=block,
         )  # fmt: skip
-    return y_MD.view(x.shape), rstd_M.view(*x.shape[:-1], 1)
+    return y_MD, rstd_M
 
 
 @triton.jit
@@ -261,10 +276,19 @@ def log_softmax(x: torch.Tensor, *, dtype: torch.dtype | None = None, block: int
     """log-softmax over the last dim, computed in fp32; returned in `dtype` (x's by default)."""
     V = x.shape[-1]
     x_MV = x.reshape(-1, V).contiguous()
-    y_MV = torch.empty(x_MV.shape, device=x.device, dtype=dtype or x.dtype)
-    if x_MV.shape[0]:
-        _log_softmax_kernel[(x_MV.shape[0],)](x_MV, y_MV, V, BLOCK=block)
-    return y_MV.view(x.shape)
+    to_fp32 = (dtype or x.dtype) == torch.float32
+    if not to_fp32 and dtype not in (None, x.dtype):
+        raise ValueError(f"log_softmax: dtype {dtype} is neither fp32 nor x's {x.dtype}")
+    return torch.ops.tidal.bi_log_softmax(x_MV, to_fp32, block).view(x.shape)
+
+
+@triton_op("tidal::bi_log_softmax", mutates_args=())
+def _log_softmax_op(x_MV: torch.Tensor, to_fp32: bool, block: int) -> torch.Tensor:
+    M, V = x_MV.shape
+    y_MV = torch.empty(M, V, device=x_MV.device, dtype=torch.float32 if to_fp32 else x_MV.dtype)
+    if M:
+        wrap_triton(_log_softmax_kernel)[(M,)](x_MV, y_MV, V, BLOCK=block)
+    return y_MV
 
 
 def token_logprobs(x: torch.Tensor, targets: torch.Tensor, *, block: int = ROW_BLOCK):
@@ -275,10 +299,16 @@ def token_logprobs(x: torch.Tensor, targets: torch.Tensor, *, block: int = ROW_B
     t_M = targets.reshape(-1).contiguous()
     if t_M.shape[0] != x_MV.shape[0]:
         raise ValueError(f"token_logprobs: {t_M.shape[0]} targets for {x_MV.shape[0]} rows")
-    y_M = torch.empty(x_MV.shape[0], device=x.device, dtype=torch.float32)
-    if x_MV.shape[0]:
-        _token_logprobs_kernel[(x_MV.shape[0],)](x_MV, t_M, y_M, V, BLOCK=block)
-    return y_M.view(targets.shape)
+    return torch.ops.tidal.bi_token_logprobs(x_MV, t_M, block).view(targets.shape)
+
+
+@triton_op("tidal::bi_token_logprobs", mutates_args=())
+def _token_logprobs_op(x_MV: torch.Tensor, t_M: torch.Tensor, block: int) -> torch.Tensor:
+    M, V = x_MV.shape
+    y_M = torch.empty(M, device=x_MV.device, dtype=torch.float32)
+    if M:
+        wrap_triton(_token_logprobs_kernel)[(M,)](x_MV, t_M, y_M, V, BLOCK=block)
+    return y_M
 
 
 @triton.jit
@@ -353,7 +383,7 @@ def attention(
     fp32, output in q's dtype; the same arguments as tidal.models.batch_invariant.attention.
     The head dim K must be a power of two (a Triton block)."""
     B, H, T, K = q_BHTK.shape
-    G, S = k_BGSK.shape[1], k_BGSK.shape[2]
+    G = k_BGSK.shape[1]
     if H % G or K & (K - 1):
         raise ValueError(f"attention: {H} heads over {G} key heads, head dim {K} (a power of 2)")
     block_q, block_s, split = blocks
@@ -363,23 +393,44 @@ def attention(
     Q = T * J
     q_XQK = q_BHTK.float().view(B, G, J, T, K).transpose(2, 3).reshape(X, Q, K).contiguous()
     pos_XQ = q_pos_BT[:, None, :, None].expand(B, G, T, J).reshape(X, Q).to(torch.int32)
-    W = max(1, triton.cdiv(S, split))
-    dev = q_BHTK.device
-    m_WXQ = torch.empty(W, X, Q, device=dev, dtype=torch.float32)
-    l_WXQ = torch.empty_like(m_WXQ)
-    acc_WXQK = torch.empty(W, X, Q, K, device=dev, dtype=torch.float32)
-    if X * Q:
-        k, v = k_BGSK, v_BGSK
-        if k.stride(-1) != 1 or v.stride(-1) != 1:
-            k, v = k.contiguous(), v.contiguous()
-        _attention_split_kernel[(X, triton.cdiv(Q, block_q), W)](
-            q_XQK, pos_XQ.contiguous(), k, v, m_WXQ, l_WXQ, acc_WXQK, X, Q, S, G,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            1.0 / math.sqrt(K), K=K, BLOCK_Q=block_q, BLOCK_S=block_s, SPLIT=split,
-        )  # fmt: skip
+    k, v = k_BGSK, v_BGSK
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    m_WXQ, l_WXQ, acc_WXQK = torch.ops.tidal.bi_attention_splits(
+        q_XQK, pos_XQ.contiguous(), k, v, G, block_q, block_s, split
+    )
     # Splits combined in split order; splits past a query's position add exact zeros.
     m_XQ = m_WXQ.amax(0)
     w_WXQ = torch.exp(m_WXQ - m_XQ)  # a split with no visible key: exp(-inf) = 0
     o_XQK = tree_sum(acc_WXQK * w_WXQ[..., None]) / tree_sum(l_WXQ * w_WXQ)[..., None]
     o_BHTK = o_XQK.view(B, G, T, J, K).transpose(2, 3).reshape(B, H, T, K)
     return o_BHTK.to(q_BHTK.dtype)
+
+
+@triton_op("tidal::bi_attention_splits", mutates_args=())
+def _attention_splits_op(
+    q_XQK: torch.Tensor,
+    pos_XQ: torch.Tensor,
+    k_BGSK: torch.Tensor,
+    v_BGSK: torch.Tensor,
+    G: int,
+    block_q: int,
+    block_s: int,
+    split: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each split's partial max, sum and values: [W, X, Q], [W, X, Q], [W, X, Q, K]."""
+    X, Q, K = q_XQK.shape
+    S = k_BGSK.shape[2]
+    W = max(1, triton.cdiv(S, split))
+    dev = q_XQK.device
+    m_WXQ = torch.empty(W, X, Q, device=dev, dtype=torch.float32)
+    l_WXQ = torch.empty(W, X, Q, device=dev, dtype=torch.float32)
+    acc_WXQK = torch.empty(W, X, Q, K, device=dev, dtype=torch.float32)
+    if X * Q:
+        k, v = k_BGSK, v_BGSK
+        wrap_triton(_attention_split_kernel)[(X, triton.cdiv(Q, block_q), W)](
+            q_XQK, pos_XQ, k, v, m_WXQ, l_WXQ, acc_WXQK, X, Q, S, G,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            1.0 / math.sqrt(K), K=K, BLOCK_Q=block_q, BLOCK_S=block_s, SPLIT=split,
+        )  # fmt: skip
+    return m_WXQ, l_WXQ, acc_WXQK

@@ -14,17 +14,12 @@ import torch
 from tidal.kernels import batch_invariant as tk
 
 SMALL = {"matmul": (4, 8, 8), "row": 16, "attention": (4, 8, 16)}
+"""Blocks on CPU (the interpreter): small, so that tiny shapes still span several."""
+GPU = {"matmul": tk.MATMUL_BLOCKS, "row": tk.ROW_BLOCK, "attention": tk.ATTENTION_BLOCKS}
 
 
 def _blocks(device: str, name: str):
-    return (
-        SMALL[name]
-        if device == "cpu"
-        else getattr(
-            tk,
-            {"matmul": "MATMUL_BLOCKS", "row": "ROW_BLOCK", "attention": "ATTENTION_BLOCKS"}[name],
-        )
-    )
+    return SMALL[name] if device == "cpu" else GPU[name]
 
 
 def matmul(device: str = "cpu") -> None:

@@ -173,39 +173,36 @@ def tree_sum(x_P: torch.Tensor) -> torch.Tensor:
     return x_P[0]
 
 
-def _split_k_mm(a_RK: torch.Tensor, b_KN: torch.Tensor, parts: int | None = None) -> torch.Tensor:
-    """a @ b with K cut into `parts` (default `k_parts(K)`) equal parts, one product per part
-    (a single bmm of a fixed shape per weight), summed by `tree_sum`. The parts of bf16/fp16
-    inputs are computed and summed in fp32 and rounded once, as one matmul would. A rank of a
-    row-parallel layer passes its share of the whole weight's parts."""
-    R, K = a_RK.shape
-    P = k_parts(K) if parts is None else parts
-    if P == 1:
-        return _aten.mm.default(a_RK, b_KN)
-    dtype = a_RK.dtype
-    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    a_PRk = a_RK.view(R, P, K // P).transpose(0, 1).to(wide)
-    b_PkN = b_KN.reshape(P, K // P, b_KN.shape[1]).to(wide)
-    out_PRN = _aten.bmm.default(a_PRk.contiguous(), b_PkN.contiguous())
-    return tree_sum(out_PRN).to(dtype)
-
-
 def fixed_order_mm(
     a_MK: torch.Tensor,
     b_KN: torch.Tensor,
     parts: int | None = None,
     bias_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """a @ b (+ bias) in the mode's order: K in `parts` (default `k_parts(K)`) parts summed by
-    a fixed tree; on fixed blocks of rows (torch path) or by the Triton kernel (CUDA, when
-    `use_triton` is on)."""
-    P = k_parts(a_MK.shape[1]) if parts is None else parts
+    """a @ b (+ bias) in the mode's order: K cut into `parts` (default `k_parts(K)`) equal
+    parts, one product per part, summed by `tree_sum` (a rank of a row-parallel layer passes
+    its share of the whole weight's parts). Torch path: on fixed blocks of rows, the parts as
+    one bmm of a fixed shape per weight, in fp32 for bf16/fp16 inputs (rounded once, as one
+    matmul would); on CUDA with `use_triton` on, the Triton kernel."""
+    K = a_MK.shape[1]
+    P = k_parts(K) if parts is None else parts
     kernels = _triton_for(a_MK)
     if kernels is not None:
         return kernels.matmul(a_MK, b_KN, bias_N, parts=P)
+    if P == 1:
+        block = lambda a_RK: _aten.mm.default(a_RK, b_KN)  # noqa: E731
+    else:
+        dtype = a_MK.dtype
+        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        b_PkN = b_KN.reshape(P, K // P, b_KN.shape[1]).to(wide).contiguous()  # once per call
+
+        def block(a_RK: torch.Tensor) -> torch.Tensor:
+            a_PRk = a_RK.view(a_RK.shape[0], P, K // P).transpose(0, 1).to(wide).contiguous()
+            return tree_sum(_aten.bmm.default(a_PRk, b_PkN)).to(dtype)
+
     if bias_N is None:
-        return by_rows(lambda a_RK: _split_k_mm(a_RK, b_KN, P), a_MK)
-    return by_rows(lambda a_RK: _split_k_mm(a_RK, b_KN, P) + bias_N, a_MK)
+        return by_rows(block, a_MK)
+    return by_rows(lambda a_RK: block(a_RK) + bias_N, a_MK)
 
 
 def _mm(func, a, b, **kw):

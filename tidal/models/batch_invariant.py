@@ -86,21 +86,22 @@ _QUERY_BLOCK = {"cpu": 8, "cuda": 16}
 _PROBLEM_BLOCK = {"cpu": 32, "cuda": 256}
 
 
-_TRITON = {"on": os.environ.get("TIDAL_BI_TRITON", "") == "1"}
+_TRITON = {"on": os.environ.get("TIDAL_BI_TRITON", "") == "1", "cpu": False}
 
 
-def use_triton(enabled: bool) -> None:
+def use_triton(enabled: bool, *, on_cpu: bool = False) -> None:
     """Run the mode on CUDA with the Triton kernels of tidal/kernels/batch_invariant.py (one
     launch per matmul, RMSNorm, log-softmax and attention) instead of the torch path's
     fixed-shape blocks of library calls. Off by default (also TIDAL_BI_TRITON=1); CPU tensors
-    always take the torch path. The two paths give different bits: turn it on for the trainer
+    take the torch path unless `on_cpu` (only under Triton's interpreter, TRITON_INTERPRET=1:
+    the tests of the wiring). The two paths give different bits: turn it on for the trainer
     and the generator alike."""
-    _TRITON["on"] = enabled
+    _TRITON["on"], _TRITON["cpu"] = enabled, enabled and on_cpu
 
 
 def _triton_for(x: torch.Tensor):
-    """The Triton kernels module when they are on and x is on CUDA, else None."""
-    if not (_TRITON["on"] and x.is_cuda):
+    """The Triton kernels module when they are on for x's device, else None."""
+    if not (_TRITON["on"] and (x.is_cuda or _TRITON["cpu"])):
         return None
     from tidal.kernels import batch_invariant as kernels
 

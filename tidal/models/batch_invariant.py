@@ -11,6 +11,8 @@ shape:
   on a 3-D input may produce): the rows are cut into blocks of `row_block(device)` rows
   (padded with zeros), one call per block. A row's result then depends only on the row and
   the weight, not on M.
+  Each block's product cuts K into `K_PARTS` parts summed by a fixed tree (`tree_sum`), so
+  the order of a weight's sum does not depend on how tensor parallelism splits K either.
 - Row reductions over the last dim (`mean` and `sum` as in RMSNorm, `_log_softmax`,
   `_softmax`, the fused RMSNorm kernel of CUDA): the same fixed row blocks. Each
   replacement returns the dtypes of the kernel it replaces (RMSNorm: rows in the input
@@ -26,16 +28,19 @@ shape:
 
 `BatchInvariantMode` is a TorchDispatchMode: it sees the aten ops under autograd and
 autocast, replaces the ones above in the forward pass and lets the backward pass run the
-normal kernels (gradients need not be invariant). `Transformer.forward(...,
-batch_invariant=True)` enters it and switches attention to the chunked kernel; the trainer's
-scoring path (tidal.generate.logprobs) and the generator call the same forward.
+normal kernels (gradients need not be invariant). With DTensor arguments (tensor
+parallelism) it runs the same replacements on the local shards, and sums a row-parallel
+layer's partial sums over ranks in a fixed order (tidal/models/batch_invariant_tp.py).
+`Transformer.forward(..., batch_invariant=True)` enters it and switches attention to the
+chunked kernel; the trainer's scoring path (tidal.generate.logprobs) and the generator call
+the same forward.
 
 Where this departs from the reference designs (Thinking Machines' batch_invariant_ops, which
 write persistent Triton kernels): plain PyTorch ops at fixed shapes, so the same code runs on
-CPU and CUDA, under autograd, inside CUDA graphs, and with tensor-parallel DTensors passed
-through untouched. The invariance then rests on a library computing a given shape the same
-way each time, which holds for MKL and ATen on CPU (tests/generate/test_batch_invariant.py checks
-bit equality) and for cuBLAS at a fixed shape, layout, alignment and workspace: every matmul
+CPU and CUDA, under autograd, inside CUDA graphs, and on tensor-parallel DTensor shards.
+The invariance then rests on a library computing a given shape the same way each time,
+which holds for MKL and ATen on CPU (tests/generate/test_batch_invariant.py checks bit
+equality) and for cuBLAS at a fixed shape, layout, alignment and workspace: every matmul
 call of the mode has one shape per weight (linear layers) or one shape in all (attention),
 whatever the batch, the sequence length or the number of queries (`-m gpu` checks bf16 on
 CUDA).
@@ -55,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -68,9 +74,38 @@ from torch.utils._python_dispatch import (
 KV_CHUNK = 64
 """Keys per attention chunk: the decode split of the KV cache by a fixed size (not count)."""
 
+K_PARTS = 8
+"""Parts of a matmul's reduction dim (each weight's K, where it divides): each part's product
+is computed on its own and the parts are summed by a fixed tree (`tree_sum`). A row-parallel
+layer sharded over TP ranks (a power of two up to K_PARTS) then computes the same subtrees
+on its ranks, and the mode's fixed-order all-reduce adds them as the tree's top levels: TP 2
+gives the bits of TP 1."""
+
 _ROW_BLOCK = {"cpu": 16, "cuda": 128}
 _QUERY_BLOCK = {"cpu": 8, "cuda": 16}
 _PROBLEM_BLOCK = {"cpu": 32, "cuda": 256}
+
+
+_TRITON = {"on": os.environ.get("TIDAL_BI_TRITON", "") == "1", "cpu": False}
+
+
+def use_triton(enabled: bool, *, on_cpu: bool = False) -> None:
+    """Run the mode on CUDA with the Triton kernels of tidal/kernels/batch_invariant.py (one
+    launch per matmul, RMSNorm, log-softmax and attention) instead of the torch path's
+    fixed-shape blocks of library calls. Off by default (also TIDAL_BI_TRITON=1); CPU tensors
+    take the torch path unless `on_cpu` (only under Triton's interpreter, TRITON_INTERPRET=1:
+    the tests of the wiring). The two paths give different bits: turn it on for the trainer
+    and the generator alike."""
+    _TRITON["on"], _TRITON["cpu"] = enabled, enabled and on_cpu
+
+
+def _triton_for(x: torch.Tensor):
+    """The Triton kernels module when they are on for x's device, else None."""
+    if not (_TRITON["on"] and (x.is_cuda or _TRITON["cpu"])):
+        return None
+    from tidal.kernels import batch_invariant as kernels
+
+    return kernels
 
 
 def row_block(device: torch.device) -> int:
@@ -121,14 +156,64 @@ def _last_dim(x: torch.Tensor, dims) -> bool:
     return dims is not None and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1
 
 
+def k_parts(K: int) -> int:
+    """Parts of the reduction dim K of a matmul in the mode: K_PARTS where K divides into
+    them, else 1 (one part: such a weight cannot be sharded over K bitwise)."""
+    return K_PARTS if K % K_PARTS == 0 else 1
+
+
+def tree_sum(x_P: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 as a fixed pairwise tree: (x0 + x1) + (x2 + x3), ... An aligned
+    power-of-two run of consecutive entries is one subtree, so ranks that each hold such a
+    run, sum it, and sum their results with this again, get the same bits."""
+    while x_P.shape[0] > 1:
+        if x_P.shape[0] % 2:  # an odd last entry waits for the next level
+            x_P = torch.cat([x_P[:-1:2] + x_P[1::2], x_P[-1:]])
+        else:
+            x_P = x_P[0::2] + x_P[1::2]
+    return x_P[0]
+
+
+def fixed_order_mm(
+    a_MK: torch.Tensor,
+    b_KN: torch.Tensor,
+    parts: int | None = None,
+    bias_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """a @ b (+ bias) in the mode's order: K cut into `parts` (default `k_parts(K)`) equal
+    parts, one product per part, summed by `tree_sum` (a rank of a row-parallel layer passes
+    its share of the whole weight's parts). Torch path: on fixed blocks of rows, the parts as
+    one bmm of a fixed shape per weight, in fp32 for bf16/fp16 inputs (rounded once, as one
+    matmul would); on CUDA with `use_triton` on, the Triton kernel."""
+    K = a_MK.shape[1]
+    P = k_parts(K) if parts is None else parts
+    kernels = _triton_for(a_MK)
+    if kernels is not None:
+        return kernels.matmul(a_MK, b_KN, bias_N, parts=P)
+    if P == 1:
+        block = lambda a_RK: _aten.mm.default(a_RK, b_KN)  # noqa: E731
+    else:
+        dtype = a_MK.dtype
+        wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+        b_PkN = b_KN.reshape(P, K // P, b_KN.shape[1]).to(wide).contiguous()  # once per call
+
+        def block(a_RK: torch.Tensor) -> torch.Tensor:
+            a_PRk = a_RK.view(a_RK.shape[0], P, K // P).transpose(0, 1).to(wide).contiguous()
+            return tree_sum(_aten.bmm.default(a_PRk, b_PkN)).to(dtype)
+
+    if bias_N is None:
+        return by_rows(block, a_MK)
+    return by_rows(lambda a_RK: block(a_RK) + bias_N, a_MK)
+
+
 def _mm(func, a, b, **kw):
-    return by_rows(lambda a_RK: func(a_RK, b, **kw), a)
+    return fixed_order_mm(a, b)
 
 
 def _addmm(func, bias, a, b, **kw):
-    if bias.dim() != 1:  # a bias per row: no row-independent blocking of it here
+    if bias.dim() != 1 or kw:  # a bias per row, or beta/alpha: no row-independent blocking
         return func(bias, a, b, **kw)
-    return by_rows(lambda a_RK: func(bias, a_RK, b, **kw), a)
+    return fixed_order_mm(a, b, bias_N=bias)
 
 
 def _bmm(func, a, b):
@@ -136,7 +221,7 @@ def _bmm(func, a, b):
     # arrives here with one weight for the whole batch: fold it ourselves.
     if b.shape[0] == 1 or b.stride(0) == 0:
         N, M, K = a.shape
-        out = by_rows(lambda a_RK: _aten.mm.default(a_RK, b[0]), a.reshape(N * M, K))
+        out = fixed_order_mm(a.reshape(N * M, K), b[0])
         return out.view(N, M, -1)
     return func(a, b)  # a true batch of matrices (attention): its caller fixes the shapes
 
@@ -151,6 +236,9 @@ def _row_reduce(func, x, dim, keepdim=False, **kw):
 def _softmax(func, x, dim, half_to_float):
     if x.dim() < 2 or not _last_dim(x, dim):
         return func(x, dim, half_to_float)
+    kernels = _triton_for(x)
+    if kernels is not None and func is _aten._log_softmax.default:
+        return kernels.log_softmax(x, dtype=torch.float32 if half_to_float else x.dtype)
     return by_rows(lambda x_RV: func(x_RV, -1, half_to_float), x)
 
 
@@ -158,6 +246,9 @@ def _fused_rms_norm(func, x, normalized_shape, weight, eps):
     if len(normalized_shape) != 1 or x.dim() < 2:
         return func(x, normalized_shape, weight, eps)
     # Two outputs: normed rows [.., D] in x's dtype and rstd [.., 1] in fp32 (for bf16 x).
+    kernels = _triton_for(x)
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps)
     return by_rows(lambda x_RD: func(x_RD, normalized_shape, weight, eps), x)
 
 
@@ -182,6 +273,20 @@ torch names them); every other op runs its normal kernel."""
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _is_dtensor(x: torch.Tensor) -> bool:
+    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+
+
+def _is_collective(func) -> bool:
+    return func.namespace == "_c10d_functional"
+
+
+def _tp():
+    from tidal.models import batch_invariant_tp
+
+    return batch_invariant_tp
+
+
 class BatchInvariantMode(TorchDispatchMode):
     """Within this mode, forward matmuls and row reductions run on fixed row blocks.
 
@@ -195,10 +300,17 @@ class BatchInvariantMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         impl = _IMPLS.get(func)
-        if impl is None or torch._C._current_autograd_node() is not None:
+        if torch._C._current_autograd_node() is not None:
             return func(*args, **kwargs)
-        if any(type(a) not in _PLAIN for a in args if isinstance(a, torch.Tensor)):
-            return func(*args, **kwargs)  # tensor subclasses (DTensor) dispatch their own way
+        if impl is None:
+            collective = _tp().COLLECTIVES.get(func) if _is_collective(func) else None
+            return func(*args, **kwargs) if collective is None else collective(func, *args)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if any(_is_dtensor(a) for a in tensors):
+            # Tensor parallel: the same replacement on the local shards (batch_invariant_tp).
+            return _tp().dtensor_op(func, impl, args, kwargs)
+        if any(type(a) not in _PLAIN or a.device.type == "meta" for a in tensors):
+            return func(*args, **kwargs)  # other subclasses (fake tensors), shape inference
         return impl(func, *args, **kwargs)
 
 
@@ -241,6 +353,9 @@ class _FixedOrderAttention(torch.autograd.Function):
     def forward(ctx, q_BHTK, k_BGSK, v_BGSK, q_pos_BT):
         ctx.save_for_backward(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
         with torch.autocast(q_BHTK.device.type, enabled=False):  # fp32 matmuls, as documented
+            kernels = _triton_for(q_BHTK)
+            if kernels is not None:
+                return kernels.attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
             return _chunked_attention(q_BHTK, k_BGSK, v_BGSK, q_pos_BT)
 
     @staticmethod

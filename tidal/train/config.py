@@ -136,8 +136,8 @@ class TrainingConfig:
     reduction orders of tidal/models/batch_invariant.py: the trainer's log-probs then equal
     the RL generator's (GeneratorConfig(batch_invariant=True)) bit for bit at the same
     weights and dtype, so on-policy importance ratios are exactly 1. Slower; needs sdpa
-    attention, no tensor or context parallelism and no compile (FSDP and pipeline parallel
-    keep the bits)."""
+    attention, no context parallelism and no compile; tensor parallelism with
+    `parallelism.loss_parallel=false` (FSDP, TP 2 and pipeline parallel keep the bits)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):

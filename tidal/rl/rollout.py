@@ -63,6 +63,14 @@ _TENSORS_N = {
 }
 
 
+def _rows(rows: Sequence[Sequence[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
+    """[len(rows), longest row]: each row left-aligned, the rest `fill`."""
+    out = torch.full((len(rows), max((len(r) for r in rows), default=0)), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutBatch:
     """Graded samples as right-padded tensors, plus plain metadata.
@@ -204,34 +212,34 @@ class RolloutBatch:
             group_ids = [s.prompt_index for s in samples]
         if len(group_ids) != N:
             raise ValueError(f"got {N} samples and {len(group_ids)} group ids")
-        P = max(len(s.prompt_ids) for s in samples)
-        C = max(len(s.completion_ids) for s in samples)
-        prompt_ids = torch.full((N, P), pad_id, dtype=torch.int64)
-        completion_ids = torch.full((N, C), pad_id, dtype=torch.int64)
-        mask = torch.zeros(N, C, dtype=torch.bool)
-        logprobs = torch.zeros(N, C)
-        sampling_logprobs = torch.zeros(N, C)
-        versions = torch.full((N, C), -1, dtype=torch.int64)
         for i, s in enumerate(samples):
-            p, c = len(s.prompt_ids), len(s.completion_ids)
+            c = len(s.completion_ids)
             if len(s.logprobs) != c or len(s.sampling_logprobs) != c:
                 raise ValueError(
                     f"sample {i}: {c} completion tokens but {len(s.logprobs)} logprobs and "
                     f"{len(s.sampling_logprobs)} sampling_logprobs"
                 )
-            prompt_ids[i, :p] = torch.tensor(s.prompt_ids, dtype=torch.int64)
-            completion_ids[i, :c] = torch.tensor(s.completion_ids, dtype=torch.int64)
-            mask[i, :c] = True
-            logprobs[i, :c] = torch.tensor(s.logprobs)
-            sampling_logprobs[i, :c] = torch.tensor(s.sampling_logprobs)
-            if s.versions is not None:
-                if len(s.versions) != c:
-                    raise ValueError(
-                        f"sample {i}: {c} completion tokens but {len(s.versions)} versions"
-                    )
-                versions[i, :c] = torch.tensor(s.versions, dtype=torch.int64)
-            elif s.weight_version is not None:
-                versions[i, :c] = s.weight_version
+            if s.versions is not None and len(s.versions) != c:
+                raise ValueError(
+                    f"sample {i}: {c} completion tokens but {len(s.versions)} versions"
+                )
+        prompt_ids = _rows([s.prompt_ids for s in samples], pad_id, torch.int64)
+        completion_ids = _rows([s.completion_ids for s in samples], pad_id, torch.int64)
+        P, C = prompt_ids.shape[1], completion_ids.shape[1]
+        mask = _rows([[True] * len(s.completion_ids) for s in samples], False, torch.bool)
+        logprobs = _rows([s.logprobs for s in samples], 0.0, torch.float32)
+        sampling_logprobs = _rows([s.sampling_logprobs for s in samples], 0.0, torch.float32)
+        # Per-token versions, else the one version of the weights that sampled it all.
+        versions = _rows(
+            [
+                s.versions
+                if s.versions is not None
+                else [-1 if s.weight_version is None else s.weight_version] * len(s.completion_ids)
+                for s in samples
+            ],
+            -1,
+            torch.int64,
+        )
         experts = _pack_experts(samples, P, C)
         return cls(
             prompt_ids=prompt_ids,
@@ -275,16 +283,8 @@ class RolloutBatch:
             raise ValueError("a RolloutBatch needs at least one trajectory")
         if len(group_ids) != N:
             raise ValueError(f"got {N} trajectories and {len(group_ids)} group ids")
-        P = max(len(t.prompt_ids) for t in trajectories)
-        C = max(len(t.completion_ids) for t in trajectories)
-        prompt_ids = torch.full((N, P), pad_id, dtype=torch.int64)
-        completion_ids = torch.full((N, C), pad_id, dtype=torch.int64)
-        mask = torch.zeros(N, C, dtype=torch.bool)
-        loss_mask = torch.zeros(N, C, dtype=torch.bool)
-        logprobs, sampling_logprobs = torch.zeros(N, C), torch.zeros(N, C)
-        versions = torch.full((N, C), -1, dtype=torch.int64)
         for i, t in enumerate(trajectories):
-            p, c = len(t.prompt_ids), len(t.completion_ids)
+            c = len(t.completion_ids)
             per_token = (t.loss_mask, t.logprobs, t.sampling_logprobs, t.versions)
             if any(len(x) != c for x in per_token):
                 raise ValueError(
@@ -292,13 +292,13 @@ class RolloutBatch:
                     f"{[len(x) for x in per_token]} (loss_mask, logprobs, sampling_logprobs, "
                     "versions)"
                 )
-            prompt_ids[i, :p] = torch.tensor(t.prompt_ids, dtype=torch.int64)
-            completion_ids[i, :c] = torch.tensor(t.completion_ids, dtype=torch.int64)
-            mask[i, :c] = True
-            loss_mask[i, :c] = torch.tensor(t.loss_mask, dtype=torch.bool)
-            logprobs[i, :c] = torch.tensor(t.logprobs)
-            sampling_logprobs[i, :c] = torch.tensor(t.sampling_logprobs)
-            versions[i, :c] = torch.tensor(t.versions, dtype=torch.int64)
+        prompt_ids = _rows([t.prompt_ids for t in trajectories], pad_id, torch.int64)
+        completion_ids = _rows([t.completion_ids for t in trajectories], pad_id, torch.int64)
+        mask = _rows([[True] * len(t.completion_ids) for t in trajectories], False, torch.bool)
+        loss_mask = _rows([t.loss_mask for t in trajectories], False, torch.bool)
+        logprobs = _rows([t.logprobs for t in trajectories], 0.0, torch.float32)
+        sampling_logprobs = _rows([t.sampling_logprobs for t in trajectories], 0.0, torch.float32)
+        versions = _rows([t.versions for t in trajectories], -1, torch.int64)
         return cls(
             prompt_ids=prompt_ids,
             prompt_lens=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.int64),

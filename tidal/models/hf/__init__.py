@@ -11,9 +11,10 @@
   such a folder, with tokenizer.json and the chat template; `tidal fetch smollm2-135m` uses it.
 
 One adapter per family maps config.json and tensor names: llama.py (Llama 2, 3, 3.1, 3.2),
-qwen2.py (Qwen 2 and 2.5, biases on q/k/v) and qwen3.py (Qwen 3 dense). `safetensors` (and
-`gguf` for GGUF files) come with `pip install 'tidal[hf]'`; importing this package needs
-neither.
+qwen2.py (Qwen 2 and 2.5, biases on q/k/v), qwen3.py (Qwen 3 dense) and qwen3_moe.py (Qwen 3
+MoE); each states what its family changes of the decoder they share (decoder.py).
+`safetensors` (and `gguf` for GGUF files) come with `pip install 'tidal[hf]'`; importing this
+package needs neither.
 """
 
 from tidal.models.hf.checkpoint import (

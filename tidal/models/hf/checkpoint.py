@@ -16,10 +16,11 @@ Who calls what:
 
 Every check happens before the first tensor byte is read: config fields, safetensors headers,
 names, shapes and dtypes. Each family's names and config fields live in its adapter
-(tidal/models/hf/llama.py, qwen2.py, qwen3.py, qwen3_moe.py); no tensor needs a permutation,
-since tidal's attention uses the rotate-half RoPE layout of Hugging Face checkpoints. A stacked
-tensor (an MoE layer's experts, [E, ...]) maps to E checkpoint tensors, one per expert: each is
-read into, or written from, its slice along the first dim.
+(tidal/models/hf/llama.py, qwen2.py, qwen3.py, qwen3_moe.py, over the fields and names they
+share in decoder.py); no tensor needs a permutation, since tidal's attention uses the
+rotate-half RoPE layout of Hugging Face checkpoints. A stacked tensor (an MoE layer's experts,
+[E, ...]) maps to E checkpoint tensors, one per expert: each is read into, or written from, its
+slice along the first dim.
 """
 
 from __future__ import annotations

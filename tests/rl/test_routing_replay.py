@@ -30,7 +30,7 @@ from tidal.train.trainer import Trainer
 PROMPTS = [[0, 5, 7, 9], list(range(2, 20)), [0, 4]]
 
 
-def moe_trainer(out, device: str = "cpu") -> Trainer:
+def moe_trainer(out, device: str = "cpu", seq_len: int = 48) -> Trainer:
     """The fp32 `debug_moe` trainer in batch-invariant mode (vocabulary 512)."""
     cfg = rl_config(
         out,
@@ -39,7 +39,7 @@ def moe_trainer(out, device: str = "cpu") -> Trainer:
         "--training.batch_invariant",
         "true",
         "--training.seq_len",
-        "48",
+        str(seq_len),
         "--job.device",
         device,
     )
@@ -53,7 +53,9 @@ def trainer(tmp_path_factory):
     t.close()
 
 
-def stale_generator(trainer: Trainer) -> Generator:
+def stale_generator(
+    trainer: Trainer, tokenizer=None, max_batch: int = 4, max_seq_len: int = 48
+) -> Generator:
     """A generator on a copy of the trainer's weights whose MoE layers select with a bias the
     trainer does not have (the weights are the same probabilities: only the choice moves)."""
     model = Transformer(trainer.args).to(trainer.device)
@@ -62,9 +64,13 @@ def stale_generator(trainer: Trainer) -> Generator:
     for m in moe_layers(model):
         m.expert_bias = (torch.randn(m.args.n_experts, generator=g) * 0.02).to(trainer.device)
     cfg = GeneratorConfig(
-        max_batch=4, max_seq_len=48, check_every=4, batch_invariant=True, record_routing=True
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        check_every=4,
+        batch_invariant=True,
+        record_routing=True,
     )
-    return Generator(model, config=cfg)
+    return Generator(model, tokenizer=tokenizer, config=cfg)
 
 
 def rollout_of(gen: Generator) -> RolloutBatch:
@@ -98,7 +104,12 @@ def test_replay_is_bitwise_on_cuda(tmp_path):
 def check_replay_is_bitwise(trainer: Trainer) -> None:
     gen = stale_generator(trainer)
     assert not gen.captures
-    rollout = rollout_of(gen)
+    check_rollout_replays(trainer, rollout_of(gen))
+
+
+def check_rollout_replays(trainer: Trainer, rollout: RolloutBatch) -> None:
+    """Without replay the trainer's log-probs differ from the generator's, with it they are
+    the same bits: in `Trainer.logprobs` and in the training step (weights restored)."""
     assert rollout.prompt_experts is not None and rollout.prompt_experts.dtype == torch.uint8
     assert rollout.completion_experts is not None
     cfg = LossConfig(drop_equal_groups=False)

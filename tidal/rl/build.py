@@ -103,13 +103,14 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
 
 def check_routing_replay(cfg: RLConfig, args: Any, where: str = "the policy's model") -> None:
     """`loss.routing_replay` asks for a mixture-of-experts policy (`args`: its ModelArgs)
-    trained without pipeline or context parallelism, on single-turn tasks.
+    trained without pipeline or context parallelism, on a task or an environment tidal's
+    driver plays (whose trajectories carry the generator's records; not `verifiers`).
 
     Raises:
         ValueError: naming the field (one line, before any work)."""
     if not cfg.loss.routing_replay:
         return
-    from tidal.rl.envs import ENVS
+    from tidal.rl.envs import ENVS, Env
 
     if args.moe is None:
         raise ValueError(
@@ -122,10 +123,12 @@ def check_routing_replay(cfg: RLConfig, args: Any, where: str = "the policy's mo
             f"loss.routing_replay=true runs without pipeline or context parallelism; got "
             f"parallelism.pp={p.pp}, parallelism.cp={p.cp}"
         )
-    if cfg.task.name in ENVS:
+    env = ENVS.get(cfg.task.name)
+    if env is not None and env.play is not Env.play:
         raise ValueError(
-            f"loss.routing_replay=true: multi-turn environments (task.name={cfg.task.name!r}) "
-            "do not carry routing records yet; use a single-turn task"
+            f"loss.routing_replay=true: environment task.name={cfg.task.name!r} plays its own "
+            "turns (not through tidal's generator) and carries no routing records; use a "
+            "tidal-driven environment or a task"
         )
 
 

@@ -25,6 +25,7 @@ Multi-turn trajectories (tidal/rl/envs) use the same layout: the completion is e
 after the opening prompt, sampled turns and the environment's observations alike, and
 `loss_mask` is true only on the sampled ones (observations carry log-prob 0 and version -1).
 Single-turn batches leave it None: every completion token is trained on (`train_mask`).
+Their routing records (`Trajectory.routed_experts`) pack as a sample's do.
 """
 
 from __future__ import annotations
@@ -240,7 +241,12 @@ class RolloutBatch:
             -1,
             torch.int64,
         )
-        experts = _pack_experts(samples, P, C)
+        experts = _pack_experts(
+            [(len(s.prompt_ids), len(s.completion_ids), s.routed_experts, -1) for s in samples],
+            P,
+            C,
+            "sample",
+        )
         return cls(
             prompt_ids=prompt_ids,
             prompt_lens=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int64),
@@ -272,11 +278,15 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """Pack multi-turn trajectories (tidal.rl.envs.Trajectory): the opening prompt as the
         prompt, every later token as the completion, `loss_mask` on the sampled ones, the
-        trajectory's reward, answer and truncation.
+        trajectory's reward, answer and truncation, and its routing records
+        (`Trajectory.routed_experts`) as `prompt_experts` / `completion_experts`. Positions
+        a trajectory never ran (the tail after its last sampled turn: nothing trained on
+        follows them) get experts 0..top_k-1.
 
         Raises:
-            ValueError: no trajectories, `group_ids` of another length, or a trajectory whose
-                per-token lists differ in length.
+            ValueError: no trajectories, `group_ids` of another length, a trajectory whose
+                per-token lists differ in length, or routing records on some trajectories and
+                not others, of another layout, or not covering a sampled token's inputs.
         """
         N = len(trajectories)
         if N == 0:
@@ -299,6 +309,15 @@ class RolloutBatch:
         logprobs = _rows([t.logprobs for t in trajectories], 0.0, torch.float32)
         sampling_logprobs = _rows([t.sampling_logprobs for t in trajectories], 0.0, torch.float32)
         versions = _rows([t.versions for t in trajectories], -1, torch.int64)
+        experts = _pack_experts(
+            [
+                (len(t.prompt_ids), len(t.completion_ids), t.routed_experts, _inputs_needed(t))
+                for t in trajectories
+            ],
+            prompt_ids.shape[1],
+            completion_ids.shape[1],
+            "trajectory",
+        )
         return cls(
             prompt_ids=prompt_ids,
             prompt_lens=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.int64),
@@ -318,6 +337,7 @@ class RolloutBatch:
             pad_id=pad_id,
             loss_mask=loss_mask,
             meta=dict(meta or {}),
+            **experts,
         )
 
     # -- through the store ------------------------------------------------------------------
@@ -499,33 +519,57 @@ class RolloutBatch:
         }
 
 
-def _pack_experts(samples: Sequence[Sample], P: int, C: int) -> dict[str, torch.Tensor]:
-    """`prompt_experts` and `completion_experts` of samples that carry routing records
-    (`Sample.routed_experts`), {} when none does.
+def _inputs_needed(t: Any) -> int:
+    """The input positions a trajectory's sampled tokens are scored from: the prompt and the
+    completion up to its last sampled token (0 without one)."""
+    last = max((k for k, m in enumerate(t.loss_mask) if m), default=None)
+    return 0 if last is None else len(t.prompt_ids) + last
+
+
+def _pack_experts(
+    rows: Sequence[tuple[int, int, torch.Tensor | None, int]],
+    P: int,
+    C: int,
+    what: str,
+) -> dict[str, torch.Tensor]:
+    """`prompt_experts` and `completion_experts` of rows (prompt length, completion length,
+    routing records [layers, positions, top_k] or None, and the fewest positions the records
+    may cover, -1 for all of them, prompt + completion - 1, as `Sample.routed_experts`
+    does), {} when no row has records. Positions past a row's records get experts
+    0..top_k-1; padding 0.
 
     Raises:
-        ValueError: some samples have records and others not, or records of another length,
-            layer count, top-k or dtype."""
-    recs = [s.routed_experts for s in samples]
-    if all(r is None for r in recs):
+        ValueError: some rows have records and others not, or records of another length,
+            layer count, top-k or dtype (naming the row as `what` i)."""
+    recs = [row[2] for row in rows]
+    first = next((r for r in recs if r is not None), None)
+    if first is None:
         return {}
-    if any(r is None for r in recs):
-        raise ValueError("some samples carry routing records (routed_experts) and others not")
-    first = recs[0]
     L, K = first.shape[0], first.shape[2]
-    pe = torch.zeros(len(samples), L, P, K, dtype=first.dtype)
-    ce = torch.zeros(len(samples), L, C, K, dtype=first.dtype)
-    for i, (s, r) in enumerate(zip(samples, recs, strict=True)):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        want = (L, p + c - 1, K)
-        if tuple(r.shape) != want or r.dtype != first.dtype:
+    pe = torch.zeros(len(rows), L, P, K, dtype=first.dtype)
+    ce = torch.zeros(len(rows), L, C, K, dtype=first.dtype)
+    filler_K = torch.arange(K, dtype=first.dtype)
+    for i, row in enumerate(rows):
+        p, c, r, least = row
+        most = max(p + c - 1, 0)
+        least = most if least < 0 else least
+        if r is None:
+            if least > 0:
+                raise ValueError(
+                    f"{what} {i} carries no routing records (routed_experts) and others do"
+                )
+            r = first.new_zeros((L, 0, K))
+        bad = r.dim() != 3 or (r.shape[0], r.shape[2]) != (L, K) or r.dtype != first.dtype
+        if bad or not least <= r.shape[1] <= most:
+            span = f"{most}" if least == most else f"{least} to {most}"
             raise ValueError(
-                f"sample {i}: routed_experts {r.dtype} of shape {tuple(r.shape)}, expected "
-                f"{first.dtype} of shape {want} (layers, prompt + completion - 1, top_k)"
+                f"{what} {i}: routed_experts {r.dtype} of shape {tuple(r.shape)}, expected "
+                f"{first.dtype} of shape ({L}, {span}, {K}) (layers, prompt + completion - 1 "
+                "positions, top_k)"
             )
-        fed = r.shape[1]
-        pe[i, :, : min(p, fed)] = r[:, :p]
-        ce[i, :, : max(fed - p, 0)] = r[:, p:]
+        row_LTK = torch.cat([r, filler_K.expand(L, most - r.shape[1], K)], 1)
+        pe[i, :, : min(p, row_LTK.shape[1])] = row_LTK[:, :p]
+        ce[i, :, : max(most - p, 0)] = row_LTK[:, p:]
     return {"prompt_experts": pe, "completion_experts": ce}
 
 

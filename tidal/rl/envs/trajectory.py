@@ -12,6 +12,8 @@ or game messages, with the template's turn markers), appended as tokens:
   version -1.
 - Earlier turns are never re-tokenized: only the observation's new text is encoded
   (`TurnCodec.observation`), so the ids the trainer scores are the ids the generator saw.
+- With the generator's `record_routing` (routing replay), `routed_experts` holds the experts
+  of every position the generator ran, observations included (the next turn prefills them).
 
 The driver (`run_trajectories`) plays a batch of problems, `group_size` trajectories each,
 turn by turn: every round, one `generate_turn` call for every live trajectory. The first
@@ -37,6 +39,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from tidal.generate import Sample, SamplingParams
 from tidal.rl.envs.base import Env, Messages, Step
@@ -87,6 +91,15 @@ class Trajectory:
     """The last sampled turn's: "stop" or "length"."""
     error: str = ""
     """The environment's exception, when `finish` is "error"."""
+    routed_experts: torch.Tensor | None = None
+    """With the generator's `record_routing`: the experts each MoE layer routed the
+    conversation's tokens to, [MoE layers, positions, top_k] over `token_ids()` (the
+    trainer's input positions), as `Sample.routed_experts` is for one sample. Every turn's
+    sample records the whole conversation it ran (the observations before it included, which
+    the generator prefilled); a turn adds the positions not yet recorded, so each token keeps
+    the experts that routed it when the generator first ran it. The tail after the last
+    sampled turn (its last token, a trailing observation) is never run, so never recorded.
+    None without records."""
 
     @property
     def reward(self) -> float:
@@ -102,6 +115,14 @@ class Trajectory:
         return [*self.prompt_ids, *self.completion_ids]
 
     def add_sampled(self, s: Sample) -> None:
+        """Append a sampled turn: its tokens, log-probs and versions, and the routing records
+        of the positions it ran first (`routed_experts`).
+
+        Raises:
+            ValueError: the sample's routing records do not cover the conversation and its
+                completion (layers, `len(token_ids()) + completion - 1`, top_k), or the
+                trajectory holds records and the sample brings none (or another layout)."""
+        self._add_routing(s)
         n = len(s.completion_ids)
         self.completion_ids += s.completion_ids
         self.loss_mask += [True] * n
@@ -113,6 +134,37 @@ class Trajectory:
             v = -1 if s.weight_version is None else s.weight_version
             self.versions += [v] * n
         self.last_finish_reason = s.finish_reason
+
+    def _add_routing(self, s: Sample) -> None:
+        r, have = s.routed_experts, self.routed_experts
+        if r is None:
+            if have is not None:
+                raise ValueError(
+                    "a turn's sample carries no routing records (routed_experts) and the "
+                    "trajectory's earlier turns do"
+                )
+            return
+        want = len(self.prompt_ids) + len(self.completion_ids) + len(s.completion_ids) - 1
+        if r.dim() != 3 or r.shape[1] != want:
+            raise ValueError(
+                f"a turn's routed_experts has shape {tuple(r.shape)}; the conversation needs "
+                f"[layers, {want}, top_k] (its {len(self.token_ids())} tokens and the turn's "
+                f"{len(s.completion_ids)}, but the last)"
+            )
+        if have is None:
+            if self.completion_ids:  # a trajectory without records until now
+                raise ValueError(
+                    "a turn's sample carries routing records (routed_experts) and the "
+                    "trajectory's earlier turns do not"
+                )
+            self.routed_experts = r.clone()
+            return
+        if (r.shape[0], r.shape[2], r.dtype) != (have.shape[0], have.shape[2], have.dtype):
+            raise ValueError(
+                f"a turn's routed_experts {r.dtype} {tuple(r.shape)} differ in layers, top_k "
+                f"or dtype from the trajectory's {have.dtype} {tuple(have.shape)}"
+            )
+        self.routed_experts = torch.cat([have, r[:, have.shape[1] :]], 1)
 
     def add_observation(self, ids: Sequence[int]) -> None:
         n = len(ids)

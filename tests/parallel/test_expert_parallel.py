@@ -223,9 +223,9 @@ def test_ep_checkpoint_loads_into_fsdp_and_one_process(tmp_path):
         torch.testing.assert_close(have, want, atol=2e-5, rtol=0, msg=name)
 
 
-def _shared_expert_grads(rank, world):
-    """One backward of debug_moe with a shared expert (2 layers) in one process and under TP 2
-    x EP 2 x FSDP over dp_shard 2; returns the max abs difference of every parameter's
+def _shared_expert_grads(rank, world, layout):
+    """One backward of debug_moe with a shared expert (2 layers) in one process and under
+    `layout` (TP 2 x EP 2, FSDP over dp_shard); returns the max abs difference of every parameter's
     gradient (sharded ones made whole)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -247,7 +247,6 @@ def _shared_expert_grads(rank, world):
         ref.init_weights(seed=3)
         cross_entropy_sum(ref(tokens[:, :-1]), tokens[:, 1:]).backward()
 
-        layout = {"dp_shard": 2, "tp": 2, "ep": 2}
         dims = ParallelDims(world_size=world, **layout)
         with torch.device("meta"):
             sharded = Transformer(args)
@@ -279,10 +278,19 @@ def _shared_expert_grads(rank, world):
         dist.destroy_process_group()
 
 
-def test_tp_ep_shared_expert_gradients_match_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"dp_shard": 2, "tp": 2, "ep": 2},  # 4 ranks: experts whole per EP rank
+        {"dp_shard": 4, "tp": 2, "ep": 2},  # 8 ranks: experts also FSDP-sharded over 2
+    ],
+    ids=["tp2_ep2", "tp2_ep2_fsdp2"],
+)
+def test_tp_ep_shared_expert_gradients_match_one_process(layout, tmp_path):
     """TP 2 x EP 2 with a shared expert: the router's, shared expert's and experts' gradients
     (replicated over tp, not summed there) equal one process's, as do attention's."""
-    for diffs in run_ranks(4, _shared_expert_grads, tmp_path=tmp_path):
+    world = layout["dp_shard"] * layout["tp"]
+    for diffs in run_ranks(world, _shared_expert_grads, layout, tmp_path=tmp_path):
         assert any("shared_experts" in name for name in diffs)
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-5, f"{worst}: {diffs[worst]}"

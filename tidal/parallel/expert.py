@@ -36,9 +36,9 @@ ranks (FSDP), and the input's gradient is sliced back to each rank's part of the
 Nothing inside the MoE changes. The price is that the MoE's compute (and its all-to-alls) is
 repeated on each TP rank instead of split among them. torchtitan instead lets `ep` borrow the
 TP ranks (ep over dp_shard x tp): each TP rank routes only its own sequence shard, which
-splits the MoE work, but the router's and shared experts' gradients are then partial and
-must be summed over tp (its Replicate DTensor placements on the tp mesh do that); that is
-the faster design to move to when the MoE dominates the step time.
+splits the MoE work, but the router's gradient is then partial and must be summed over tp
+(a Replicate DTensor on the tp mesh does that) and the shared experts are TP-sharded like a
+dense MLP; that is the faster design to move to when the MoE dominates the step time.
 """
 
 from __future__ import annotations

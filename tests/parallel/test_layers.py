@@ -89,8 +89,10 @@ def _grads(rank, world, layout, model_kw):
         ({"tp": 2, "dp_shard": 1}, {}),
         ({"dp_shard": 2}, {}),
         ({"tp": 2, "dp_shard": 1}, {"qkv_bias": True}),  # Qwen 2: biases sharded with q/k/v
+        # Qwen 3: per-head q/k norms on head-sharded inputs, weight gradients summed over tp
+        ({"tp": 2, "dp_shard": 1}, {"qk_norm": True}),
     ],
-    ids=["tp2", "fsdp2", "tp2_qkv_bias"],
+    ids=["tp2", "fsdp2", "tp2_qkv_bias", "tp2_qk_norm"],
 )
 def test_sharded_gradients_match_unsharded(layout, model_kw, tmp_path):
     for diffs in run_ranks(2, _grads, layout, model_kw, tmp_path=tmp_path):

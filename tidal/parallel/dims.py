@@ -18,7 +18,9 @@ Expert parallelism (`ep` > 1, mixture-of-experts models) borrows its ranks from 
 torchtitan's does: the root dimension dp_shard is then split into `dp_shard_mod_ep` (outer)
 x `ep` (inner, adjacent ranks), and `dp_shard` becomes a flattened dimension of the two, so
 everything that shards or reduces over dp_shard is unchanged. The routed experts are sharded
-over `ep` and FSDP-sharded over `dp_shard_mod_ep` (tidal/parallel/expert.py).
+over `ep` and FSDP-sharded over `dp_shard_mod_ep` (tidal/parallel/expert.py). Beside `tp`
+(TP for attention) `ep` still comes from dp_shard only: the MoE runs replicated over the TP
+ranks, so `ep` must divide world / tp. `ep` with dp_replicate, cp or pp is refused.
 
 At world size 1 every degree is 1 and the same code runs with degenerate meshes.
 """
@@ -163,12 +165,17 @@ def check_ep(cfg: ParallelismConfig, args: ModelArgs, *, world_size: int, model_
         )
     if world_size % cfg.ep:
         raise ValueError(f"parallelism.ep={cfg.ep} must divide the world size {world_size}")
-    # With every other degree 1, dp_shard is the world, so ep divides it.
-    others = {"dp_replicate": cfg.dp_replicate, "cp": cfg.cp, "tp": cfg.tp, "pp": cfg.pp}
+    others = {"dp_replicate": cfg.dp_replicate, "cp": cfg.cp, "pp": cfg.pp}
     bad = ", ".join(f"parallelism.{k}={v}" for k, v in others.items() if v > 1)
     if bad:
         raise ValueError(
-            f"parallelism.ep={cfg.ep} composes with FSDP (dp_shard) only, not with {bad}"
+            f"parallelism.ep={cfg.ep} composes with FSDP (dp_shard) and TP only, not with {bad}"
+        )
+    # ep borrows from dp_shard: it must divide what tp leaves of the world.
+    if cfg.tp > 1 and world_size // cfg.tp % cfg.ep:
+        raise ValueError(
+            f"parallelism.ep={cfg.ep} must divide dp_shard = world size {world_size} / "
+            f"tp={cfg.tp} = {world_size // cfg.tp}"
         )
 
 

@@ -111,6 +111,12 @@ def dry_run(
                 f"  expert parallel: {E // dims.ep} of {E} experts per rank (ep={dims.ep}), "
                 f"FSDP-sharded over dp_shard/ep={dims.dp_shard_mod_ep} ranks; other parameters "
                 f"over dp_shard={dims.dp_shard}"
+                + (
+                    f"; attention TP-sharded over tp={dims.tp}, the MoE (router, experts, "
+                    f"shared experts) replicated over it"
+                    if dims.tp > 1
+                    else ""
+                )
             )
         for r in reports:
             log(

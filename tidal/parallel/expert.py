@@ -21,6 +21,24 @@ the contributions of every rank's tokens. `ep` borrows its ranks from dp_shard
 `dp_shard_mod_ep` ranks (on their hidden/model dimension, dim 1, so the two shardings stay
 independent), and their gradients are scaled so that they end up divided by the whole
 data-parallel group, as every other parameter's. Works on gloo (CPU tests) and NCCL.
+
+Beside tensor parallel (TP for attention; `tp_plan_block(moe=True)` in
+tidal/parallel/parallelize.py), the MoE runs replicated over the `tp` ranks. Its input, the
+sequence-sharded activations, is all-gathered into a plain tensor, so every TP rank of a
+data-parallel rank holds the same tokens; each routes all of them with its own copy of the
+router and shared experts, and dispatches them by all-to-all over its `ep` group, which is
+made of ranks of the same TP index (`ep` is carved from dp_shard alone, not from tp). The
+output, the same on every TP rank, is cut back to this rank's part of the sequence. Because
+the TP ranks of one data-parallel rank do exactly the same work on the same data, the
+gradients of the router, the shared experts and the experts are whole (not partial) and equal
+on every TP rank: they need no sum over `tp`, only the usual reduction over the data-parallel
+ranks (FSDP), and the input's gradient is sliced back to each rank's part of the sequence.
+Nothing inside the MoE changes. The price is that the MoE's compute (and its all-to-alls) is
+repeated on each TP rank instead of split among them. torchtitan instead lets `ep` borrow the
+TP ranks (ep over dp_shard x tp): each TP rank routes only its own sequence shard, which
+splits the MoE work, but the router's gradient is then partial and must be summed over tp
+(a Replicate DTensor on the tp mesh does that) and the shared experts are TP-sharded like a
+dense MLP; that is the faster design to move to when the MoE dominates the step time.
 """
 
 from __future__ import annotations

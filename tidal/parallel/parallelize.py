@@ -33,12 +33,15 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from tidal.models.moe import MoE
 from tidal.models.transformer import Transformer
 from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig
 from tidal.parallel.dims import NamedMesh, ParallelDims
@@ -64,19 +67,42 @@ def tp_plan_root(loss_parallel: bool, sequence_parallel: bool = True) -> dict:
     return plan
 
 
-def tp_plan_block(sequence_parallel: bool = True) -> dict:
+def tp_plan_block(
+    sequence_parallel: bool = True, *, moe: bool = False, qk_norm: bool = False
+) -> dict:
     """One transformer block: norms sequence-parallel, q/k/v and w1/w3 column-wise (heads and
     hidden units split), wo and w2 row-wise back to sequence-sharded activations. Without
     `sequence_parallel`, wo and w2 all-reduce to replicated activations and the norms are
-    left alone (replicated)."""
-    linears = {
+    left alone (replicated).
+
+    With `moe` (a mixture-of-experts MLP, beside expert parallel) only attention is split:
+    the MoE gets its tokens gathered whole (plain tensors, the same on every TP rank) and
+    runs replicated over `tp`; its output is cut back to this rank's part of the sequence
+    (tidal/parallel/expert.py explains why this is correct and what it costs).
+
+    With `qk_norm` (Qwen 3) and `sequence_parallel` (training), the per-head RMSNorms of q
+    and k see only this rank's heads: their weights become DTensors replicated over `tp` and
+    their inputs head-sharded (`Shard(2)` of [B, T, H, K]), so the weight gradients, partial
+    per rank, are summed over the TP ranks (as torchtitan's Qwen 3 plan does). Generation
+    (no `sequence_parallel`) takes no gradients and keeps them plain."""
+    linears: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if qk_norm and sequence_parallel:
+        linears |= {
+            "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        }
+    if not moe:
+        linears |= {
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+        }
     if not sequence_parallel:
+        if moe:  # activations are replicated already: the MoE runs on them as they are
+            return linears | {"attention.wo": RowwiseParallel(output_layouts=Replicate())}
         return linears | {
             "attention.wo": RowwiseParallel(output_layouts=Replicate()),
             "feed_forward.w2": RowwiseParallel(output_layouts=Replicate()),
@@ -86,16 +112,35 @@ def tp_plan_block(sequence_parallel: bool = True) -> dict:
         input_layouts=(Shard(1), None, None, None),
         desired_input_layouts=(Replicate(), None, None, None),
     )
-    return linears | {
+    attention = {
         "attention_norm": SequenceParallel(),
         "attention": gather_input,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
+    if moe:
+        # Gather the sequence into a plain tensor for the MoE; slice its (replicated) output
+        # back to this rank's Shard(1) part. Backward: the output's gradient is all-gathered,
+        # the input's (the same on every TP rank) sliced.
+        moe_io = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+        return linears | attention | {"feed_forward": moe_io}
+    return (
+        linears
+        | attention
+        | {
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+    )
 
 
 def float8_tp_plan(module: nn.Module, plan: dict) -> dict:
@@ -158,7 +203,11 @@ def apply_tp(
     # float8 is fed gathered, replicated activations and its logits go to the loss as they are.
     parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
-        plan = tp_plan_block(sequence_parallel)
+        plan = tp_plan_block(
+            sequence_parallel,
+            moe=isinstance(block.feed_forward, MoE),
+            qk_norm=model.args.qk_norm,
+        )
         parallelize_module(block, tp_mesh, float8_tp_plan(block, plan) if float8 else plan)
 
 

@@ -86,11 +86,12 @@ def check_job(
                 "orders cover causal sdpa attention on plain or tensor-parallel (not fused) "
                 "weights with replicated logits, in eager mode"
             )
-    if args.moe is not None and (dims.tp > 1 or dims.pp > 1):
+    if args.moe is not None and (dims.tp > 1 and dims.ep == 1 or dims.pp > 1):
         raise ValueError(
             f"model.flavor {cfg.model.flavor!r} is a mixture of experts: it runs on one process "
-            f"or with FSDP and expert parallel (parallelism.ep), not with "
+            f"or with FSDP and expert parallel (parallelism.ep, with TP for attention), not with "
             f"parallelism.tp={dims.tp} / parallelism.pp={dims.pp}"
+            + (" without parallelism.ep" if dims.tp > 1 and dims.pp == 1 else "")
         )
     if t.fuse_projections and dims.tp > 1:
         raise ValueError(

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from tidal.store import wire
+from tidal.store import numa, wire
 from tidal.store.errors import StoreError
 from tidal.store.reserve import Reserve
 
@@ -387,8 +387,14 @@ class Volume:
         capacity: int | None = None,
         reserve: int | Sequence[int] = 0,
         pool: int = 0,
+        numa_node: int | str | None = "auto",
     ) -> None:
-        """``reserve``: shared memory to allocate now, for new slots to take
+        """``numa_node``: where the pages of its slots and reserve go on a machine of several
+        NUMA nodes (tidal/store/numa.py): ``"auto"`` (the node of this process's GPU if it
+        uses one, else of the RDMA NICs), a node number, or None / ``"off"``. On one node
+        nothing is bound.
+
+        ``reserve``: shared memory to allocate now, for new slots to take
         (tidal/store/reserve.py): bytes (in full-size part files), or the sizes of the part
         files to make (:func:`reserve_for`). The first puts of new keys then write into
         pages that exist instead of faulting them in.
@@ -423,7 +429,10 @@ class Volume:
             raise ValueError(f"reserve must be a number of bytes >= 0, got {reserve!r}")
         if isinstance(pool, bool) or not isinstance(pool, int) or pool < 0:
             raise ValueError(f"pool must be a number of bytes >= 0, got {pool!r}")
-        self._reserve = Reserve(self.shm_dir, f"tidal-{store_id}-{self.volume_id}", PART_BYTES)
+        self.numa_node = numa.volume_node(numa_node)
+        self._reserve = Reserve(
+            self.shm_dir, f"tidal-{store_id}-{self.volume_id}", PART_BYTES, self.numa_node
+        )
         if sizes:
             self._reserve.fill(sizes)
         self._reserve.target = max(self._reserve.target, pool)
@@ -531,6 +540,7 @@ class Volume:
             try:
                 for fd, n in zip(fds, sizes, strict=True):
                     os.ftruncate(fd, n)
+                    numa.bind_file(fd, n, self.numa_node)  # the writer allocates the pages
                 return mmap_parts(fds, nbytes, writable=True)
             except OSError as e:
                 raise StoreError(

@@ -69,7 +69,7 @@ _PART0 = re.compile(r"tidal-(\d+\.\d+x[0-9a-f]{6})-([A-Za-z0-9_.-]{1,96})-([1-9]
 # Bytes per file of a slot: a multiple of the page size (and of 2 MB, should hugepages
 # back tmpfs), and part of the layout every process of a store must agree on.
 PART_BYTES = 64 << 20
-POOL_IDLE_S = 0.5  # a volume's pool refills once no slot was created for this long
+POOL_IDLE_S = 0.5  # a volume's pool refills once no slot was created or sealed for this long
 
 
 def pid_namespace() -> int:
@@ -438,7 +438,7 @@ class Volume:
         self._reserve.target = max(self._reserve.target, pool)
         self._pool = pool
         self._closed = False
-        self._last_create = -float("inf")
+        self._last_busy = -float("inf")
         self.capacity = capacity
         self.used = 0
         self._segments: dict[int, tuple[Mapping | None, torch.Tensor]] = {}
@@ -460,14 +460,18 @@ class Volume:
     def _fill_pool(self) -> None:
         """Keep the reserve at ``pool`` bytes: one file at a time (its size from
         ``Reserve.next_size``), written outside
-        the lock, only once no slot was created for ``POOL_IDLE_S`` (a put in progress
-        keeps the memory bandwidth), and not past a quarter of the free space."""
+        the lock, only once no slot was created or sealed for ``POOL_IDLE_S`` (a put in
+        progress keeps the memory bandwidth: steady puts, which reuse their slots and create
+        none, seal them at every commit), and not past a quarter of the free space. On the
+        2-core VM (load 10, ``tidal store serve``, 12 puts of 0.54 GB back to back) warm
+        puts took 0.13-0.46 s while the refill, started by slot creation alone, wrote
+        behind them."""
         while True:
             with self._pool_wake:
                 while True:
                     if self._closed:
                         return
-                    idle = time.monotonic() - self._last_create
+                    idle = time.monotonic() - self._last_busy
                     held = self._reserve.bytes
                     if held < self._pool and idle >= POOL_IDLE_S:
                         st = os.statvfs(self.shm_dir)
@@ -492,7 +496,7 @@ class Volume:
 
     def create(self, slot: int, nbytes: int) -> None:
         with self._lock:
-            self._last_create = time.monotonic()
+            self._last_busy = time.monotonic()
             if self._pool:
                 self._pool_wake.notify()
             if slot in self._segments:
@@ -593,6 +597,7 @@ class Volume:
         are done. Raises StoreError if one is still receiving after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._done_writing:
+            self._last_busy = time.monotonic()  # a put commits: the pool waits (_fill_pool)
             for slot in slots:
                 self._grants.pop(slot, None)
             while any(self._inflight.get(s) for s in slots):

@@ -1,7 +1,7 @@
 """tidal.store side by side with torchstore (the seed talk's store) on the same state dict, in
 one run, with the same process layout: put, get into the reader's tensors, and a resharded
 get (FSDP 4 -> TP 2), cold (the first call of a fresh process) and warm (the median of
-rounds 3 to ``--rounds``: a steady put reuses its slots), with the ratio per row
+rounds 6 to ``--rounds``: a steady put reuses its slots), with the ratio per row
 (target, issue 35: tidal >= 2x torchstore on every row).
 
     python benchmarks/store_peer.py --torchstore-src DIR        # 512 MB fp32, 16 tensors
@@ -44,9 +44,10 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLS = 4096
-# Rounds before the warm ones: tidal's serve keeps 2 versions, a ring of 3 slots per tensor,
-# so its puts 0-2 fill fresh slots and put 3 is the first into reused ones.
-WARMUP = 3
+# Rounds before the warm ones: a tidal put reaches its steady time from its 7th on (serve
+# keeps 2 versions, and each commit reserves the next put's slots: puts 0-5 still take
+# fresh ones; 2-core VM: puts 3-5 0.09-0.11 s, 6-8 0.033-0.036 s, memcpy 0.030 s).
+WARMUP = 6
 PEER_PACKAGES = ["torch==2.9.0", "torchmonarch==0.4.1", "portpicker", "pygtrie"]
 
 
@@ -208,7 +209,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=512, help="state dict size, fp32")
     ap.add_argument("--tensors", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=8, help="rounds after the cold one")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds after the cold one")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after serve starts")
     ap.add_argument("--torchstore-src", default=None, help="a torchstore checkout")
     ap.add_argument("--peer-env", default=os.path.expanduser("~/.cache/tidal/torchstore-env"))

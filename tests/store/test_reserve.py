@@ -154,6 +154,26 @@ def test_a_pool_fills_in_the_background_and_refills_after_new_slots_take_it():
     assert shm_segments(os.getpid()) == before  # the pool's files and the slot unlinked
 
 
+def test_a_pool_waits_while_puts_commit(monkeypatch):
+    """Steady puts create no slot but seal theirs at every commit: the pool does not refill
+    behind them (it competed with them for the cores), and does once they stop."""
+    import time
+
+    monkeypatch.setattr(volume, "POOL_IDLE_S", 2.0)
+    vol = Volume("v0", new_store_id(), pool=4 * PART)
+    try:
+        _wait_reserved(vol, 4 * PART)
+        vol.create(1, 2 * PART)  # taken from the pool
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:  # a put committing every 50 ms
+            vol.seal([1])
+            assert vol.reserved == 2 * PART, "the pool refilled while puts were committing"
+            time.sleep(0.05)
+        _wait_reserved(vol, 4 * PART)  # refilled once they stopped
+    finally:
+        vol.close()
+
+
 def test_a_pool_makes_files_of_the_sizes_new_slots_asked_for(tmp_path):
     from tidal.store.reserve import Reserve
 

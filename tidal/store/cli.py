@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--pool-gb", type=float, default=POOL_GB, help=POOL_HELP)
     serve.add_argument("--shm-dir", default="/dev/shm", help="where segments live")
+    _numa_arg(serve)
     serve.add_argument("--no-volume", action="store_true", help="metadata only (volumes join)")
     serve.set_defaults(func=_serve)
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     vol.add_argument("--reserve-gb", type=float, default=0.0)
     vol.add_argument("--pool-gb", type=float, default=POOL_GB, help=POOL_HELP)
     vol.add_argument("--shm-dir", default="/dev/shm")
+    _numa_arg(vol)
     vol.set_defaults(func=_volume)
 
     ls = sub.add_parser("ls", help="list keys, versions, sizes and where shards live")
@@ -69,6 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     _token_args(ls, "the store's shared secret")
     ls.set_defaults(func=_ls)
     return parser
+
+
+def _numa_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--numa-node",
+        type=_numa,
+        default="auto",
+        help="NUMA node of the volume's memory: auto (the RDMA NICs' node), off, or a number",
+    )
+
+
+def _numa(text: str) -> int | str:
+    if text in ("auto", "off"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use auto, off or a node number") from None
 
 
 def _token_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -131,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
             capacity=_gb(args.capacity_gb),
             reserve=_gb(args.reserve_gb) or 0,
             pool=_gb(args.pool_gb) or 0,
+            numa_node=args.numa_node,
         )
     try:
         server = Server(
@@ -168,6 +189,7 @@ def _volume(args: argparse.Namespace) -> int:
         capacity=_gb(args.capacity_gb),
         reserve=_gb(args.reserve_gb) or 0,
         pool=_gb(args.pool_gb) or 0,
+        numa_node=args.numa_node,
         ready=ready,
     )
     return 0

@@ -24,15 +24,18 @@ import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from tidal.store import numa
 from tidal.store.errors import StoreError
 
 _ZEROS = bytes(8 << 20)
 
 
 class Reserve:
-    def __init__(self, shm_dir: str, prefix: str, part_bytes: int) -> None:
-        """``prefix``: the volume's file name prefix (``tidal-<store id>-<volume id>``)."""
+    def __init__(self, shm_dir: str, prefix: str, part_bytes: int, node: int | None = None) -> None:
+        """``prefix``: the volume's file name prefix (``tidal-<store id>-<volume id>``);
+        ``node``: the NUMA node its files' pages go on (tidal/store/numa.py; None: anywhere)."""
         self._dir, self._prefix, self._part = shm_dir, prefix, part_bytes
+        self.node = node
         self._free: dict[int, list[int]] = {}  # file size -> numbers of files ready to take
         self._bytes = 0
         self._next = 1
@@ -84,6 +87,7 @@ class Reserve:
             return f"{path}: {e.strerror}"
         try:
             os.ftruncate(fd, size)
+            numa.bind_file(fd, size, self.node)  # before any page exists
             try:  # fails at once, cleanly, where the file system is full
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:

@@ -35,6 +35,7 @@ def run_volume(
     capacity: int | None = None,
     reserve: int = 0,
     pool: int = 0,
+    numa_node: int | str | None = "auto",
     ready: Callable[[str], None] | None = None,
     timeout: float = 30.0,
 ) -> None:
@@ -54,6 +55,7 @@ def run_volume(
         capacity=capacity,
         reserve=reserve,
         pool=pool,
+        numa_node=numa_node,
     )
     try:
         server = Server(volume=vol, host=host, port=port, token=token)

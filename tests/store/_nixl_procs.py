@@ -53,9 +53,9 @@ def get_every_dtype(address: str) -> None:
         store.get_state_dict("dtypes", into=into, version=0)
         for k, w in want.items():
             assert torch.equal(_bytes(into[k]), _bytes(w)), k
-        sent = store._s.nixl().messages  # type: ignore[attr-defined]
+        sent = store.session.nixl().messages  # type: ignore[attr-defined]
         store.get_state_dict("dtypes", into=into, version=0)
-        assert store._s.nixl().messages == sent, "a steady get asked the volume again"
+        assert store.session.nixl().messages == sent, "a steady get asked the volume again"
 
 
 def _init(rank: int, world: int, init_file: str) -> None:

@@ -37,16 +37,18 @@ def test_asking_for_nixl_without_it_installed_is_one_clear_line(monkeypatch):
     def missing(name):
         raise ImportError(f"No module named {name!r}")
 
-    monkeypatch.setattr(nixl, "_module", None)
-    monkeypatch.setattr(nixl, "_error", None)
     monkeypatch.setattr(nixl.importlib, "import_module", missing)
-    with tidal.store.connect() as store:
-        with pytest.raises(StoreError, match=r"pip install 'tidal\[nixl\]'") as e:
-            tidal.store.connect(store.address, transport="nixl")
-        assert "\n" not in str(e.value)
-        with tidal.store.connect(store.address) as auto:  # auto: nothing changes
-            auto.put("w", torch.ones(3))
-            assert torch.equal(auto.get("w"), torch.ones(3))
+    nixl.forget()  # load() imports again, and fails
+    try:
+        with tidal.store.connect() as store:
+            with pytest.raises(StoreError, match=r"pip install 'tidal\[nixl\]'") as e:
+                tidal.store.connect(store.address, transport="nixl")
+            assert "\n" not in str(e.value)
+            with tidal.store.connect(store.address) as auto:  # auto: nothing changes
+                auto.put("w", torch.ones(3))
+                assert torch.equal(auto.get("w"), torch.ones(3))
+    finally:
+        nixl.forget()  # later loads import the real module
 
 
 def test_the_runs_of_a_strided_box_and_destination():
@@ -54,13 +56,13 @@ def test_the_runs_of_a_strided_box_and_destination():
 
     dst = torch.empty(6, 4).t()[1:3]  # rows of a column-major buffer: 1-element runs
     job = ReadJob(1, (4, 6), torch.float32, (1, 0), (2, 6), dst)
-    assert nixl._run_shape(job, dst) == (1, 12) and not nixl._runs_ok(job)
+    assert nixl.run_shape(job, dst) == (1, 12) and not nixl.runs_ok(job)
     dst = torch.empty(2, 6)
     job = ReadJob(1, (4, 6), torch.float32, (1, 0), (2, 6), dst)
-    assert nixl._run_shape(job, dst) == (12, 1)  # whole rows of a slot: one run
+    assert nixl.run_shape(job, dst) == (12, 1)  # whole rows of a slot: one run
     big = torch.empty(4, 128)
     job = ReadJob(1, (4, 256), torch.float32, (0, 128), (4, 128), big)
-    (src, n), (out, _) = nixl._runs(job, big)
+    (src, n), (out, _) = nixl.runs(job, big)
     assert list(src) == [512 + i * 1024 for i in range(4)] and list(n) == [512] * 4
     assert list(out - big.data_ptr()) == [i * 512 for i in range(4)]
 
@@ -163,7 +165,7 @@ def test_auto_reads_a_volume_without_nixl_over_tcp(monkeypatch, caplog):
     with tidal.store.connect() as store:
         store.put("w", torch.arange(1000.0))
         reader = tidal.store.connect(store.address)  # auto
-        monkeypatch.setattr(reader._s.shm, "reaches", lambda vol: False)  # as if off-host
+        monkeypatch.setattr(reader.session.shm, "reaches", lambda vol: False)  # as if off-host
         with caplog.at_level("WARNING", logger="tidal.store"):
             assert torch.equal(reader.get("w"), torch.arange(1000.0))
             assert torch.equal(reader.get("w"), torch.arange(1000.0))
@@ -181,16 +183,16 @@ def test_reads_into_fresh_tensors_keep_a_bounded_number_of_registrations():
     with tidal.store.connect() as store:
         store.put_state_dict({"a": torch.arange(4096.0), "b": torch.ones(64, 64)}, "k")
         with tidal.store.connect(store.address, transport="nixl") as reader:
-            t = reader._s.nixl()
+            t = reader.session.nixl()
             into = {"a": torch.empty(4096), "b": torch.empty(64, 64)}
             for _ in range(3):  # into the same tensors: one request, registered once
                 reader.get_state_dict("k", into=into)
-            assert len(t._requests) == 1 and len(t._regs) == 2
+            assert t.cached_layouts == 1 and t.registrations == 2
             for _ in range(3 * nixl.MAX_LAYOUTS):  # fresh tensors every time
                 got = reader.get_state_dict("k")
                 assert torch.equal(got["a"], torch.arange(4096.0))
-            assert len(t._requests) == nixl.MAX_LAYOUTS
-            assert len(t._regs) == 2 * nixl.MAX_LAYOUTS
+            assert t.cached_layouts == nixl.MAX_LAYOUTS
+            assert t.registrations == 2 * nixl.MAX_LAYOUTS
             assert t.messages == 1  # the volume was asked once
 
 
@@ -204,7 +206,7 @@ def test_a_registration_or_peer_failure_is_one_line_and_auto_falls_back(monkeypa
         store.put("w", torch.arange(1000.0))
         for transport in ("nixl", "auto"):
             reader = tidal.store.connect(store.address, transport=transport)
-            agent = reader._s.nixl().agent()
+            agent = reader.session.nixl().agent()
             if failure == "registration":
                 monkeypatch.setattr(agent, "register_memory", fail)
             else:
@@ -215,6 +217,6 @@ def test_a_registration_or_peer_failure_is_one_line_and_auto_falls_back(monkeypa
                 assert "'v0'" in str(e.value) and "\n" not in str(e.value)
             else:
                 monkeypatch.setattr(nixl, "has_rdma", lambda root="": True)
-                monkeypatch.setattr(reader._s.shm, "reaches", lambda vol: False)
+                monkeypatch.setattr(reader.session.shm, "reaches", lambda vol: False)
                 assert torch.equal(reader.get("w"), torch.arange(1000.0))  # over TCP
             reader.close()

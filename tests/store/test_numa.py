@@ -140,7 +140,7 @@ def test_a_volume_binds_its_slots_and_reserve_to_the_chosen_node(tmp_path, monke
     vol = Volume("v0", new_store_id(), reserve=[4096])
     try:
         assert vol.numa_node == 0
-        assert _policy(vol._reserve.path(1)) == "prefer:0"
+        assert _policy(vol.reserve.path(1)) == "prefer:0"
         vol.create(1, 4096)  # takes the reserve file
         vol.create(2, 3 * 4096)  # a fresh file
         vol.segment(2).copy_(torch.ones(3 * 4096, dtype=torch.uint8))

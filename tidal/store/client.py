@@ -76,6 +76,12 @@ class Store:
         self._streams: streams.SideStreams | None = None
 
     @property
+    def session(self) -> Session:
+        """This connection's transports (`session.shm`, `session.tcp`, `session.nixl()`) and
+        caches, for tools and tests that inspect how a get travelled."""
+        return self._s
+
+    @property
     def metadata_fetches(self) -> int:
         """Layouts received from the controller (a repeated get of new versions of the same
         layout receives none)."""

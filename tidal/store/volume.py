@@ -716,6 +716,11 @@ class Volume:
         with self._lock:
             return self._reserve.bytes
 
+    @property
+    def reserve(self) -> Reserve | None:
+        """The files written ahead for new slots (reserve and pool), if this volume keeps any."""
+        return self._reserve
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -99,6 +99,13 @@ def load() -> ModuleType:
         )
 
 
+def forget() -> None:
+    """Drop what `load` remembered (the module, or why it failed): the next call imports again."""
+    global _module, _error
+    with _load_lock:
+        _module, _error = None, None
+
+
 def available() -> bool:
     try:
         load()
@@ -217,6 +224,16 @@ class NixlTransport(Transport):
         self._lock = threading.Lock()
         self.messages = 0  # vol_nixl requests sent (tests: a steady read sends none)
 
+    @property
+    def cached_layouts(self) -> int:
+        """Read layouts whose transfer requests are kept (at most MAX_LAYOUTS)."""
+        return len(self._requests)
+
+    @property
+    def registrations(self) -> int:
+        """Destination buffers registered with the agent."""
+        return len(self._regs)
+
     def agent(self) -> Any:
         if self._agent is None:
             self._agent = _agent(self.name, False, "store handle, transport nixl")
@@ -329,7 +346,7 @@ class NixlTransport(Transport):
         direct: list[ReadJob] = []
         staged: list[ReadJob] = []
         for job in jobs:
-            (direct if _runs_ok(job) else staged).append(job)
+            (direct if runs_ok(job) else staged).append(job)
         bufs: list[tuple[ReadJob, torch.Tensor]] = []
         if staged:
             bufs = self._stage(staged)
@@ -404,7 +421,7 @@ class NixlTransport(Transport):
             addr, nbytes = remote.slots[job.slot]
             if job.shard_nbytes > nbytes:
                 raise StoreError(f"{what}: slot {job.slot} holds {nbytes} bytes, not more")
-            src_runs, dst_runs = _runs(job, dst)
+            src_runs, dst_runs = runs(job, dst)
             dev = dst.device.index or 0 if dst.is_cuda else 0
             devs = np.full_like(dst_runs[0], dev)
             local.append(np.stack([dst_runs[0], dst_runs[1], devs], 1))
@@ -476,16 +493,16 @@ def _nbytes(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
     return n
 
 
-def _runs_ok(job: ReadJob) -> bool:
+def runs_ok(job: ReadJob) -> bool:
     """Whether ``job`` can land in its destination as is: same dtype, runs long enough,
     not too many descriptors."""
     if job.dst.dtype != job.dtype or not job.dst.numel():
         return False
-    run, count = _run_shape(job, job.dst)
+    run, count = run_shape(job, job.dst)
     return run * job.dtype.itemsize >= MIN_RUN and count <= MAX_DESCS or count == 1
 
 
-def _run_shape(job: ReadJob, dst: torch.Tensor) -> tuple[int, int]:
+def run_shape(job: ReadJob, dst: torch.Tensor) -> tuple[int, int]:
     """(elements per contiguous run, number of runs) common to the box and ``dst``."""
     k = _common_tail(job, dst)
     run = 1
@@ -514,11 +531,11 @@ def _common_tail(job: ReadJob, dst: torch.Tensor) -> int:
     return k
 
 
-def _runs(job: ReadJob, dst: torch.Tensor) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+def runs(job: ReadJob, dst: torch.Tensor) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     """Byte offsets in the slot and absolute addresses in ``dst`` of each run, with lengths."""
     k = _common_tail(job, dst)
     item = job.dtype.itemsize
-    run, _ = _run_shape(job, dst)
+    run, _ = run_shape(job, dst)
     src_strides = [1] * len(job.shard_shape)
     for d in range(len(job.shard_shape) - 2, -1, -1):
         src_strides[d] = src_strides[d + 1] * job.shard_shape[d + 1]

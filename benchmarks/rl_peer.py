@@ -35,6 +35,7 @@ sync run by 11%, so the MPS runs are left out unless named.
 
     python benchmarks/rl_peer.py --png rl_peer.png --json rl_peer.json   # one GPU
     python benchmarks/rl_peer.py --only sync s4 s4_t50 --no-trl          # an SM split under MPS
+    python benchmarks/rl_peer.py --only sync sync_bi --no-trl   # batch-invariant mode's cost
     python benchmarks/rl_peer.py --smoke --no-trl         # CPU, tiny sizes (tested)
     python benchmarks/rl_peer.py --config rl_addition --only sync s4 --no-trl   # the CPU demo
 """
@@ -325,8 +326,10 @@ def main() -> None:
 _ASYNC = ["--rl.mode", "async", "--loss.tis_cap", "2.0"]
 _S4 = [*_ASYNC, "--rl.max_staleness", "4"]
 _MPS = ["--rl.mps", "true"]
+_BI = ["--generator.batch_invariant", "true"]
 RUNS = {
     "sync": ("tidal sync", ["--rl.mode", "sync"]),
+    "sync_bi": ("tidal sync, batch-invariant", ["--rl.mode", "sync", *_BI]),
     "s1": ("tidal async s1", [*_ASYNC, "--rl.max_staleness", "1"]),
     "s4": ("tidal async s4", _S4),
     "s4_two": ("tidal async s4, 2 batches in flight", [*_S4, "--rl.batches_in_flight", "2"]),
@@ -344,7 +347,9 @@ RUNS = {
 }
 """The runs: name and the overrides of `rl_addition_135m` (TRL: its own script). Those with
 `rl.mps` share the GPU through an MPS daemon (left out of `--smoke`, on the CPU). s4_two
-decodes two batches at once (rl.batches_in_flight 2), the others one at a time."""
+decodes two batches at once (rl.batches_in_flight 2), the others one at a time. sync_bi is the
+sync run in batch-invariant mode (generator.batch_invariant: the generator's log-probs equal
+the trainer's bitwise; TIDAL_BI_TRITON=1 runs the mode's Triton kernels on CUDA)."""
 
 DEFAULT_RUNS = ("sync", "s1", "s4", "trl")
 

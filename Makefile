@@ -21,7 +21,7 @@ TEST_STAMP := $(VENV)/.tidal-test-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 		echo "installing $(TORCH_SPEC) (no GPU; $(TORCH_CPU_INDEX) unreachable: plain package)"; \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	# gsm_symbolic's generators need none of reasoning-gym's dependencies (tidal reads them by path)
 	$(BIN)/python -m pip install -q --no-deps reasoning-gym==0.1.25
 	# float8 training (quantize.float8) is optional; its CPU tests run torchao's emulated path

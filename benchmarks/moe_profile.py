@@ -12,13 +12,15 @@ on CPU) goes to a category:
 - a backward operator takes the category of the forward operator that made its autograd
   node (the profiler links them by sequence number and forward thread), so the backward of
   the gate matmul counts as router time, that of the gather as dispatch, and so on;
-- inside `moe.experts`, the matrix products (`aten::_grouped_mm` on sm90+, the per-expert
-  `aten::mm` loop elsewhere) are the expert GEMMs, collectives (expert parallel's
-  all-to-all) dispatch/combine, and the rest (SwiGLU, the grouped kernel's padding copies)
-  "experts: SwiGLU + padding";
+- inside `moe.experts`, by operator (or the backward node it runs under): the matrix
+  products (`aten::_grouped_mm` on sm90+, the per-expert `aten::mm` loop elsewhere) are the
+  expert GEMMs, the SwiGLU's silu and product "expert SwiGLU", the casts of the weights and
+  rows to bf16 (autocast does not cover `_grouped_mm`) "expert casts", and the rest (the
+  grouped kernel's padding scatter and gather, expert parallel's all-to-all)
+  dispatch/combine;
 - outside the MoE: scaled-dot-product attention kernels are attention, the optimizer step
-  is the optimizer, everything else (the dense projections, norms, embedding, output layer
-  and loss, gradient clipping) "other".
+  and the foreach kernels (gradient clipping's norm) "optimizer", everything else (the dense
+  projections, norms, embedding, output layer and loss) "other".
 
 Eager only: under torch.compile the ranges are not opened (they would split the compiled
 graphs) and the fused kernels mix the router's and dispatch's elementwise work.
@@ -35,7 +37,8 @@ CATEGORIES = (
     "router",
     "dispatch/combine",
     "expert GEMMs",
-    "experts: SwiGLU + padding",
+    "expert SwiGLU",
+    "expert casts",
     "shared experts",
     "attention",
     "optimizer",
@@ -51,8 +54,16 @@ SPAN_CATEGORY = {
     "moe.shared_experts": "shared experts",
 }
 
-GEMM_OPS = {"aten::_grouped_mm", "aten::mm", "aten::bmm", "aten::addmm", "aten::matmul"}
-COLLECTIVE = re.compile(r"nccl|all_to_all|alltoall|c10d::|gloo", re.I)
+# Inside moe.experts, first match over the operator and its ancestors wins; the rest is
+# dispatch/combine (padding copies, all-to-all).
+EXPERT_PARTS = [
+    (
+        "expert GEMMs",
+        re.compile(r"^aten::(_grouped_mm|mm|bmm|addmm|matmul)$|(GroupedMm|Mm|Bmm)Backward"),
+    ),
+    ("expert casts", re.compile(r"^aten::(_to_copy|to)$|ToCopyBackward")),
+    ("expert SwiGLU", re.compile(r"silu|^aten::mul$|MulBackward|SiluBackward", re.I)),
+]
 ATTENTION = re.compile(r"attention|flash|sdpa|fmha", re.I)
 OPTIMIZER = re.compile(r"^Optimizer\.|adam|_fused_adam|_foreach_", re.I)
 BACKWARD = "autograd::engine::evaluate_function"
@@ -67,16 +78,15 @@ def _ancestors(e: Any) -> Iterator[Any]:
 def category(name: str, span: str | None, ancestors: Iterable[str]) -> str:
     """The category of operator `name` whose MoE range (its own, or its forward's for a
     backward operator) is `span`, under the operators and ranges `ancestors`."""
+    names = [name, *ancestors]
     if span is not None:
         cat = SPAN_CATEGORY[span]
         if cat != "experts":
             return cat
-        if name in GEMM_OPS:
-            return "expert GEMMs"
-        if COLLECTIVE.search(name):
-            return "dispatch/combine"
-        return "experts: SwiGLU + padding"
-    names = [name, *ancestors]
+        for part, pattern in EXPERT_PARTS:
+            if any(pattern.search(n) for n in names):
+                return part
+        return "dispatch/combine"
     if any(ATTENTION.search(n) for n in names):
         return "attention"
     if any(OPTIMIZER.search(n) for n in names):
@@ -107,7 +117,14 @@ def breakdown(events: Iterable[Any], device: str) -> dict[str, float]:
                 if a.name.startswith(BACKWARD):
                     span = forward.get((a.fwd_thread, a.sequence_nr))
                     break
-        ancestors = [a.name for a in _ancestors(e.cpu_parent)]
+        # up to the MoE range, or the backward node: what the operator runs for
+        ancestors = []
+        for a in _ancestors(e.cpu_parent):
+            if a.name in SPAN_CATEGORY:
+                break
+            ancestors.append(a.name)
+            if a.name.startswith(BACKWARD):
+                break
         out[category(e.name, span, ancestors)] += own
     return {c: out.get(c, 0.0) for c in CATEGORIES}
 

@@ -94,7 +94,7 @@ def titan_args(flavor: str, load_balance: str = "bias", **overrides: Any) -> Any
         dim=a.dim,
         n_layers=a.n_layers,
         n_heads=a.n_heads,
-        n_kv_heads=a.n_kv_heads or a.n_heads,
+        n_kv_heads=a.n_kv_heads,
         vocab_size=a.vocab_size,
         head_dim=a.k,
         hidden_dim=a.ffn_dim,
@@ -283,7 +283,8 @@ def run(args: Any, parse: Any, load_balance: str = "bias") -> list[dict]:
     work = Path(os.environ.get("TIDAL_TITAN_WORK", "/tmp/tidal_titan_moe"))
     prepare_assets(anchors, work)
     env = dict(os.environ, TIDAL_MOE_LOAD_BALANCE=load_balance)
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(REPO), env.get("PYTHONPATH", "")])
+    paths = [str(SITE), str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     results = []
     for mode in args.modes:
         log_path = Path(f"/tmp/torchtitan_moe_{mode}.log")

@@ -45,6 +45,8 @@ CATEGORIES = (
     "other",
 )
 """The breakdown's rows, in print order."""
+MOE_CATEGORIES = CATEGORIES[:6]
+"""The rows that are the MoE layers' time."""
 
 SPAN_CATEGORY = {
     "moe.router": "router",
@@ -130,13 +132,19 @@ def breakdown(events: Iterable[Any], device: str) -> dict[str, float]:
 
 
 def table(times_us: dict[str, float], steps: int, device: str) -> str:
-    """The breakdown as printed lines: ms per step and share of the profiled time."""
+    """The breakdown as printed lines: ms per step and share of the profiled time, with the
+    MoE layers' subtotal after their rows."""
     total = sum(times_us.values()) or 1.0
     what = "GPU kernel time" if device == "cuda" else "CPU operator time"
     lines = [f"where the time goes ({what}, eager, mean of {steps} steps):"]
+
+    def row(label: str, t: float) -> str:
+        return f"  {label:28s} {t / steps / 1e3:9.2f} ms/step  {100 * t / total:5.1f}%"
+
     for c in CATEGORIES:
-        t = times_us.get(c, 0.0)
-        lines.append(f"  {c:28s} {t / steps / 1e3:9.2f} ms/step  {100 * t / total:5.1f}%")
+        lines.append(row(c, times_us.get(c, 0.0)))
+        if c == MOE_CATEGORIES[-1]:
+            lines.append(row("= MoE layers", sum(times_us.get(m, 0.0) for m in MOE_CATEGORIES)))
     lines.append(f"  {'total':28s} {total / steps / 1e3:9.2f} ms/step")
     return "\n".join(lines)
 

@@ -331,7 +331,12 @@ PROFILE_WARMUP = 2
 def run_worker(args, launcher: list[str], mode: str) -> dict | None:
     """One tidal run of `mode` in its own process; its RESULT, or None (its output printed)."""
     cmd = launcher + [__file__, "--worker", mode] + worker_args(sys.argv[1:])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tidal_timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        print(f"tidal {mode}: stopped after {args.tidal_timeout} s:\n{out[-2000:]}", flush=True)
+        return None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         print(f"tidal {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
@@ -383,6 +388,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=300,
         help="seconds each torchtitan run of an MoE flavor may take",
+    )
+    p.add_argument(
+        "--tidal-timeout",
+        type=int,
+        default=None,
+        help="seconds each tidal run may take (default: no limit)",
     )
     p.add_argument(
         "--profile-moe",

@@ -56,6 +56,7 @@ def test_tidal_moe_run_and_profile_breakdown_on_cpu(bench):
     assert times["shared experts"] == 0  # debug_moe has none
     text = table(times, 1, "cpu")
     assert "CPU operator time" in text and all(c in text for c in CATEGORIES)
+    assert "= MoE layers" in text
 
 
 def test_aux_loss_override_and_flag_handling(bench):

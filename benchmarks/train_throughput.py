@@ -34,6 +34,26 @@ be importable (the wheel that prepare.sh packs into .anchors/wheels):
 
 Other float8 settings go through `--set`, e.g. `--set quantize.float8_min_dim=1024` to keep
 the small K/V projections of llama3_1b (2048 -> 512) in bf16.
+
+Mixture of experts (benchmarks/trainer.md, "MoE against torchtitan"): with an MoE flavor
+(`--flavor qwen3_moe_1b`: 0.98B parameters, 0.45B active, 64 experts of width 256, 8 per
+token) and `--torchtitan DIR`, torchtitan's own Qwen 3 MoE model runs at the same shape, built
+from tidal's flavor by benchmarks/torchtitan_moe.py (registered as torchtitan flavor
+`tidal_qwen3_moe_1b`). Before the runs it prints both configurations field by field, both
+parameter counts (equal), active parameters and training FLOPs per token (both count the k
+routed experts of each token, not all of them: the MFU of both is of the active parameters),
+and the behaviours that differ. torchtitan 0.2.2 has no auxiliary load-balancing loss, so
+tidal's MoE runs here use the aux-loss-free expert bias as torchtitan does
+(`model.moe_load_balance=bias`; `--set model.moe_load_balance=aux_loss` overrides it).
+`--profile-moe` then runs a few eager tidal steps under torch.profiler and prints where the
+time goes: router, dispatch/combine, expert GEMMs, attention, the rest (benchmarks/
+moe_profile.py).
+
+    python benchmarks/train_throughput.py --flavor qwen3_moe_1b --steps 20 --warmup 10 \
+        --torchtitan .anchors --profile-moe --json moe.json              # on one GPU
+    python benchmarks/train_throughput.py --device cpu --flavor debug_moe --batch 2 --seq 64 \
+        --steps 3 --warmup 1 --log-every 1 --modes eager --profile-moe \
+        --profile-steps 1                                                # smoke test on CPU
 """
 
 from __future__ import annotations
@@ -49,7 +69,23 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-def run_tidal(args, mode: str) -> dict | None:
+def is_moe(flavor: str) -> bool:
+    """Whether `flavor` is a mixture of experts."""
+    from tidal.models.flavors import get_flavor
+
+    return get_flavor(flavor).moe is not None
+
+
+def moe_load_balance(args) -> str:
+    """The load balancing of tidal's MoE runs: bias, as torchtitan's (it has no auxiliary
+    loss), unless `--set model.moe_load_balance=...` says otherwise."""
+    values = [kv.split("=", 1)[1] for kv in args.set if kv.startswith("model.moe_load_balance=")]
+    return values[-1] if values else "bias"
+
+
+def build_trainer(args, mode: str):
+    """tidal's Trainer for one run of `mode` on random tokens; returns (trainer, run folder,
+    DistInfo)."""
     import numpy as np
 
     from tidal.parallel.launch import DistInfo
@@ -89,18 +125,25 @@ def run_tidal(args, mode: str) -> dict | None:
     from tidal.models.flavors import get_flavor
 
     dist_info = DistInfo.from_env()
+    balance = [f"model.moe_load_balance={moe_load_balance(args)}"] if is_moe(args.flavor) else []
+    overrides = balance + args.set
     cfg = apply_overrides(
-        cfg, [f"--{kv.split('=', 1)[0]}={kv.split('=', 1)[1]}" for kv in args.set]
+        cfg, [f"--{kv.split('=', 1)[0]}={kv.split('=', 1)[1]}" for kv in overrides]
     )
     vocab = get_flavor(args.flavor).vocab_size
     rng = np.random.default_rng(dist_info.rank)  # random tokens: every rank its own
-    n_tokens = (args.steps + 2) * args.batch * args.seq + 1
+    n_steps = max(args.steps, PROFILE_WARMUP + args.profile_steps)
+    n_tokens = (n_steps + 2) * args.batch * args.seq + 1
     tokens = rng.integers(0, vocab, n_tokens, dtype=np.int64)
     loader = PackedLoader(tokens, np.array([0]), seq_len=args.seq, batch_size=args.batch, seed=0)
     data = DataBundle(
         tokenizer=SimpleNamespace(vocab_size=vocab, bos_id=0, eos_id=1), train=loader, val=None
     )
-    trainer = Trainer(cfg, data=data, dist_info=dist_info)
+    return Trainer(cfg, data=data, dist_info=dist_info), out, dist_info
+
+
+def run_tidal(args, mode: str) -> dict | None:
+    trainer, out, dist_info = build_trainer(args, mode)
     try:
         trainer.train()
     finally:
@@ -110,7 +153,7 @@ def run_tidal(args, mode: str) -> dict | None:
     records = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     steady = [r for r in records if r["step"] > args.warmup] or records[-1:]
     mean = lambda k: sum(r[k] for r in steady) / len(steady) if steady[0][k] is not None else None  # noqa: E731
-    return {
+    result = {
         "system": "tidal",
         "mode": mode,
         "ranks": dist_info.world_size,
@@ -122,6 +165,21 @@ def run_tidal(args, mode: str) -> dict | None:
         "final_loss": records[-1]["loss"],
         "steps_measured": [r["step"] for r in steady],
     }
+    if "moe_load_max" in records[-1]:  # an MoE: the busiest expert's load over the mean
+        result["moe_load_max"] = mean("moe_load_max")
+    return result
+
+
+def run_profile(args) -> dict | None:
+    """`--profile-moe`: eager steps of tidal under torch.profiler, time by category."""
+    from moe_profile import profile_steps
+
+    trainer, _, dist_info = build_trainer(args, "eager")
+    try:
+        times = profile_steps(trainer, warmup=PROFILE_WARMUP, steps=args.profile_steps)
+    finally:
+        trainer.close()
+    return {"device": trainer.device.type, "steps": args.profile_steps, "times_us": times}
 
 
 STEP_RE = re.compile(
@@ -174,6 +232,10 @@ def torchtitan_float8_flags(args) -> str:
 
 
 def run_torchtitan(args) -> list[dict]:
+    if is_moe(args.flavor):  # torchtitan's Qwen 3 MoE at the flavor's shape
+        import torchtitan_moe
+
+        return torchtitan_moe.run(args, parse_torchtitan, moe_load_balance(args))
     flags = {"eager": "--model.flavor 1B", "compile": "--model.flavor 1B --compile.enable"}
     runs = {}
     for mode in all_modes(args):
@@ -203,7 +265,7 @@ def worker_args(argv: list[str]) -> list[str]:
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--torchtitan", "--torchtitan-args"):
+        elif a in ("--torchtitan", "--torchtitan-args", "--torchtitan-timeout"):
             skip = True
         elif not a.startswith("--torchtitan"):
             out.append(a)
@@ -216,9 +278,10 @@ def fmt(r: dict) -> str:
     mfu = f"{100 * r['mfu']:5.1f}%" if r.get("mfu") is not None else "  n/a"
     if r.get("ranks", 1) > 1:
         mfu += f"  ({r['tokens_per_s_per_device']:,.0f} tok/s per device, {r['ranks']} ranks)"
+    load = f"  expert load max {r['moe_load_max']:.2f}" if "moe_load_max" in r else ""
     return (
         f"{r['system']:10s} {r['mode']:14s} {r['tokens_per_s']:>10,.0f} tok/s  MFU {mfu}  "
-        f"peak {r['peak_memory_gib']:6.2f} GiB  final loss {r['final_loss']:.3f}"
+        f"peak {r['peak_memory_gib']:6.2f} GiB  final loss {r['final_loss']:.3f}{load}"
     )
 
 
@@ -259,7 +322,30 @@ def print_ratios(args, results: list[dict]) -> None:
                 )
 
 
-def main() -> None:
+PROFILE = "profile"
+"""The worker mode of `--profile-moe`."""
+PROFILE_WARMUP = 2
+"""Steps `--profile-moe` runs before the recorded ones."""
+
+
+def run_worker(args, launcher: list[str], mode: str) -> dict | None:
+    """One tidal run of `mode` in its own process; its RESULT, or None (its output printed)."""
+    cmd = launcher + [__file__, "--worker", mode] + worker_args(sys.argv[1:])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.tidal_timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        print(f"tidal {mode}: stopped after {args.tidal_timeout} s:\n{out[-2000:]}", flush=True)
+        return None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(f"tidal {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+        return None
+    return json.loads(lines[-1][7:])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`argv`, default sys.argv[1:]); `--modes` split into a list."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -297,10 +383,36 @@ def main() -> None:
         help="extra torchtitan flags for the same layout as --set, e.g. "
         "'--parallelism.tensor_parallel_degree 2'",
     )
+    p.add_argument(
+        "--torchtitan-timeout",
+        type=int,
+        default=300,
+        help="seconds each torchtitan run of an MoE flavor may take",
+    )
+    p.add_argument(
+        "--tidal-timeout",
+        type=int,
+        default=None,
+        help="seconds each tidal run may take (default: no limit)",
+    )
+    p.add_argument(
+        "--profile-moe",
+        action="store_true",
+        help="after the runs, profile eager tidal steps: time in router, dispatch/combine, "
+        "expert GEMMs, attention, the rest (benchmarks/moe_profile.py)",
+    )
+    p.add_argument("--profile-steps", type=int, default=3, help="steps --profile-moe records")
     p.add_argument("--json", default=None, help="write all results to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.modes = args.modes.split(",")
+    if args.torchtitan and args.float8 and is_moe(args.flavor):
+        p.error("--float8 is not compared against torchtitan for an MoE flavor")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     # NVLink multicast stays off on shared multi-GPU hosts (inherited by every run below).
     for var, value in (
         ("NCCL_NVLS_ENABLE", "0"),
@@ -309,12 +421,17 @@ def main() -> None:
     ):
         os.environ.setdefault(var, value)
     if args.worker:
-        result = run_tidal(args, args.worker)
+        result = run_profile(args) if args.worker == PROFILE else run_tidal(args, args.worker)
         if result is not None:
             print("RESULT " + json.dumps(result), flush=True)
         return
 
     results = []
+    if args.torchtitan and is_moe(args.flavor):
+        import torchtitan_moe
+
+        torchtitan_moe.install(Path(args.torchtitan).resolve())
+        print(torchtitan_moe.compare(args.flavor, args.seq, moe_load_balance(args)), flush=True)
     for mode in all_modes(args):
         launcher = [sys.executable]
         if args.ranks > 1:
@@ -324,20 +441,21 @@ def main() -> None:
                 "--standalone",
                 f"--nproc_per_node={args.ranks}",
             ]
-        cmd = launcher + [__file__, "--worker", mode] + worker_args(sys.argv[1:])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(f"tidal {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
-            results.append({"system": "tidal", "mode": mode, "error": f"exit {proc.returncode}"})
-        else:
-            results.append(json.loads(lines[-1][7:]))
+        result = run_worker(args, launcher, mode)
+        results.append(result or {"system": "tidal", "mode": mode, "error": "no result"})
         print(fmt(results[-1]), flush=True)
     if args.torchtitan:
         for r in run_torchtitan(args):
             results.append(r)
             print(fmt(r), flush=True)
     print_ratios(args, results)
+    if args.profile_moe:
+        from moe_profile import table
+
+        profile = run_worker(args, [sys.executable], PROFILE)
+        if profile is not None:
+            print("\n" + table(profile["times_us"], profile["steps"], profile["device"]))
+            results.append({"system": "tidal", "mode": PROFILE, **profile})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -29,6 +29,10 @@ A block of a model whose `ModelArgs.moe` is set replaces its SwiGLU MLP with `Mo
 - Metrics without a trainer: each layer keeps its last forward's tokens per expert
   (`last_counts_E`) and auxiliary loss (`last_aux_loss`, with its graph);
   `collect_moe(model)` gathers them after a forward. The model holds no parallelism code.
+- Profiling: under a running torch profiler, in eager mode, the forward's parts are named
+  ranges `moe.router`, `moe.dispatch`, `moe.experts`, `moe.combine`, `moe.shared_experts`
+  (`moe_span`; benchmarks/moe_profile.py sums the time under each, backward included); with
+  no profiler, and always under torch.compile, they are not opened.
 - Routing replay (R3, for RL): each layer also keeps the experts its last forward chose
   (`last_experts_NK`: a generator records them per token); inside `replay_routing(model,
   experts)` every layer takes the given experts instead of its top-k, with its own router's
@@ -101,6 +105,19 @@ class MoEArgs:
     def inactive_params(self, dim: int) -> int:
         """Parameters of one layer's routed experts that a token does not use."""
         return 3 * dim * self.ffn_dim * (self.n_experts - self.top_k)
+
+
+MOE_SPANS = ("moe.router", "moe.dispatch", "moe.experts", "moe.combine", "moe.shared_experts")
+"""The profiler ranges of `MoE.forward`, in order (see `moe_span`)."""
+
+
+def moe_span(name: str) -> contextlib.AbstractContextManager:
+    """A `record_function` range `name` while a torch profiler runs in eager mode, for the
+    time breakdown of a step; otherwise a no-op (no range is opened, and torch.compile never
+    sees one: a range in a compiled graph would split its fusions)."""
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(name)
 
 
 def route(
@@ -306,23 +323,30 @@ class MoE(nn.Module):
                     f"forward of [B, T] = [{B}, {T}] tokens, top_k={K}: expected {(B, T, K)}"
                 )
             replay_NK = self.replay_BTK.reshape(B * T, K).to(x_ND.device)
-        weights_NK, experts_NK, probs_NE = route(
-            x_ND, self.router.weight, self.expert_bias, K, self.args.norm_topk_prob, replay_NK
-        )
+        with moe_span("moe.router"):
+            weights_NK, experts_NK, probs_NE = route(
+                x_ND, self.router.weight, self.expert_bias, K, self.args.norm_topk_prob, replay_NK
+            )
         self.last_experts_NK = experts_NK.detach()
-        # Sort the N x K token copies by expert (stable: by token within an expert).
-        flat_M = experts_NK.flatten()
-        order_M = flat_M.argsort(stable=True)
-        # histc, not bincount: a static shape that torch.compile keeps in the graph.
-        counts_E = torch.histc(flat_M.float(), bins=E, min=0, max=E).to(torch.int64)
+        with moe_span("moe.dispatch"):
+            # Sort the N x K token copies by expert (stable: by token within an expert).
+            flat_M = experts_NK.flatten()
+            order_M = flat_M.argsort(stable=True)
+            # histc, not bincount: a static shape that torch.compile keeps in the graph.
+            counts_E = torch.histc(flat_M.float(), bins=E, min=0, max=E).to(torch.int64)
+            x_MD = x_ND[order_M // K]
         self.last_counts_E = counts_E.detach()
-        self.last_aux_loss = aux_loss(probs_NE, counts_E)
-        y_MD = self.experts(x_ND[order_M // K], counts_E)
-        # Back to (token, slot) order, weighted and summed over the K slots.
-        y_NKD = torch.empty_like(y_MD).index_copy(0, order_M, y_MD).view(B * T, K, D)
-        out_ND = (y_NKD * weights_NK.to(y_NKD.dtype)[..., None]).sum(dim=1)
+        with moe_span("moe.router"):
+            self.last_aux_loss = aux_loss(probs_NE, counts_E)
+        with moe_span("moe.experts"):
+            y_MD = self.experts(x_MD, counts_E)
+        with moe_span("moe.combine"):
+            # Back to (token, slot) order, weighted and summed over the K slots.
+            y_NKD = torch.empty_like(y_MD).index_copy(0, order_M, y_MD).view(B * T, K, D)
+            out_ND = (y_NKD * weights_NK.to(y_NKD.dtype)[..., None]).sum(dim=1)
         if self.shared_experts is not None:
-            out_ND = out_ND + self.shared_experts(x_ND)
+            with moe_span("moe.shared_experts"):
+                out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND.view(B, T, D)
 
 

@@ -181,6 +181,8 @@ def trainer_config(cfg: RLConfig, src: PolicySource):
         parallelism=cfg.parallelism,
         activation_checkpoint=cfg.activation_checkpoint,
         metrics=MetricsConfig(log_every=1, val_every=0, tensorboard=cfg.metrics.tensorboard),
+        # Each role traces the same window of steps into a folder of its own.
+        profiler=dataclasses.replace(cfg.profiler, folder=cfg.profile_folder("trainer")),
         sample=SampleConfig(max_new_tokens=0),
         # The warm start loads through the checkpoint code, which reads initial_load_path only
         # when enabled: without policy checkpoints it is enabled to load, never to save.

@@ -3,7 +3,8 @@
 An RL job's config is an `RLConfig`; named configs are functions in tidal/rl/configs.py, and
 the command line overrides any field with `--section.field value` (tidal/train/config_parse.py,
 the same parser as `tidal train`). Sections shared with training reuse its dataclasses
-(`job`, `model`, `optimizer`, `lr_scheduler`, `parallelism`, `activation_checkpoint`) and
+(`job`, `model`, `optimizer`, `lr_scheduler`, `parallelism`, `activation_checkpoint`,
+`profiler`: every role's trace of a window of steps, tidal/rl/distributed/profile.py) and
 `loss` is `tidal.rl.loss.LossConfig`; the rest are here. Every field carries its documentation
 as the string under it; `tidal rl --help` prints it.
 
@@ -15,6 +16,7 @@ exists, the tokenizer covers its text, the store answers) run in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from tidal.parallel.config import ActivationCheckpointConfig, ParallelismConfig, require
@@ -23,6 +25,7 @@ from tidal.train.config import (
     JobConfig,
     ModelConfig,
     OptimizerConfig,
+    ProfilerConfig,
     SchedulerConfig,
 )
 from tidal.train.data.config import default_cache_dir
@@ -448,6 +451,7 @@ class RLConfig:
     metrics: RLMetricsConfig = field(default_factory=RLMetricsConfig)
     checkpoint: RLCheckpointConfig = field(default_factory=RLCheckpointConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -492,6 +496,11 @@ class RLConfig:
             "correction: set --loss.tis_cap (truncated IS, e.g. 2) or --loss.mask_low and "
             "--loss.mask_high (mask tokens whose ratio leaves the band, e.g. 0.5 and 2)",
         )
+
+    def profile_folder(self, role: str) -> str:
+        """The profiler folder of role `role` ("trainer", "generator0"): profiler.folder/role,
+        relative to job.output_dir unless absolute (tidal/rl/distributed/profile.py)."""
+        return str(Path(self.profiler.folder) / role)
 
     def queue_slots(self) -> int:
         """async: rollout batches each generator may have waiting in the store."""

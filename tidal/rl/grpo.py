@@ -150,11 +150,14 @@ def train(cfg: RLConfig, trainer: Any, policy: Policy, task: Task, *, log: Log) 
     grader, timer = Grader(task), Timer()
     held_out = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed)
     report = Report(cfg, first_step=first, resumed=first > 0, log=log)
+    profiler = trainer.profiler  # --profiler.enable: one trace of both roles' steps
     try:
+        profiler.start(first + 1)
         start = time.perf_counter()
         with timer("sync_s"):
             load_weights(policy, trainer, first)
         for step in range(first + 1, steps + 1):
+            profiler.step_begin(step)
             if step - 1 in evals:
                 report.log(evaluate_policy(policy, grader, held_out, cfg, step - 1, log))
             with timer("gen_s"):  # task -> generate -> grade
@@ -179,11 +182,13 @@ def train(cfg: RLConfig, trainer: Any, policy: Policy, task: Task, *, log: Log) 
             record = step_record(cfg, step, rollout, adv, metrics)
             record |= figures(parts, grader, tokens, positions, seconds)
             report.log(record | {"lr": lr, "elapsed_s": time.perf_counter() - start})
+            profiler.step_done(step)
         if steps in evals:
             report.log(evaluate_policy(policy, grader, held_out, cfg, steps, log))
         trainer.checkpoint.finish()
         return report.finish()
     finally:
+        profiler.stop()
         report.close()
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+import torch
+
 from tidal.rl.config import RLConfig
 from tidal.rl.loss import Advantages
 from tidal.rl.rollout import RolloutBatch
@@ -448,10 +450,32 @@ def env_figures(parts: list[RolloutBatch]) -> dict[str, Any]:
     }
 
 
+SPANS = {
+    "trainer_idle_s": "rl/wait_rollouts",
+    "train_s": "rl/train_step",
+    "sync_trainer_s": "rl/publish_weights",
+    "idle_s": "rl/wait",
+    "sync_s": "rl/load_weights",
+    "gen_s": "rl/generate",
+    "eval_s": "rl/eval",
+}
+"""The profiler range of each `Timer` name (`span`); a name not listed gets rl/<name>. The
+waits' ranges start with rl/wait (benchmarks/rl_timeline.py counts them as idle)."""
+
+
+def span(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A torch.profiler range `name` while a profiler records (the roles' traces of
+    `--profiler.enable`: tidal/rl/distributed/profile.py), else nothing: no cost."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 class Timer:
     """Named durations, summed until taken: `with timer("train_s"): ...` adds the block's
     wall time to "train_s"; `timer.take()` returns the sums (0.0 for a name not timed since)
-    and starts over.
+    and starts over. While a profiler records, each block is a range in its trace too
+    (`SPANS`).
 
     Example::
 
@@ -468,7 +492,8 @@ class Timer:
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with span(SPANS.get(name) or f"rl/{name.removesuffix('_s')}"):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 

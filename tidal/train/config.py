@@ -503,7 +503,9 @@ class QuantizeConfig:
 @dataclass(kw_only=True, slots=True)
 class ProfilerConfig:
     """The torch profiler trace of chosen steps and CUDA memory snapshots
-    (tidal/train/profiling.py). Off by default; `Trainer.train` only (not `tidal rl`)."""
+    (tidal/train/profiling.py). Off by default. Under `tidal rl` every role traces the same
+    window of RL steps into a folder of its own, <folder>/trainer and <folder>/generator<g>
+    (tidal/rl/distributed/profile.py; benchmarks/rl_timeline.py merges them)."""
 
     enable: bool = False
     """Trace steps start_step..end_step with torch.profiler (CPU, and CUDA kernels on a GPU)
@@ -520,6 +522,11 @@ class ProfilerConfig:
     """Record the input shapes of each operator in the trace."""
     with_stack: bool = False
     """Record the Python stack of each operator (larger traces)."""
+    table: bool = True
+    """Also write the top operators table (.txt) next to each trace. Building it parses every
+    event in Python: about a minute for 100,000 events, where the trace itself takes a
+    second or two; turn it off for long windows (the timeline of `tidal rl`'s roles needs
+    only the traces)."""
     memory_snapshot: bool = False
     """Record the CUDA caching allocator's history from the model build on, and write
     snapshots <folder>/memory/rank<R>_step<N>.pickle after each of memory_snapshot_steps and

@@ -89,6 +89,11 @@ class RunProfiler:
         log: receives a line per file written.
         memory: the module with `_record_memory_history` and `_dump_snapshot`
             (torch.cuda.memory; tests pass a stand-in).
+        span: the name of each step's range in the trace, before its number ("train_step";
+            an RL generator's steps are its rollout batches: "batch").
+        defer: keep a finished trace and write it at `stop()` or `close()` instead of right
+            after `end_step` (`defer` is an attribute too). Writing a large trace holds the
+            GIL for seconds: an RL role would miss its heartbeats (tidal rl sets it).
     """
 
     def __init__(
@@ -101,8 +106,12 @@ class RunProfiler:
         total_steps: int,
         log: Callable[[str], Any] = print,
         memory: Any = None,
+        span: str = "train_step",
+        defer: bool = False,
     ):
         self.cfg, self.rank, self.device, self.log = cfg, rank, device, log
+        self.span, self.defer = span, defer
+        self._done: list[torch.profiler.profile] = []  # deferred traces, not yet written
         self.folder = run_path(cfg.folder, output_dir)
         self.memory = memory if memory is not None else torch.cuda.memory
         self._prof: torch.profiler.profile | None = None
@@ -147,7 +156,7 @@ class RunProfiler:
             activities=activities,
             # The profiler counts its own steps from 0; map them to training steps.
             schedule=lambda n: step_action(first_step + n, cfg.start_step, cfg.end_step),
-            on_trace_ready=self._write_trace,
+            on_trace_ready=self._trace_ready,
             record_shapes=cfg.record_shapes,
             with_stack=cfg.with_stack,
         )
@@ -155,10 +164,11 @@ class RunProfiler:
 
     def step_begin(self, step: int) -> None:
         """Before training step `step`: inside the window, open a `train_step <step>` span
-        (named by the training step, unlike the profiler's own ProfilerStep#k)."""
+        (named by the training step, unlike the profiler's own ProfilerStep#k; `span`
+        names it)."""
         cfg = self.cfg
         if self._prof is not None and cfg.start_step <= step <= cfg.end_step:
-            self._span = torch.profiler.record_function(f"train_step {step}")
+            self._span = torch.profiler.record_function(f"{self.span} {step}")
             self._span.__enter__()
 
     def _close_span(self) -> None:
@@ -178,11 +188,21 @@ class RunProfiler:
             self._dump_memory(f"step{step}")
 
     def stop(self) -> None:
-        """End a trace still open (the run ended inside the window); writes what it has."""
+        """End a trace still open (the run ended inside the window); writes what it has,
+        and a deferred trace."""
         self._close_span()
         if self._prof is not None:
             prof, self._prof = self._prof, None
             prof.stop()
+        done, self._done = self._done, []
+        for prof in done:
+            self._write_trace(prof)
+
+    def _trace_ready(self, prof: torch.profiler.profile) -> None:
+        if self.defer:
+            self._done.append(prof)
+        else:
+            self._write_trace(prof)
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         # A run stopped early wrote fewer steps: name the file by the steps it holds.
@@ -190,9 +210,10 @@ class RunProfiler:
         first = max(self.cfg.start_step, self._first_step)
         stem = self.folder / f"rank{self.rank}_step{first}-{last}"
         prof.export_chrome_trace(str(stem) + ".json")
-        sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS)
-        Path(str(stem) + ".txt").write_text(table + "\n")
+        if self.cfg.table:
+            sort = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=TOP_OPS)
+            Path(str(stem) + ".txt").write_text(table + "\n")
         self.log(f"profiler: steps {first}-{last} traced to {stem}.json")
 
     # -- memory snapshots ----------------------------------------------------------------

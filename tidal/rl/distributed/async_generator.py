@@ -66,6 +66,7 @@ from tidal.rl.experience import (
 from tidal.rl.report import Timer
 from tidal.rl.tasks.base import Problem, Task
 from tidal.store.errors import KeyNotFoundError
+from tidal.train.profiling import RunProfiler
 
 # The main rank's decision at a feed point, shared with the other ranks of a TP generator.
 _WAIT, _FEED, _OVER = 0, 1, 2
@@ -120,6 +121,9 @@ class Feed:
     swaps: int = 0
     swap_s: float = 0.0
     torn: int = 0
+    profiler: RunProfiler | None = None
+    """Traces the batches of a window (tidal/rl/distributed/profile.py): batch N's step
+    ends when it is complete, and batch N + 1's begins."""
 
     def __call__(self, idle: bool) -> Any:
         seeds = self.start_batch(idle)
@@ -216,7 +220,11 @@ class Feed:
             "overlapped": self.fed[0].overlapped,
         }
         self.since, self.swaps, self.swap_s = now, st.swaps, st.swap_s
-        return self.fed.popleft(), meta
+        fed = self.fed.popleft()
+        if self.profiler is not None:
+            self.profiler.step_done(fed.number)
+            self.profiler.step_begin(fed.number + 1)
+        return fed, meta
 
 
 def generate_loop_async(
@@ -229,8 +237,10 @@ def generate_loop_async(
     first_step: int,
     log: Log,
     main: bool = True,
+    profiler: RunProfiler | None = None,
 ) -> None:
-    """Generator `index`'s side of the async loop (see the module docstring)."""
+    """Generator `index`'s side of the async loop (see the module docstring); `profiler`
+    traces the batches of a window (tidal/rl/distributed/profile.py)."""
     store, gen, steps = link.store, policy.generator, cfg.rl.steps
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
@@ -288,7 +298,11 @@ def generate_loop_async(
         evals=set(eval_versions(steps, cfg.rl.eval_every)),
         timer=timer,
         since=since,
+        profiler=profiler,
     )
+    if profiler is not None:
+        profiler.start(first)
+        profiler.step_begin(first)
     stager.start()
     try:
         while not feed.over:

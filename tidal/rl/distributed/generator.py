@@ -63,10 +63,11 @@ from tidal.rl.distributed.generator_ranks import (
 )
 from tidal.rl.distributed.membership import share_of
 from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
-from tidal.rl.report import Timer
+from tidal.rl.report import Timer, span
 from tidal.rl.tasks.base import Task
 from tidal.rl.warmstart import PolicySource, resolve_policy
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError
+from tidal.train.profiling import RunProfiler
 
 Log = Callable[[str], None]
 
@@ -114,6 +115,7 @@ def _generate_role(
     from tidal.rl.distributed.async_generator import generate_loop_async
     from tidal.rl.distributed.generator_ranks import agree_start
     from tidal.rl.distributed.membership import leave
+    from tidal.rl.distributed.profile import generator_profiler
 
     name, main = generator_name(index), info.is_main
     if main:  # the beating rank speaks for the generator
@@ -126,6 +128,8 @@ def _generate_role(
         link.leaving = "it was asked to leave (SIGTERM)"
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    device = generator_device(cfg, info.local_rank)
+    profiler = generator_profiler(cfg, index, rank=info.rank, device=device, log=log)
     try:
         gen = build_generator(cfg, src, mesh=mesh, local_rank=info.local_rank)
         warm_up_generator(gen, cfg, index, log=log)
@@ -149,7 +153,17 @@ def _generate_role(
             f"{cfg.rl.steps}, {share}"
         )
         loop = generate_loop_async if cfg.rl.mode == "async" else generate_loop
-        loop(policy, task, link, cfg, index=index, first_step=first, log=log, main=main)
+        loop(
+            policy,
+            task,
+            link,
+            cfg,
+            index=index,
+            first_step=first,
+            log=log,
+            main=main,
+            profiler=profiler,
+        )
         link.wait_version(DONE, 0, "the trainer to finish")
     except Leaving as e:
         log(f"{name}: leaving the job: {e}; the trainer goes on with the others")
@@ -165,6 +179,7 @@ def _generate_role(
             leave(link, index, stop_reason(e, name))
         raise
     finally:
+        profiler.close()  # writes a trace the run left inside its window
         signal.signal(signal.SIGTERM, previous)
         link.close()
 
@@ -220,13 +235,15 @@ def generate_loop(
     first_step: int,
     log: Log,
     main: bool = True,
+    profiler: RunProfiler | None = None,
 ) -> None:
     """Generator `index`'s side of the sync loop: for each policy version v from
     `first_step` (the newest committed one for a generator joining late), load it, then
     sample batch v + 1 when the trainer announced this process with v (its share of the
     prompts; tidal/rl/distributed/membership.py), until the last version (which generator 0
     evaluates). A tensor-parallel generator runs it on every rank in lockstep; only its `main`
-    rank puts the rollouts and evaluations."""
+    rank puts the rollouts and evaluations. `profiler` traces its batches (step v + 1: the
+    wait for v, its load and the batch) in a window (tidal/rl/distributed/profile.py)."""
     store, gen, r, steps = link.store, policy.generator, cfg.rollout, cfg.rl.steps
     grader = Grader(task)
     eval_set = task.eval_set(cfg.task.eval_problems, seed=cfg.task.eval_seed) if index == 0 else []
@@ -247,14 +264,15 @@ def generate_loop(
     def maybe_eval(version: int) -> None:
         if index != 0 or version not in evals:
             return
-        result = evaluate(
-            policy,
-            grader,
-            eval_set,
-            max_new_tokens=r.max_new_tokens,
-            log=log,
-            label=f"eval of policy version {version}",
-        )
+        with span("rl/eval"):
+            result = evaluate(
+                policy,
+                grader,
+                eval_set,
+                max_new_tokens=r.max_new_tokens,
+                log=log,
+                label=f"eval of policy version {version}",
+            )
         if main:
             store.put_state_dict(result, EVAL, version=version)
 
@@ -272,7 +290,11 @@ def generate_loop(
         )
 
     link.may_leave = may_leave
+    if profiler is not None:
+        profiler.start(first_step + 1)
     while version < steps or (index == 0 and version == steps):
+        if profiler is not None:
+            profiler.step_begin(version + 1)
         version, seconds = load(version)
         maybe_eval(version)
         if version >= steps:
@@ -290,17 +312,20 @@ def generate_loop(
             )
         if prompts:
             step = version + 1
-            batch = sample_batch(
-                policy,
-                task,
-                grader,
-                cfg,
-                seeds=(r.seed, step, index),
-                n_prompts=prompts,
-                meta={"generator": index, "version": version, **seconds},
-            )
+            with span("rl/generate"):
+                batch = sample_batch(
+                    policy,
+                    task,
+                    grader,
+                    cfg,
+                    seeds=(r.seed, step, index),
+                    n_prompts=prompts,
+                    meta={"generator": index, "version": version, **seconds},
+                )
             if main:
                 store.put_state_dict(batch.to_state_dict(), rollouts_key(index), version=step)
+        if profiler is not None:
+            profiler.step_done(version + 1)
         version += 1
 
 

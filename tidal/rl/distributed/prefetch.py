@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tidal.rl.report import span
 from tidal.store.errors import (
     KeyNotFoundError,
     StoreError,
@@ -196,7 +197,7 @@ class Stager:
         if version is None:
             return None
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with span("rl/load_weights"), torch.no_grad():
             for name, dst in self.params.items():
                 _local(dst).copy_(_local(self.staging[name]), non_blocking=True)
         if any(t.is_cuda for t in self.params.values()):

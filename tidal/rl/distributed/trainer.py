@@ -220,11 +220,17 @@ def train_loop(
     loss = PolicyLoss(cfg.loss, old_is_current=cfg.loss.corrects)
     evals = [v for v in eval_versions(cfg.rl.steps, cfg.rl.eval_every) if v >= first_step]
     intake.begin(first_step)
+    # --profiler.enable: this role's trace of its steps (tidal/rl/distributed/profile.py);
+    # Trainer.close ends one the run left inside the window.
+    profiler = trainer.profiler
+    profiler.defer = True  # written at the end: writing holds the GIL, heartbeats included
+    profiler.start(first_step + 1)
     start = time.perf_counter()
     with timer("sync_trainer_s"):
         future = side.publish(first_step)
     step_end = time.perf_counter()
     for step in range(first_step + 1, cfg.rl.steps + 1):
+        profiler.step_begin(step)
         with timer("trainer_idle_s"):
             parts = intake.take(step)
         rollout = RolloutBatch.concat(parts)
@@ -238,7 +244,7 @@ def train_loop(
             future.result()  # the last put read the weights: the optimizer may change them now
         intake.committed(step - 1)
         lr = set_step_lr(trainer, cfg, step)
-        with timer("train_s"):
+        with profiler.oom_guard(), timer("train_s"):
             metrics, tokens, positions = _train(side, trained, adv, loss, cfg)
         trainer.step = step
         intake.publishing(step)
@@ -253,6 +259,7 @@ def train_loop(
         step_end = now
         log_record(record | {"lr": lr, "elapsed_s": now - start} | figures)
         evals = _log_evals(link.store, evals, step, log_record)
+        profiler.step_done(step)
     future.result()
     trainer.checkpoint.finish()
     if side.members is not None:  # the other ranks log nothing

@@ -18,8 +18,9 @@ rank; tidal/rl/distributed/profile.py), then
   to the earliest end of one): the wall time, the busy time (on a GPU, at least one of its
   kernels or copies running; on CPU, the time outside its waits, the rl/wait* ranges), idle
   % (100 - busy %), the waits, and each rl/ range's total; then the time at least two lanes
-  were busy at once. On one GPU without MPS the processes' kernels take turns: that overlap
-  is about 0, so the roles' busy shares add up to at most 100%.
+  were busy at once, and the time none was (on one GPU: the GPU idle). On one GPU without
+  MPS the processes' kernels take turns: that overlap is about 0, so the roles' busy shares
+  add up to at most 100%.
 
 --json writes the summary as JSON.
 """
@@ -237,6 +238,7 @@ def summarize(traces: dict[str, dict]) -> dict[str, Any]:
             "ranges_s": dict(sorted(ranges.items())),
         }
     overlap = at_least_two(busy_spans) / 1e6
+    none = wall - total(union([x for spans in busy_spans for x in spans])) / 1e6
     return {
         "busy": "GPU kernels and copies" if on_gpu else "time outside the rl/wait ranges",
         "window_s": wall,
@@ -244,6 +246,8 @@ def summarize(traces: dict[str, dict]) -> dict[str, Any]:
         "lanes": lanes,
         "overlap_s": overlap,
         "overlap_pct": 100 * overlap / wall,
+        "none_busy_s": none,
+        "none_busy_pct": 100 * none / wall,
     }
 
 
@@ -272,6 +276,9 @@ def report(s: dict[str, Any]) -> str:
     lines.append(
         f"at least two lanes busy at once: {s['overlap_s']:.3f} s "
         f"({s['overlap_pct']:.1f}% of the window)"
+    )
+    lines.append(
+        f"no lane busy: {s['none_busy_s']:.3f} s ({s['none_busy_pct']:.1f}% of the window)"
     )
     return "\n".join(lines)
 

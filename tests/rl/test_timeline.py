@@ -95,6 +95,7 @@ def test_summary_counts_kernels_idle_time_and_overlap_over_the_shared_window(tim
     assert g["busy_s"] == pytest.approx(0.0045)
     assert g["wait_s"] == pytest.approx(0.001)  # 9000-10000
     assert s["overlap_s"] == pytest.approx(0.0005)  # 7500-8000
+    assert s["none_busy_s"] == pytest.approx(0.001)  # 9000-10000: no kernel at all
 
 
 def test_on_cpu_busy_is_the_time_outside_the_waits(timeline):

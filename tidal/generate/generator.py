@@ -26,7 +26,7 @@ Files: this one holds the host side (admission, host checks, results, streams); 
 side (prefill and decode steps, compiled and captured) is tidal/generate/steps.py, the
 compiled block function tidal/generate/compiled.py; the config, samples and counters are in
 tidal/generate/types.py, the bookkeeping of cache rows in tidal/generate/slots.py, the in-place
-weight loads in tidal/generate/weights.py.
+weight loads in tidal/generate/weights.py, the fused projections in tidal/generate/fused.py.
 
 Lifecycle: build the model (seed init, a checkpoint, a Hugging Face folder, the store), wrap
 it in a `Generator` once, optionally `warm_up` (any weights: graphs survive weight loads),
@@ -64,7 +64,11 @@ class Generator:
     Args:
         model: the model, on its device, weights loaded (any dtype; eval mode is not needed:
             the model has no dropout). Tensor parallel models use the plans of
-            tidal/parallel/parallelize.py with `sequence_parallel=False`.
+            tidal/parallel/parallelize.py with `sequence_parallel=False`. With fused
+            projections (`GeneratorConfig.fuse_projections`, on by default on CUDA), the
+            attention and MLP projection parameters are laid out anew here, values and
+            Parameter objects kept: take the model's state dict after building the
+            Generator, and update it in place.
         tokenizer: optional; needed for `text`, stop strings and the default stop token (its
             `eos_id`). Anything with `encode`, `decode(ids, skip_special_tokens=...)`,
             `eos_id` and `vocab_size`, such as tidal.train.data.Tokenizer.
@@ -134,6 +138,12 @@ class Generator:
         """Whether decode steps are captured in CUDA graphs (`GeneratorConfig.cuda_graphs`,
         resolved)."""
         return self.steps.captures
+
+    @property
+    def fused(self) -> int:
+        """Attention and MLP modules whose projections run as one product each
+        (`GeneratorConfig.fuse_projections`, resolved); 0 when off."""
+        return self.steps.fused
 
     @property
     def blocks(self) -> list[Callable[..., torch.Tensor]] | None:
@@ -405,6 +415,7 @@ class Generator:
         pending: deque[Request] = deque()
         fed = done = 0  # batches fed; batches yielded
         ended = False
+        self.steps.check_weights()  # fused projections read the parameters where they were
         self._reset()
         try:
             while True:

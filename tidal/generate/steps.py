@@ -23,6 +23,10 @@ the host: admission, host checks, results).
   still captured whole. In batch-invariant mode the step is not compiled (inductor would fuse
   the ops into kernels the trainer does not run) but still captured: a graph replays exactly
   the eager kernels. CPU: eager.
+- Fused projections (`GeneratorConfig.fuse_projections`; on for CUDA outside batch-invariant
+  mode and tensor parallelism): both steps run fused copies of the blocks, Q|K|V and W1|W3
+  as one product each over stacked weights that hold the model's parameters
+  (tidal/generate/fused.py), through `forward_cached(blocks=...)`, compiled or not.
 - Each compile and capture happens at the first call that needs it, unless
   `Generator.warm_up` paid for them first (`Steps.warm_up`: every bucket and sampler variant
   asked for; the compiled blocks are dynamic in the batch and time from their first shape;
@@ -44,6 +48,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tidal.generate.compiled import compiled_blocks, mark_batch
+from tidal.generate.fused import FusedBlocks, fuse_enabled
 from tidal.generate.sampler import sample, variant
 from tidal.generate.slots import Request, Rows, round_up
 from tidal.generate.types import MAX_STOP_IDS, GeneratorConfig, GeneratorStats
@@ -64,12 +69,14 @@ class Steps:
         cache: its KV cache (`max_batch` rows).
         rows: the device state of the cache rows, which the steps read and update in place.
         config: the Generator's config (`compile`, `cuda_graphs`, `compile_scope`,
-            `tune_kernels`, `batch_invariant`, `amp_dtype`, `prefill_tokens`).
+            `tune_kernels`, `batch_invariant`, `amp_dtype`, `prefill_tokens`,
+            `fuse_projections`).
         stats: the Generator's counters (prefill calls and tokens, graphs captured).
 
     Raises:
         ValueError: `compile` or `cuda_graphs` on for a model off CUDA, `compile` with
-            `batch_invariant`, `tune_kernels` without compile.
+            `batch_invariant`, `tune_kernels` without compile, `fuse_projections` with
+            `batch_invariant` or DTensor parameters.
     """
 
     def __init__(
@@ -127,8 +134,13 @@ class Steps:
                 "(compile off, a CPU model, batch-invariant mode or DTensor parameters)",
                 stacklevel=3,
             )
+        self._fused = FusedBlocks(model) if fuse_enabled(cfg, model) else None
+        # What the cached forward runs in place of the model's blocks: the compiled block
+        # functions, else the fused copies of the blocks, else None (the model's own).
+        self._eager_blocks: list[Any] | None = self._fused.blocks if self._fused else None
         self._prefill_fn: Callable[..., torch.Tensor] = self._prefill_forward
-        self._blocks: list[Callable[..., torch.Tensor]] | None = None
+        self._blocks: list[Any] | None = self._eager_blocks
+        self._compiled: list[Callable[..., torch.Tensor]] | None = None
         self._setup_compile()
 
     # -- what is compiled and captured ----------------------------------------------------
@@ -147,7 +159,25 @@ class Steps:
     def blocks(self) -> list[Callable[..., torch.Tensor]] | None:
         """The compiled block functions the cached forward runs (compile_scope="blocks" with
         compile on), else None."""
-        return self._blocks
+        return self._compiled
+
+    @property
+    def fused(self) -> int:
+        """Attention and MLP modules whose projections run as one product each
+        (`GeneratorConfig.fuse_projections`, resolved); 0 when off."""
+        return self._fused.fused if self._fused is not None else 0
+
+    @property
+    def fused_blocks(self) -> list[Any] | None:
+        """The fused copies of the model's blocks, one per layer, that the steps run (compiled
+        or not), or None without fused projections."""
+        return self._fused.blocks if self._fused is not None else None
+
+    def check_weights(self) -> None:
+        """Raise when a parameter the fused projections read was moved to new memory (see
+        `FusedBlocks.check`); nothing to check without them."""
+        if self._fused is not None:
+            self._fused.check()
 
     def compile_for_testing(self) -> None:
         """Compile as `compile=None` does on CUDA, whatever the device (`Generator`'s test
@@ -160,14 +190,17 @@ class Steps:
         whole, with dynamic shapes (decode steps are compiled at their first use, in
         `step`). "blocks": one block function shared by every layer, for the prefill and
         the decode steps alike (the batch and time dimensions dynamic from the first call, so
-        a few graphs serve every bucket: `compiled_blocks`)."""
-        self._prefill_fn, self._blocks = self._prefill_forward, None
+        a few graphs serve every bucket: `compiled_blocks`). Either compiles the fused copies
+        of the blocks when projections are fused."""
+        self._prefill_fn, self._blocks = self._prefill_forward, self._eager_blocks
+        self._compiled = None
         if not self._compile_on:
             return
         if self.config.compile_scope == "step":
             self._prefill_fn = torch.compile(self._prefill_forward, dynamic=True)
             return
-        self._blocks = compiled_blocks(list(self.model.layers.values()), self._inductor_options())
+        layers = self._eager_blocks or list(self.model.layers.values())
+        self._blocks = self._compiled = compiled_blocks(layers, self._inductor_options())
 
     def _inductor_options(self) -> dict[str, Any] | None:
         return {"coordinate_descent_tuning": True} if self.config.tune_kernels else None
@@ -207,7 +240,7 @@ class Steps:
             logits_at=last_P,
             batch_invariant=self.config.batch_invariant,
             # Compiled blocks once the cache exists: its allocation stays out of compiled code.
-            blocks=self._blocks if self.cache.allocated else None,
+            blocks=self._blocks if self.cache.allocated else self._eager_blocks,
         )[:, 0]
 
     def _prefill_chunk(self, chunk: list[tuple[Request, list[int]]]) -> None:

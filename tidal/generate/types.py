@@ -62,6 +62,19 @@ class GeneratorConfig:
     amp_dtype: Literal["bf16", "fp16"] | None = None
     """Run under autocast in this dtype (fp32 weights, as a trainer without FSDP does).
     A caller's autocast is honoured as well."""
+    fuse_projections: bool | None = None
+    """Compute each attention block's query, key and value projections as one product, and
+    each dense MLP's gate and up projections (W1, W3) as another: 2 matmuls per layer where
+    there were 5 (and Qwen 2's three q/k/v bias adds as one). The model's parameters are laid
+    out once, when the Generator is built, as views into one stacked tensor per module
+    (`param.data` is replaced, the Parameter objects and values stay), so in-place weight
+    loads update the fused weights with no copy and no extra memory; the model's own forward,
+    parameters and state-dict keys are unchanged (tidal/generate/fused.py). Greedy tokens match
+    the unfused ones; log-probs may differ in the last bits (a GEMM may tile a wider product
+    differently). Mixture-of-experts layers and projections that are not plain `nn.Linear`
+    layers (float8) are left unfused. None: on for CUDA models outside batch-invariant mode
+    without DTensor parameters. True with `batch_invariant` (the stacked product changes its
+    fixed reduction blocks) or DTensor parameters (tensor parallel, FSDP) is refused."""
     record_routing: bool = False
     """Mixture-of-experts models: record the experts every MoE layer routed each token to
     (`Sample.routed_experts`, for routing replay in RL). Costs max_batch x MoE layers x

@@ -31,7 +31,8 @@ The families share one block structure; the differences are flags on `ModelArgs`
   decode (tidal/models/batch_invariant.py), so generator and trainer log-probs match bit for bit.
 - Training hooks: `forward(..., head=fn)` hands the final hidden states and `output_weight()`
   to `fn` in place of the logits (the fused loss of tidal/train/loss.py), and
-  `fuse_projections()` computes Q/K/V and W1/W3 as one product each.
+  `fuse_projections()` computes Q/K/V and W1/W3 as one product each (`Attention.project`
+  and `FeedForward.gate_up`, which a generator's fused copies of the modules override).
 
 The model knows nothing of devices, ranks or precision: build it on the meta device, move it
 with `to_empty(device=...)`, then call `init_weights()` once.
@@ -200,15 +201,7 @@ class Attention(nn.Module):
         cache: LayerCache | None,
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        if self.fused:
-            projections = (self.wq.weight, self.wk.weight, self.wv.weight)
-            biases = (self.wq.bias, self.wk.bias, self.wv.bias)  # all None, or all set
-            bias_E = torch.cat(biases) if biases[0] is not None else None
-            # One product over the stacked weights, split back along the features (views).
-            qkv_BTE = F.linear(x_BTD, torch.cat(projections), bias_E)
-            q_BTE, k_BTE, v_BTE = qkv_BTE.split([w.shape[0] for w in projections], dim=-1)
-        else:
-            q_BTE, k_BTE, v_BTE = self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
+        q_BTE, k_BTE, v_BTE = self.project(x_BTD)
         # -1 instead of the head count keeps the views valid when TP shards the heads.
         q_BTHK = q_BTE.view(B, T, -1, self.head_dim)
         k_BTGK = k_BTE.view(B, T, -1, self.head_dim)
@@ -225,6 +218,20 @@ class Attention(nn.Module):
         o_BHTK = mask.attend(q_BHTK, k_BGSK, v_BGSK)
         return self.wo(o_BHTK.transpose(1, 2).reshape(B, T, -1))
 
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query, key and value projections [B, T, E] of `x_BTD`: three products, or one
+        over the concatenated weights when `fused`. A generator's fused copy of the module
+        (tidal/generate/fused.py) overrides it with one product over weights it holds."""
+        if not self.fused:
+            return self.wq(x_BTD), self.wk(x_BTD), self.wv(x_BTD)
+        projections = (self.wq.weight, self.wk.weight, self.wv.weight)
+        biases = (self.wq.bias, self.wk.bias, self.wv.bias)  # all None, or all set
+        bias_E = torch.cat(biases) if biases[0] is not None else None
+        # One product over the stacked weights, split back along the features (views).
+        qkv_BTE = F.linear(x_BTD, torch.cat(projections), bias_E)
+        q_BTE, k_BTE, v_BTE = qkv_BTE.split([w.shape[0] for w in projections], dim=-1)
+        return q_BTE, k_BTE, v_BTE
+
 
 class FeedForward(nn.Module):
     FUSABLE = ("w1", "w3")
@@ -237,12 +244,18 @@ class FeedForward(nn.Module):
         self.fused = False  # one product for W1 and W3 (`Transformer.fuse_projections`)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            w13 = torch.cat((self.w1.weight, self.w3.weight))
-            gate_BTF, up_BTF = F.linear(x_BTD, w13).chunk(2, dim=-1)
-        else:
-            gate_BTF, up_BTF = self.w1(x_BTD), self.w3(x_BTD)
+        gate_BTF, up_BTF = self.gate_up(x_BTD)
         return self.w2(F.silu(gate_BTF) * up_BTF)
+
+    def gate_up(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up projections [B, T, F] of `x_BTD`: two products, or one over the
+        concatenated weights when `fused`. A generator's fused copy of the module
+        (tidal/generate/fused.py) overrides it with one product over weights it holds."""
+        if not self.fused:
+            return self.w1(x_BTD), self.w3(x_BTD)
+        w13 = torch.cat((self.w1.weight, self.w3.weight))
+        gate_BTF, up_BTF = F.linear(x_BTD, w13).chunk(2, dim=-1)
+        return gate_BTF, up_BTF
 
 
 class TransformerBlock(nn.Module):
@@ -378,12 +391,13 @@ class Transformer(nn.Module):
         autocast saves anyway (compiled, one kernel makes it); with weights already in the
         compute dtype (FSDP's bf16 parameters, plain fp32) it is one more copy of each layer's
         projection weights held until backward. A decoding step would copy the weights for a
-        few tokens: fuse models that train, not generators. Returns the number of fused
-        modules."""
+        few tokens: fuse models that train, not generators (a Generator fuses its own way,
+        over weights laid out once: `GeneratorConfig.fuse_projections`). Returns the number
+        of fused modules."""
         fused = 0
         for module in self.modules():
             if isinstance(module, (Attention, FeedForward)) and all(
-                _plain_linear(getattr(module, name)) for name in module.FUSABLE
+                plain_linear(getattr(module, name)) for name in module.FUSABLE
             ):
                 module.fused = True
                 fused += 1
@@ -596,7 +610,9 @@ class Transformer(nn.Module):
         return F.linear(h_BTD, self.output_weight())
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def plain_linear(module: nn.Module) -> bool:
+    """Whether `module` is exactly an `nn.Linear` without forward hooks (not a float8 layer,
+    nor one that tensor parallelism wrapped): one whose product may be fused with others."""
     return type(module) is nn.Linear and not module._forward_pre_hooks and not module._forward_hooks
 
 

@@ -21,6 +21,8 @@ printed. Finally the trainer-side cost of batch-invariant mode: forward + backwa
 `tidal.generate.logprobs` on `--score-batch` x `--score-len` tokens, normal against
 batch-invariant.
 
+`--fuse-projections` also times each normal-mode configuration with
+`GeneratorConfig.fuse_projections` (Q|K|V and W1|W3 as one product each), in the same run.
 `--plain-sampler` also times each normal-mode configuration with benchmarks/sampler.py's
 baseline sampler (the plain formulation tidal used before `row_stats`) patched into the
 Generator, in the same run; `--profile` prints each configuration's decode-step kernels
@@ -146,13 +148,19 @@ def sampler_in_generator(name: str):
 
 
 def run_tidal(
-    model, args, batch: int, mode: str, batch_invariant: bool, sampler: str = "tidal"
+    model,
+    args,
+    batch: int,
+    mode: str,
+    batch_invariant: bool,
+    sampler: str = "tidal",
+    fuse: bool = False,
 ) -> dict:
     with sampler_in_generator(sampler):
-        return _run_tidal(model, args, batch, mode, batch_invariant)
+        return _run_tidal(model, args, batch, mode, batch_invariant, fuse)
 
 
-def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dict:
+def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool, fuse: bool) -> dict:
     from tidal.generate import Generator, GeneratorConfig, SamplingParams
 
     device = model.rope.device
@@ -167,6 +175,7 @@ def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool) -> dic
             # Batch-invariant mode compiles nothing: the scope would be ignored (a warning).
             compile_scope="step" if batch_invariant else args.compile_scope,
             check_every=args.check_every,
+            fuse_projections=fuse,
         ),
     )
     g = torch.Generator().manual_seed(batch)
@@ -376,6 +385,12 @@ def main() -> None:
     )
     p.add_argument("--check-every", type=int, default=8, help="GeneratorConfig.check_every")
     p.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="also time each normal-mode configuration with GeneratorConfig.fuse_projections "
+        "(Q|K|V and W1|W3 as one product each), in the same run",
+    )
+    p.add_argument(
         "--ragged",
         action="store_true",
         help="rows of spread prompt lengths and new tokens: continuous batching "
@@ -421,13 +436,16 @@ def main() -> None:
     for batch in args.batches:
         for mode in args.modes:
             row: dict = {"batch": batch, "mode": mode}
-            runs = [("tidal", False, "tidal")]
-            runs += [("plain_sampler", False, "plain")] if args.plain_sampler else []
-            runs += [("batch_invariant", True, "tidal")] if not args.no_batch_invariant else []
-            for name, bi, sampler in runs:
+            runs = [("tidal", False, "tidal", False)]
+            runs += [("plain_sampler", False, "plain", False)] if args.plain_sampler else []
+            # After the unfused runs: fusing lays the model's weights out anew (same values).
+            runs += [("fused", False, "tidal", True)] if args.fuse_projections else []
+            bi_run = ("batch_invariant", True, "tidal", False)
+            runs += [bi_run] if not args.no_batch_invariant else []
+            for name, bi, sampler, fuse in runs:
                 label = f"batch {batch} {mode} {name}"
                 row[name] = attempt(
-                    failures, label, run_tidal, model, args, batch, mode, bi, sampler
+                    failures, label, run_tidal, model, args, batch, mode, bi, sampler, fuse
                 )
             if device.type == "cuda":
                 length = args.prompt_len + args.new_tokens / 2
@@ -498,8 +516,10 @@ def print_row(row: dict) -> None:
         line += _beside("batch-invariant", t, b, lambda r: f"{r:.2f}x slower")
     if "plain_sampler" in row:
         line += _beside("plain sampler", t, ps, lambda r: f"tidal {r:.3f}x")
+    if "fused" in row:
+        line += _beside("fused projections", t, ok("fused"), lambda r: f"fused {1 / r:.3f}x")
     print(line, flush=True)
-    for name in ("tidal", "plain_sampler"):
+    for name in ("tidal", "plain_sampler", "fused"):
         r = ok(name)
         if r is None or not r.get("kernels"):
             continue

@@ -222,8 +222,8 @@ def test_projections_that_are_not_plain_linear_layers_stay_unfused():
 
 def test_default_and_refused_combinations():
     model = tiny_model()
-    assert Generator(model, config=GeneratorConfig(max_batch=2)).fused == 0  # None: off on CPU
-    for kw in ({}, {"fuse_projections": None}, {"fuse_projections": False}):
+    assert Generator(model, config=GeneratorConfig(max_batch=2)).fused == 0  # off by default
+    for kw in ({}, {"fuse_projections": False}):
         gen = Generator(model, config=GeneratorConfig(max_batch=2, batch_invariant=True, **kw))
         assert gen.fused == 0
     with pytest.raises(ValueError, match="fuse_projections=True with batch_invariant=True"):

@@ -1,4 +1,4 @@
-"""Fused projections (GeneratorConfig.fuse_projections, on by default on CUDA) under compile
+"""Fused projections (GeneratorConfig.fuse_projections) under compile
 and CUDA graphs: the same greedy tokens as the unfused generator in both compile scopes, and
 captured graphs that follow in-place weight loads through the stacked weights. Skipped
 without CUDA (`pytest -m gpu tests/generate/test_gpu_fused_projections.py`)."""

@@ -76,27 +76,24 @@ class FusedFeedForward(FeedForward):
 
 
 def fuse_enabled(config: GeneratorConfig, model: Transformer) -> bool:
-    """`config.fuse_projections` resolved for this model: None is on for a CUDA model outside
-    batch-invariant mode without DTensor parameters (tensor parallel, FSDP).
+    """`config.fuse_projections` checked against this model and mode.
 
     Raises:
         ValueError: True with `batch_invariant`, or with DTensor parameters.
     """
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     want = config.fuse_projections
-    if want is None:
-        return model.rope.device.type == "cuda" and not sharded and not config.batch_invariant
     if want and config.batch_invariant:
         raise ValueError(
             "GeneratorConfig.fuse_projections=True with batch_invariant=True: a product over "
             "stacked weights changes the fixed reduction blocks, so the log-probs would no "
-            "longer match the trainer's bit for bit; leave fuse_projections=None (off there)"
+            "longer match the trainer's bit for bit; leave fuse_projections off there"
         )
     if want and sharded:
         raise ValueError(
             "GeneratorConfig.fuse_projections=True for a model with DTensor parameters "
             "(tensor parallel or FSDP): their shards cannot be laid out as one tensor; leave "
-            "fuse_projections=None (off for it)"
+            "fuse_projections off for it"
         )
     return want
 

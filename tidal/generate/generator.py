@@ -65,7 +65,7 @@ class Generator:
         model: the model, on its device, weights loaded (any dtype; eval mode is not needed:
             the model has no dropout). Tensor parallel models use the plans of
             tidal/parallel/parallelize.py with `sequence_parallel=False`. With fused
-            projections (`GeneratorConfig.fuse_projections`, on by default on CUDA), the
+            projections (`GeneratorConfig.fuse_projections`), the
             attention and MLP projection parameters are laid out anew here, values and
             Parameter objects kept: take the model's state dict after building the
             Generator, and update it in place.

@@ -62,7 +62,7 @@ class GeneratorConfig:
     amp_dtype: Literal["bf16", "fp16"] | None = None
     """Run under autocast in this dtype (fp32 weights, as a trainer without FSDP does).
     A caller's autocast is honoured as well."""
-    fuse_projections: bool | None = None
+    fuse_projections: bool = False
     """Compute each attention block's query, key and value projections as one product, and
     each dense MLP's gate and up projections (W1, W3) as another: 2 matmuls per layer where
     there were 5 (and Qwen 2's three q/k/v bias adds as one). The model's parameters are laid
@@ -72,9 +72,10 @@ class GeneratorConfig:
     parameters and state-dict keys are unchanged (tidal/generate/fused.py). Greedy tokens match
     the unfused ones; log-probs may differ in the last bits (a GEMM may tile a wider product
     differently). Mixture-of-experts layers and projections that are not plain `nn.Linear`
-    layers (float8) are left unfused. None: on for CUDA models outside batch-invariant mode
-    without DTensor parameters. True with `batch_invariant` (the stacked product changes its
-    fixed reduction blocks) or DTensor parameters (tensor parallel, FSDP) is refused."""
+    layers (float8) are left unfused. Off by default until its decode-step gain is measured on a
+    GPU (benchmarks/generate.py --fuse-projections). True with `batch_invariant` (the stacked
+    product changes its fixed reduction blocks) or DTensor parameters (tensor parallel, FSDP)
+    is refused."""
     record_routing: bool = False
     """Mixture-of-experts models: record the experts every MoE layer routed each token to
     (`Sample.routed_experts`, for routing replay in RL). Costs max_batch x MoE layers x

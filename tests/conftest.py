@@ -4,6 +4,14 @@ from pathlib import Path
 
 import pytest
 
+# OpenMP threads with nothing to do sleep instead of spinning (torch's CPU kernels and MKL use
+# libgomp, which reads this when torch is imported: tests import it after this file, and the
+# processes they start inherit it). Spinning threads are harmless on an idle machine, but the
+# tests run beside their own subprocesses and ranks on 2 cores, where a spinning thread holds
+# the core its peer needs: measured at load 9, ten steps of the README's training example took
+# 78 s spinning and 11 s passive. It changes how threads wait, not what they compute.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 USER_CACHE_DIR = Path(os.environ.get("TIDAL_CACHE_DIR") or "~/.cache/tidal").expanduser()
 """The user's tidal cache as it was before the tests set their own: read, never written, by
 the tests of fetched models (SmolLM2), which skip or fetch into a temporary folder without."""

@@ -6,9 +6,9 @@ import threading
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 import tidal.store
+from tests.parallel._launch import spawn
 from tests.store import _procs
 from tests.store.conftest import shm_segments
 
@@ -19,7 +19,7 @@ def test_readers_see_whole_versions_during_writes():
         store.put_state_dict(_procs.payload(0), "c", version=0)
         # rank 0 writes versions 1..N-1; ranks 1 (shm) and 2 (tcp) read latest and older
         # versions until they saw the last one, checking every byte of every read.
-        mp.spawn(_procs.writer_or_reader, args=(store.address,), nprocs=3)
+        spawn(_procs.writer_or_reader, (store.address,), 3)
         assert store.versions("c") == [_procs.VERSIONS - 2, _procs.VERSIONS - 1]
         # Retention held: 2 kept + 1 being written (+ ones leased at the time), not one per put.
         assert store.ls()["entries"][-1]["bytes"] == 8 * _procs.N + 8 * 1000

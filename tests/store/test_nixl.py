@@ -3,14 +3,15 @@ forced with ``transport="nixl"`` (UCX over shared memory or TCP; ``tidal[nixl]``
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import tidal.store
+from tests.parallel._launch import process, spawn
 from tests.store import _nixl_procs
 from tidal.store import StoreError
 from tidal.store.transports import nixl
@@ -19,11 +20,10 @@ needs_nixl = pytest.mark.skipif(
     not nixl.available(),
     reason="NIXL is not installed (pip install 'tidal[nixl]': nixl-cu12 or nixl-cu13)",
 )
-ctx = mp.get_context("spawn")
 
 
 def _run(target, *args, timeout: float = 120.0) -> None:
-    proc = ctx.Process(target=target, args=args)
+    proc = process(target, args)
     proc.start()
     proc.join(timeout)
     if proc.is_alive():
@@ -77,16 +77,16 @@ def test_every_dtype_round_trips_between_processes():
 @needs_nixl
 def test_an_fsdp4_put_is_read_as_tp2_shards(tmp_path):
     with tidal.store.connect() as store:
-        mp.spawn(_nixl_procs.fsdp4_put, args=(4, store.address, str(tmp_path / "a")), nprocs=4)
-        mp.spawn(_nixl_procs.tp2_get, args=(2, store.address, str(tmp_path / "b")), nprocs=2)
+        spawn(_nixl_procs.fsdp4_put, (4, store.address, str(tmp_path / "a")), 4)
+        spawn(_nixl_procs.tp2_get, (2, store.address, str(tmp_path / "b")), 2)
 
 
 @needs_nixl
 def test_readers_during_version_churn_never_see_a_torn_version():
     with tidal.store.connect(keep=2) as store:
         procs = [
-            ctx.Process(target=_nixl_procs.churn_writer, args=(store.address,)),
-            ctx.Process(target=_nixl_procs.churn_reader, args=(store.address,)),
+            process(_nixl_procs.churn_writer, (store.address,)),
+            process(_nixl_procs.churn_reader, (store.address,)),
         ]
         for p in procs:
             p.start()
@@ -101,8 +101,8 @@ def test_readers_during_version_churn_never_see_a_torn_version():
 @needs_nixl
 def test_a_volume_killed_during_reads_is_a_clear_error_within_5_s():
     with tidal.store.connect() as store:
-        parent, child = ctx.Pipe()
-        vol = ctx.Process(target=_nixl_procs.volume_process, args=(store.address, child))
+        parent, child = multiprocessing.Pipe()
+        vol = process(_nixl_procs.volume_process, (store.address, child))
         vol.start()
         try:
             assert parent.poll(60), "the volume did not join"

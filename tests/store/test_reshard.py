@@ -1,15 +1,14 @@
 """Resharding matrix across separate multi-process jobs (gloo), checked against the full
 tensor and against DCP's result for the same source and destination layouts."""
 
-import torch.multiprocessing as mp
-
 import tidal.store
+from tests.parallel._launch import spawn
 from tests.store import _dist
 
 
 def _run(fn, world, address, tmp_path, name):
     init_file = str(tmp_path / f"init_{name}")
-    mp.spawn(fn, args=(world, address, init_file, str(tmp_path / "ckpt")), nprocs=world)
+    spawn(fn, (world, address, init_file, str(tmp_path / "ckpt")), world)
 
 
 def test_reshard_matrix_vs_full_and_dcp(tmp_path):

@@ -44,29 +44,49 @@ print(torch.backends.cpu.get_cpu_capability(), h.hexdigest())
 """
 
 
-def _train(mode: str, **env: str) -> str:
+def _start(mode: str, **env: str) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if k not in PORTABLE_ENV}
-    out = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", TRAIN, mode],
         env={**clean, **env},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
     )
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()[-2:]
+
+
+def _result(proc: subprocess.Popen) -> list[str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, stderr
+    return stdout.split()[-2:]
 
 
 @x86_avx2
 def test_pinned_kernels_do_not_follow_what_the_cpu_offers():
     # The libraries' own choices, narrowed as a CPU with less would narrow them: pinned, the
-    # weights come out the same bits.
-    capability, pinned = _train("pin")
+    # weights come out the same bits. The four processes are independent (each its own
+    # environment and threads): they run side by side, not one after another.
+    procs = [
+        _start("pin"),
+        _start("pin", MKL_ENABLE_INSTRUCTIONS="AVX2", OMP_NUM_THREADS="1"),
+        _start("pin", ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="2"),
+        # The same environment set by hand, before the process starts, is the same arithmetic.
+        _start("auto", **PORTABLE_ENV),
+    ]
+    try:
+        (capability, pinned), mkl, onednn, by_hand = (_result(p) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
     assert capability == "AVX2"
-    assert _train("pin", MKL_ENABLE_INSTRUCTIONS="AVX2", OMP_NUM_THREADS="1")[1] == pinned
-    assert _train("pin", ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="2")[1] == pinned
-    # The same environment set by hand, before the process starts, is the same arithmetic.
-    assert _train("auto", **PORTABLE_ENV) == ["AVX2", pinned]
+    assert mkl[1] == pinned
+    assert onednn[1] == pinned
+    assert by_hand == ["AVX2", pinned]
 
 
 @x86_avx2

@@ -260,11 +260,27 @@ def test_float8_tp_styles_apply_and_run_on_a_fake_process_group(min_dim):
 # -- training ---------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """train_losses on one process, by float8 recipe ("" for none): each trained once for the
+    module (the tensorwise run is the reference of several tests)."""
+    runs: dict[str, tuple] = {}
+
+    def losses(recipe: str = "") -> tuple:
+        if recipe not in runs:
+            extra = ["--quantize.float8", recipe] if recipe else []
+            folder = tmp_path_factory.mktemp(f"one_process_{recipe or 'ref'}")
+            runs[recipe] = train_losses(0, 1, make_config(folder, *extra))
+        return runs[recipe]
+
+    return losses
+
+
 @needs_torchao
-def test_emulated_float8_trains_close_to_the_unquantized_model(tmp_path):
-    ref, _ = train_losses(0, 1, make_config(tmp_path / "ref"))
+def test_emulated_float8_trains_close_to_the_unquantized_model(one_process):
+    ref, _ = one_process()
     for recipe in ("tensorwise", "rowwise"):
-        got, kinds = train_losses(0, 1, make_config(tmp_path / recipe, "--quantize.float8", recipe))
+        got, kinds = one_process(recipe)
         assert kinds["wq"] == "Float8Linear" and kinds["wk"] == "Linear"
         assert all(math.isfinite(x) for x in got)
         assert got[-1] < got[0] - 0.3, (recipe, got)  # it learns
@@ -299,8 +315,8 @@ def test_compiled_float8_matches_eager_float8_on_cpu(tmp_path):
     ],
     ids=["fsdp2_float8_all_gather", "tp2"],
 )
-def test_float8_on_two_ranks_matches_one_process(tmp_path, layout):
-    ref, _ = train_losses(0, 1, make_config(tmp_path / "ref", "--quantize.float8", "tensorwise"))
+def test_float8_on_two_ranks_matches_one_process(tmp_path, layout, one_process):
+    ref, _ = one_process("tensorwise")
     cfg = make_config(tmp_path / "par", "--quantize.float8", "tensorwise", *layout)
     (losses, kinds), _ = run_ranks(2, train_losses, cfg, tmp_path=tmp_path)
     if layout[0] == "--parallelism.dp_shard":

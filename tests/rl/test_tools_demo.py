@@ -18,7 +18,7 @@ from tidal.train.data.chat import BUILTIN_TEMPLATE, ChatTemplate, build_encoder,
 from tidal.train.data.config import CHAT_SPECIAL_TOKENS, DataConfig
 from tidal.train.data.tokenizer import train_bpe
 
-SPEC = "calculator:tool=0.5:terms=2:digits=1-3"
+SPEC = "calculator:tool=0.5:terms=2:digits=1-3:brief_tool=true"
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def encoder(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_teacher_chats_are_the_environment_trajectories_token_for_token(encoder):
-    env = get_env("calculator", terms=2, digits=(1, 3))
+    env = get_env("calculator", terms=2, digits=(1, 3), brief_tool=True)
     tools = [t.spec() for t in env.tools()]
+    assert tools[0]["function"]["description"] == "Exact arithmetic."
     chats = teacher_chats(SPEC, 40, split="train")
     with_tool = [c for c in chats if any(m["role"] == "tool" for m in c)]
     assert 8 < len(with_tool) < 32, len(with_tool)  # about half call the tool
@@ -76,8 +77,13 @@ def test_teacher_spec_errors_and_the_generated_dataset():
         0.25,
         {"terms": 2, "digits": (1, 3)},
     )
+    assert parse_teacher_spec("calculator:terms=1:digits=3:brief_tool=true")[1:] == (
+        0.5,
+        {"terms": 1, "digits": 3, "brief_tool": True},
+    )
     for bad, needle in [
         ("guess:tool=0.5", "no teacher"),
+        ("calculator:brief_tool=yes", "integer, MIN-MAX, true or false"),
         ("calculator:tool=2", "must be in [0, 1]"),
         ("calculator:colour=3", "no parameter 'colour'"),
         ("calculator:terms", "KEY=VALUE"),

@@ -47,6 +47,8 @@ class Calculator(Env):
     """Digits of each operand, a number or an inclusive range."""
     strict: bool = True
     """Credit only an answer on a "#### N" line, not a bare last number."""
+    brief_tool: bool = False
+    """List `calc` with a two-word description (calc_tool's `brief`): a shorter opening."""
     max_turns: int = 4
     max_tool_calls: int = 6
 
@@ -56,7 +58,7 @@ class Calculator(Env):
         int_range(self.digits, "Calculator.digits", 1, 12)
 
     def tools(self) -> list[Tool]:
-        return [calc_tool()]
+        return [calc_tool(brief=bool(self.brief_tool))]
 
     def problem(self, rng: random.Random) -> Problem:
         def operand() -> int:

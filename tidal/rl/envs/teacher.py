@@ -51,7 +51,7 @@ _RANGE = re.compile(r"(\d+)-(\d+)")
 def parse_teacher_spec(spec: str, *, where: str = "spec") -> tuple[str, float, dict[str, Any]]:
     """`"calculator:tool=0.3:terms=2:digits=1-3"` -> ("calculator", 0.3, {"terms": 2,
     "digits": (1, 3)}): the environment, the teacher's tool rate and the environment's
-    parameters (integers, or MIN-MAX ranges).
+    parameters (integers, MIN-MAX ranges, or true/false).
 
     Raises:
         ValueError: an environment without a teacher, a bad option or value, naming `where`.
@@ -60,7 +60,7 @@ def parse_teacher_spec(spec: str, *, where: str = "spec") -> tuple[str, float, d
     if name not in TEACHER_ENVS:
         raise ValueError(
             f"{where}: no teacher for environment {name!r} in {spec!r}; teachers: "
-            f"{list(TEACHER_ENVS)}, written ENV:tool=P[:PARAM=N|MIN-MAX...] "
+            f"{list(TEACHER_ENVS)}, written ENV:tool=P[:PARAM=N|MIN-MAX|true|false...] "
             "(e.g. calculator:tool=0.3:terms=2)"
         )
     tool = 0.5
@@ -82,8 +82,12 @@ def parse_teacher_spec(spec: str, *, where: str = "spec") -> tuple[str, float, d
             params[key] = (int(m[1]), int(m[2]))
         elif value.isdigit():
             params[key] = int(value)
+        elif value in ("true", "false"):
+            params[key] = value == "true"
         else:
-            raise ValueError(f"{where}: {key}={value!r} in {spec!r} must be an integer or MIN-MAX")
+            raise ValueError(
+                f"{where}: {key}={value!r} in {spec!r} must be an integer, MIN-MAX, true or false"
+            )
     try:
         get_env(name, **params)
     except (TypeError, ValueError) as e:

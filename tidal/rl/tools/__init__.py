@@ -90,16 +90,20 @@ def python_tool(config: SandboxConfig | None = None, max_chars: int = 4000) -> T
     )
 
 
-def calc_tool(max_length: int = 256) -> Tool:
-    """The `calc` tool: exact arithmetic, see calc.py."""
+def calc_tool(max_length: int = 256, *, brief: bool = False) -> Tool:
+    """The `calc` tool: exact arithmetic, see calc.py. `brief` describes it in two words and
+    its argument in two (~30 fewer tokens in every opening that lists it: the small models of
+    `make demo-tools`)."""
     return Tool(
         name="calc",
         description=(
-            "Evaluate an arithmetic expression exactly: + - * / // % ** and parentheses, "
+            "Exact arithmetic."
+            if brief
+            else "Evaluate an arithmetic expression exactly: + - * / // % ** and parentheses, "
             "integers and decimals."
         ),
         argument="expression",
-        argument_description='For example "(12.5 + 3) * 4 // 7".',
+        argument_description="An expression." if brief else 'For example "(12.5 + 3) * 4 // 7".',
         run=lambda text: calc(text, max_length=max_length),
     )
 

@@ -333,6 +333,7 @@ class Server:
         hello_done = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            wire.keep_alive(sock)  # it idles between messages with no timeout (_messages)
             self._hello(sock)
             with self._lock:
                 self._pending -= 1

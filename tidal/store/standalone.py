@@ -101,6 +101,7 @@ assert set(_REGISTRATION_OPS) == {n for n, o in ops.OPS.items() if o.served_by =
 def serve_registration(sock: socket.socket, vol: Volume) -> None:
     """Serve the controller's registration ops on ``sock`` until it closes."""
     sock.settimeout(None)
+    wire.keep_alive(sock)  # a controller whose host died sends no FIN: probes find it gone
     while True:
         try:
             header, plen = wire.recv_header(sock, max_payload=0)

@@ -33,6 +33,11 @@ MAX_HEADER_BYTES = 32 << 20
 # 3.5-4.1 GB/s over loopback against 2.8-3.0 GB/s for one sendall of the whole buffer
 # (shared/CPU_NOTES.md, "Raw data movement"); benchmarks/store_tcp.py re-measures it.
 CHUNK_BYTES = 4 << 20
+# TCP keepalive on connections that idle with no timeout (a server's wait for the next
+# request, a volume's wait for the controller's): a peer whose host died or was cut off
+# sends no FIN, and without probes that wait never ends. 30 s idle, then 3 probes 10 s
+# apart: such a peer is found gone within about a minute.
+KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}
 
 # dtypes allowed on the wire, by name. Names received are looked up here only.
 DTYPES: dict[str, torch.dtype] = {
@@ -281,6 +286,22 @@ def send(sock: socket.socket, header: dict[str, Any], payload: memoryview | None
         payload = payload.cast("B")
         for start in range(0, n, CHUNK_BYTES):
             sock.sendall(payload[start : start + CHUNK_BYTES])
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Turn on TCP keepalive probes (``KEEPALIVE``) for a connection that waits for its peer
+    with no timeout: a receive then fails (OSError) once the peer's host is gone, instead of
+    waiting forever. Options this platform lacks are left out; a non-TCP socket is left as
+    it is."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in KEEPALIVE.items():
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:  # fallback: the connection is already closed; its next receive says so
+        pass
 
 
 def _arm(sock: socket.socket, deadline: float | None) -> None:

@@ -2,7 +2,8 @@
 
 - cli.py: `tidal rl` (every role on this machine) and the role commands `tidal rl trainer`
   (under torchrun for N ranks) and `tidal rl generator --index I`.
-- launch.py: the launcher of every role on one machine and the checks made before any starts.
+- launch.py: the launcher of every role on one machine and the checks made before any starts;
+  lifeline.py: a role ends with its launcher.
 - trainer.py: the trainer role: publish a version, take the step's rollouts (intake.py), the
   step, log.
 - generator.py, async_generator.py: the generator role, sync and async.

@@ -37,6 +37,10 @@ def main(argv: list[str]) -> int:
         print(f"{prog}{rank}: error: {error}", file=sys.stderr, flush=True)
         return 2
 
+    if role is not None:
+        from tidal.rl.distributed.lifeline import die_with_launcher
+
+        die_with_launcher()  # a role of `tidal rl` ends with its launcher
     try:
         return _main(role, rest, prog, dist_info)
     except KeyboardInterrupt:

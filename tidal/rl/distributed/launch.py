@@ -8,9 +8,11 @@ processes (`tidal rl generator --store ADDR --index i ...`: tidal/rl/distributed
 and the trainer (`tidal rl trainer --store ADDR ...`, through torchrun's launcher with
 `--nproc N`: tidal/rl/distributed/trainer.py). It watches them: when one fails, it asks the
 others to stop through the store and ends any left after a grace period; Ctrl-C does the
-same. No role is left running. The roles share nothing but the store
-(tidal/rl/distributed/coupling.py); each also runs alone against a store address (`tidal
-store serve`) on a cluster.
+same. A generator still running rl.wait_timeout_s after the trainer finished is ended too,
+and every role stops (SIGTERM) when the launcher itself dies (lifeline.py's
+`die_with_launcher`, through TIDAL_RL_LAUNCHER in its environment). No role is left running.
+The roles share nothing but the store (tidal/rl/distributed/coupling.py); each also runs
+alone against a store address (`tidal store serve`) on a cluster.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tidal.rl.build import (
 from tidal.rl.config import RLConfig
 from tidal.rl.distributed.coupling import STOP, generator_name
 from tidal.rl.distributed.generator_ranks import check_generator_layouts, generator_command
+from tidal.rl.distributed.lifeline import LAUNCHER_ENV
 from tidal.rl.distributed.mps import mps_daemon, role_env
 from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
 
@@ -177,6 +180,7 @@ def run_roles(
     it records each role's command and environment)."""
     mps = mps or {}
     env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1", **mps}
+    env[LAUNCHER_ENV] = str(os.getpid())
     env.setdefault("OMP_NUM_THREADS", "1")
     memory = cfg.store.policy_memory
     if memory == "auto":  # every role is on this machine: CUDA IPC when the trainer is on CUDA
@@ -201,7 +205,7 @@ def run_roles(
         trainer_cmd = [*torchrun, "-m", "tidal", "rl", "trainer", *common]
     procs["trainer"] = popen(trainer_cmd, env=role_env(env, cfg.trainer.sm_percent))
     try:
-        return _watch(procs, store, log)
+        return _watch(procs, store, log, finish_s=cfg.rl.wait_timeout_s)
     except KeyboardInterrupt:
         log("tidal rl: interrupted; stopping every role")
         _put_stop(store, "the launcher was interrupted (Ctrl-C)")
@@ -211,12 +215,15 @@ def run_roles(
         _end(procs, signal.SIGTERM)
 
 
-def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
+def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log, *, finish_s: float) -> int:
     """Wait for the roles. The trainer's failure stops the rest; a generator killed or failing
     is the trainer's to handle (it goes on with the others, or stops, naming it, when too few
     are left), unless no generator is left running at all or one exited with status 2 (a bad
-    input, which every role shares, or a run that stopped). Returns the exit status."""
+    input, which every role shares, or a run that stopped). Once the trainer finished, the
+    generators get `finish_s` to exit; those still running then are ended (the caller's
+    `_end`). Returns the exit status."""
     told: set[str] = set()
+    finished: float | None = None  # when the trainer exited 0
     while True:
         codes = {name: p.poll() for name, p in procs.items()}
         trainer = codes.pop("trainer")
@@ -240,6 +247,16 @@ def _watch(procs: dict[str, subprocess.Popen], store: Any, log: Log) -> int:
             return 130 if code in (130, -signal.SIGINT) else 1
         if trainer == 0 and all(c is not None for c in codes.values()):
             return 0
+        if trainer == 0:
+            finished = time.monotonic() if finished is None else finished
+            if time.monotonic() - finished > finish_s:
+                hung = [n for n, c in codes.items() if c is None]
+                log(
+                    f"tidal rl: the trainer finished but {', '.join(hung)} still ran "
+                    f"{finish_s:g} s later (rl.wait_timeout_s); ending it"
+                )
+                _put_stop(store, f"the trainer finished; {', '.join(hung)} did not exit")
+                return 0
         time.sleep(0.2)  # polling child processes, not synchronizing with them
 
 

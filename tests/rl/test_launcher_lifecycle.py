@@ -94,6 +94,25 @@ print(p.pid, flush=True)
 os.kill(os.getpid(), 9)
 """
 
+# The launcher's own way to start a role (`start_role`), with a child that makes no request of
+# its own: a torchrun, whose ranks it ends on SIGTERM.
+_START_ROLE_LAUNCHER = """
+import os, subprocess, sys
+from tidal.rl.distributed.lifeline import start_role
+out, err, quiet = os.dup(1), os.dup(2), os.open(os.devnull, os.O_WRONLY)
+os.dup2(quiet, 1)  # the role keeps no pipe of the caller's open
+os.dup2(quiet, 2)
+p = start_role([sys.executable, "-c", sys.argv[1]], env=dict(os.environ))
+os.dup2(out, 1)
+os.dup2(err, 2)
+print(p.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+_PLAIN_ROLE = """
+import time
+time.sleep(30)
+"""
+
 
 # Run under a child subreaper of its own, so the orphaned role is this script's to watch and
 # reap (whatever this machine's init does with orphans): "ended STATUS" or "alive".
@@ -121,6 +140,19 @@ def test_a_role_ends_with_its_launcher():
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     watch = subprocess.run(
         [sys.executable, "-c", _WATCH, _LAUNCHER, _ROLE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert watch.returncode == 0, watch.stderr
+    assert watch.stdout.split() == ["ended", str(-signal.SIGTERM)]
+
+
+def test_a_process_the_launcher_starts_ends_with_it_without_asking():
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    watch = subprocess.run(
+        [sys.executable, "-c", _WATCH, _START_ROLE_LAUNCHER, _PLAIN_ROLE],
         env=env,
         capture_output=True,
         text=True,

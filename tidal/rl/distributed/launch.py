@@ -38,7 +38,7 @@ from tidal.rl.build import (
 from tidal.rl.config import RLConfig
 from tidal.rl.distributed.coupling import STOP, generator_name
 from tidal.rl.distributed.generator_ranks import check_generator_layouts, generator_command
-from tidal.rl.distributed.lifeline import LAUNCHER_ENV
+from tidal.rl.distributed.lifeline import LAUNCHER_ENV, start_role
 from tidal.rl.distributed.mps import mps_daemon, role_env
 from tidal.rl.warmstart import PolicySource, prepare_policy, resolve_policy
 
@@ -170,14 +170,15 @@ def run_roles(
     nproc: int = 1,
     log: Log = print,
     mps: dict[str, str] | None = None,
-    popen: Callable[..., Any] = subprocess.Popen,
+    popen: Callable[..., Any] = start_role,
 ) -> int:
     """Start the generators and the trainer (`nproc` ranks) as processes of this machine
     against `store` (a running store: its `address`), with `role_argv` (the config's
     command line) and `mps` (a CUDA MPS daemon's environment, `mps_daemon`) in their
     environment, then watch them until they end; returns the exit status. `popen(argv,
-    env=...)` starts a process: `subprocess.Popen`, or a stand-in in tests (the test seam:
-    it records each role's command and environment)."""
+    env=...)` starts a process: `start_role` (Popen, the child ending with this process),
+    or a stand-in in tests (the test seam: it records each role's command and
+    environment)."""
     mps = mps or {}
     env = {**os.environ, "TIDAL_STORE": "", "PYTHONUNBUFFERED": "1", **mps}
     env[LAUNCHER_ENV] = str(os.getpid())

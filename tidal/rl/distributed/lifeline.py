@@ -1,14 +1,21 @@
 """A role of `tidal rl` ends with the launcher that started it (no torch import: a role
 calls it first thing, and a launcher's death must not wait for imports).
 
-The launcher (launch.py) puts its pid in each role's environment as TIDAL_RL_LAUNCHER; the
-role's command line (cli.py) calls `die_with_launcher` before anything else.
+Two parts, so that no role outlives the launcher:
+- the launcher (launch.py) starts each role with `start_role`: the child asks the kernel for
+  SIGTERM when the launcher dies, before it execs, so torchrun (which ends its ranks on
+  SIGTERM) is covered as well as a role started directly;
+- the launcher puts its pid in each role's environment as TIDAL_RL_LAUNCHER, and the role's
+  command line (cli.py) calls `die_with_launcher` first thing: the same request relative to
+  its own parent (torchrun, for a trainer rank), and an exit at once if the launcher died
+  before the child made its request.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping
 
@@ -16,6 +23,24 @@ LAUNCHER_ENV = "TIDAL_RL_LAUNCHER"
 """The launcher's pid, in the environment of the roles it starts."""
 
 _PR_SET_PDEATHSIG = 1
+
+
+def _ask_sigterm_on_parent_death() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGTERM) for this process (Linux; elsewhere a no-op: the
+    store's loss still stops a role)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def start_role(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen:
+    """`subprocess.Popen(argv, env=env)` whose child gets SIGTERM when this process (the
+    launcher) dies; the request survives the child's exec."""
+    return subprocess.Popen(argv, env=env, preexec_fn=_ask_sigterm_on_parent_death)
 
 
 def die_with_launcher(environ: Mapping[str, str] | None = None) -> None:
@@ -27,13 +52,7 @@ def die_with_launcher(environ: Mapping[str, str] | None = None) -> None:
     launcher = env.get(LAUNCHER_ENV)
     if not launcher:
         return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the store's loss still stops the role
-        pass
+    _ask_sigterm_on_parent_death()
     try:
         os.kill(int(launcher), 0)  # after prctl: a launcher that died before it is seen here
     except ProcessLookupError:

@@ -7,6 +7,7 @@ import multiprocessing
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -220,3 +221,25 @@ def test_a_registration_or_peer_failure_is_one_line_and_auto_falls_back(monkeypa
                 monkeypatch.setattr(reader.session.shm, "reaches", lambda vol: False)
                 assert torch.equal(reader.get("w"), torch.arange(1000.0))  # over TCP
             reader.close()
+
+
+def test_split_cuts_descriptors_into_equal_byte_ranges():
+    local = np.array([[1000, 3 << 12, 0], [90000, 1 << 12, 0]], dtype=np.int64)
+    far = np.array([[500, 3 << 12, 0], [70000, 1 << 12, 0]], dtype=np.int64)
+    parts = nixl.split(local, far, 2)
+    assert [p[0].tolist() for p in parts] == [
+        [[1000, 2 << 12, 0]],
+        [[1000 + (2 << 12), 1 << 12, 0], [90000, 1 << 12, 0]],
+    ]
+    assert parts[1][1].tolist() == [[500 + (2 << 12), 1 << 12, 0], [70000, 1 << 12, 0]]
+    assert [len(p[0]) for p in nixl.split(local, far, 1)] == [2]
+    small = np.array([[0, 100, 0]], dtype=np.int64)
+    assert len(nixl.split(small, small, 4)) == 1  # nothing to cut under 4 KiB
+
+
+def test_lanes_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(nixl.LANES_ENV, "3")
+    assert nixl.lanes() == 3
+    monkeypatch.setenv(nixl.LANES_ENV, "0")
+    with pytest.raises(StoreError, match="TIDAL_NIXL_LANES='0'"):
+        nixl.lanes()

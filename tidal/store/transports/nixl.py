@@ -18,6 +18,12 @@ module imports nothing and :func:`load` names the missing package.
   destinations), the last ``MAX_LAYOUTS`` of them, with the registrations of their
   destinations' storages (referenced, so an address is never registered twice with other
   memory behind it): a steady get posts the request it made last time.
+- Lanes: a handle keeps ``lanes()`` agents (``TIDAL_NIXL_LANES``, default 2) and splits a
+  read of at least ``SPLIT_MIN`` bytes into that many equal byte ranges, one transfer request
+  per agent, posted together and completed on as many threads. UCX moves a READ on one host by
+  ``process_vm_readv`` (CMA) in the thread that drives the request, so one agent reads at
+  single-thread copy speed, under the multi-threaded memcpy the targets compare with; NIXL's
+  own ``num_threads``/``num_workers`` did not split it (benchmarks/README.md).
 - Writes go through shared memory when the volume is on this host, else TCP: readers pull,
   writers do not push.
 
@@ -36,6 +42,7 @@ on another interface uses what UCX finds.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import importlib
 import logging
 import os
@@ -63,6 +70,11 @@ MAX_DESCS = 1 << 20  # descriptors per read; more go through a scratch buffer
 # it). A reader into its own tensors reuses one; one into fresh tensors each time keeps the
 # destinations of its last reads this many alive.
 MAX_LAYOUTS = 4
+# Reads of at least this many bytes are split across the lanes; smaller ones use lane 0 (a
+# thread hand-off costs more than it saves).
+SPLIT_MIN = 4 << 20
+LANES_ENV = "TIDAL_NIXL_LANES"
+DEFAULT_LANES = 2  # 2-core VM, loaded: store_transports.py 0.50 s vs 0.60 s at 1 (median)
 
 log = logging.getLogger("tidal.store")
 _module: ModuleType | None = None
@@ -112,6 +124,21 @@ def available() -> bool:
     except StoreError:
         return False
     return True
+
+
+def lanes() -> int:
+    """Agents (and threads) a reader splits a large read across: ``TIDAL_NIXL_LANES``
+    (1-64), default ``DEFAULT_LANES``."""
+    raw = os.environ.get(LANES_ENV, "")
+    if not raw:
+        return DEFAULT_LANES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise StoreError(f"{LANES_ENV}={raw!r}: expected an integer from 1 to 64")
+    return n
 
 
 def has_rdma(root: str = "/sys/class/infiniband") -> bool:
@@ -212,13 +239,15 @@ class NixlTransport(Transport):
         self._fallback = fallback
         self._fell_back: set[tuple[str, str, str]] = set()
         self.name = f"tidal-rd-{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent: Any = None
+        self._lanes = lanes()
+        self._agents: list[Any] = []  # lane 0 first, made at first use
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._remotes: dict[tuple[str, str, str], _Remote] = {}
-        # (address, bytes, kind) -> [registration, storage, requests using it]
+        # (address, bytes, kind) -> [registrations (one per lane), storage, requests using it]
         self._regs: dict[tuple[int, int, str], list[Any]] = {}
-        # request key -> (transfer handle, the registrations it uses)
+        # request key -> (transfer handle per lane used, the registrations it uses)
         self._requests: collections.OrderedDict[
-            tuple[Any, ...], tuple[Any, tuple[tuple[int, int, str], ...]]
+            tuple[Any, ...], tuple[list[tuple[Any, Any]], tuple[tuple[int, int, str], ...]]
         ] = collections.OrderedDict()
         self._scratch: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -235,9 +264,17 @@ class NixlTransport(Transport):
         return len(self._regs)
 
     def agent(self) -> Any:
-        if self._agent is None:
-            self._agent = _agent(self.name, False, "store handle, transport nixl")
-        return self._agent
+        """Lane 0's agent."""
+        return self.agents()[0]
+
+    def agents(self) -> list[Any]:
+        """One agent per lane, made at first use."""
+        if not self._agents:
+            self._agents = [
+                _agent(f"{self.name}-{i}", False, "store handle, transport nixl")
+                for i in range(self._lanes)
+            ]
+        return self._agents
 
     # ---------------------------------------------------------------- writes
 
@@ -269,7 +306,8 @@ class NixlTransport(Transport):
             raise NixlSetupError(f"{what}: {e}") from None
         self.messages += 1
         try:
-            name = self.agent().add_remote_agent(reply["metadata"])
+            names = [a.add_remote_agent(reply["metadata"]) for a in self.agents()]
+            name = names[0]
         except StoreError:
             raise
         except Exception as e:
@@ -292,30 +330,30 @@ class NixlTransport(Transport):
         if key in self._regs:
             return key
         dev = t.device.index or 0 if t.is_cuda else 0
+        regs: list[tuple[Any, Any]] = []
         try:
-            reg = self.agent().register_memory([(key[0], key[1], dev, "")], kind)
+            for a in self.agents():
+                regs.append((a, a.register_memory([(key[0], key[1], dev, "")], kind)))
         except StoreError:
+            _deregister(regs)
             raise
         except Exception as e:
+            _deregister(regs)
             raise NixlSetupError(
                 f"{what}: cannot register {key[1]} bytes of {kind} to read into: {e}"
             ) from None
-        self._regs[key] = [reg, storage, 0]
+        self._regs[key] = [regs, storage, 0]
         return key
 
     def _unused(self) -> None:
         """Deregister (and let go of) storages no kept request uses."""
         for key in [k for k, r in self._regs.items() if r[2] == 0]:
-            reg = self._regs.pop(key)[0]
-            try:
-                self.agent().deregister_memory(reg)
-            except Exception:
-                pass
+            _deregister(self._regs.pop(key)[0])
 
     def _forget(self, key: tuple[Any, ...]) -> None:
         """Release the request ``key`` and the registrations only it used."""
-        handle, regs = self._requests.pop(key)
-        self._release(handle)
+        handles, regs = self._requests.pop(key)
+        self._release(handles)
         for r in regs:
             self._regs[r][2] -= 1
         self._unused()
@@ -381,7 +419,6 @@ class NixlTransport(Transport):
         self, vol: VolumeInfo, remote: _Remote, targets: list[tuple[ReadJob, torch.Tensor]]
     ) -> None:
         what = f"volume {vol.id!r} at {vol.address}, transport nixl"
-        agent = self.agent()
         storages = {}
         for _, d in targets:
             st = d.untyped_storage()
@@ -397,25 +434,26 @@ class NixlTransport(Transport):
         kept = self._requests.get(key)
         if kept is not None:
             self._requests.move_to_end(key)
-            handle = kept[0]
+            handles = kept[0]
         else:
             regs = tuple(self._register(d, what) for d in storages.values())
             try:
-                handle = self._prepare(what, agent, remote, targets)
+                handles = self._prepare(what, remote, targets)
             except BaseException:
                 self._unused()
                 raise
             for r in regs:
                 self._regs[r][2] += 1
-            self._requests[key] = (handle, regs)
+            self._requests[key] = (handles, regs)
             while len(self._requests) > MAX_LAYOUTS:
                 self._forget(next(iter(self._requests)))
-        self._post(agent, handle, key, what)
+        self._post(handles, key, what)
 
     def _prepare(
-        self, what: str, agent: Any, remote: _Remote, targets: list[tuple[ReadJob, torch.Tensor]]
-    ) -> Any:
-        """A transfer request reading every target's runs from the volume's slots."""
+        self, what: str, remote: _Remote, targets: list[tuple[ReadJob, torch.Tensor]]
+    ) -> list[tuple[Any, Any]]:
+        """(agent, transfer request) per lane used, together reading every target's runs from
+        the volume's slots."""
         local, far = [], []
         for job, dst in targets:
             addr, nbytes = remote.slots[job.slot]
@@ -427,16 +465,45 @@ class NixlTransport(Transport):
             local.append(np.stack([dst_runs[0], dst_runs[1], devs], 1))
             far.append(np.stack([src_runs[0] + addr, src_runs[1], devs * 0], 1))
         kind = "VRAM" if targets[0][1].is_cuda else "DRAM"
+        lo, fa = np.concatenate(local), np.concatenate(far)
+        agents = self.agents()
+        n = len(agents) if int(lo[:, 1].sum()) >= SPLIT_MIN else 1
+        out: list[tuple[Any, Any]] = []
         try:
-            ldescs = agent.get_xfer_descs(np.concatenate(local).astype(np.uint64), kind)
-            rdescs = agent.get_xfer_descs(np.concatenate(far).astype(np.uint64), "DRAM")
-            return agent.initialize_xfer("READ", ldescs, rdescs, remote.agent)
+            for agent, (ll, ff) in zip(agents, split(lo, fa, n), strict=False):
+                ldescs = agent.get_xfer_descs(ll.astype(np.uint64), kind)
+                rdescs = agent.get_xfer_descs(ff.astype(np.uint64), "DRAM")
+                out.append((agent, agent.initialize_xfer("READ", ldescs, rdescs, remote.agent)))
         except Exception as e:
+            self._release(out)
             raise NixlSetupError(f"{what}: cannot prepare the read: {e}") from None
+        return out
 
-    def _post(self, agent: Any, handle: Any, key: tuple[Any, ...], what: str) -> None:
-        """Post the request and poll it to completion; a failure drops the request (and
-        the volume's agent, so that the next read asks the volume again)."""
+    def _post(self, handles: list[tuple[Any, Any]], key: tuple[Any, ...], what: str) -> None:
+        """Post each lane's request and poll them to completion (lane 0 on this thread, the
+        others on the pool's); a failure drops the request (and the volume's agent, so that
+        the next read asks the volume again)."""
+        if len(handles) > 1 and self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._lanes - 1, thread_name_prefix="tidal-nixl"
+            )
+        others = [self._pool.submit(self._wait, a, h, key, what) for a, h in handles[1:]]  # type: ignore[union-attr]
+        errors: list[BaseException] = []
+        try:
+            self._wait(*handles[0], key, what)
+        except BaseException as e:
+            errors.append(e)
+        for f in others:
+            try:
+                f.result()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            self._drop(key)
+            raise errors[0]
+
+    def _wait(self, agent: Any, handle: Any, key: tuple[Any, ...], what: str) -> None:
+        """Post one request and poll it to completion within the timeout."""
         try:
             state = agent.transfer(handle)
             deadline = time.monotonic() + self._timeout
@@ -452,10 +519,8 @@ class NixlTransport(Transport):
             if state != "DONE":
                 raise VolumeLostError(f"{what}: the read failed (NIXL state {state})")
         except StoreError:
-            self._drop(key)
             raise
         except Exception as e:
-            self._drop(key)
             raise VolumeLostError(f"{what}: the read failed: {e} (volume gone?)") from None
 
     def _drop(self, key: tuple[Any, ...]) -> None:
@@ -464,26 +529,66 @@ class NixlTransport(Transport):
         for rkey, remote in list(self._remotes.items()):
             if remote.agent == key[0]:
                 del self._remotes[rkey]
-                try:
-                    self.agent().remove_remote_agent(remote.agent)
-                except Exception:
-                    pass
+                for a in self.agents():
+                    try:
+                        a.remove_remote_agent(remote.agent)
+                    except Exception:
+                        pass
 
-    def _release(self, handle: Any) -> None:
-        try:
-            self.agent().release_xfer_handle(handle)
-        except Exception:  # still in flight after a failure: NIXL frees it with the agent
-            pass
+    @staticmethod
+    def _release(handles: list[tuple[Any, Any]]) -> None:
+        for agent, handle in handles:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:  # still in flight after a failure: NIXL frees it with the agent
+                pass
 
     def close(self) -> None:
         with self._lock:
-            if self._agent is None:
+            if not self._agents:
                 return
             while self._requests:
                 self._forget(next(iter(self._requests)))
             self._unused()
             self._scratch.clear()
-            self._agent = None
+            self._agents = []
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
+
+
+def _deregister(regs: list[tuple[Any, Any]]) -> None:
+    for agent, reg in regs:
+        try:
+            agent.deregister_memory(reg)
+        except Exception:  # the memory goes anyway; nothing a reader can use is left
+            pass
+
+
+def split(local: np.ndarray, far: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` pieces of the descriptor lists (rows of address, bytes, device) covering equal
+    ranges of their bytes (cut at 4 KiB multiples of the running total; a descriptor across a
+    cut becomes two). Empty pieces are left out."""
+    if n <= 1:
+        return [(local, far)]
+    lengths = local[:, 1].astype(np.int64)
+    end = np.cumsum(lengths)
+    start = end - lengths
+    total = int(end[-1])
+    cuts = [min(total, (total * i // n) >> 12 << 12) for i in range(n)] + [total]
+    out = []
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        s, e = np.maximum(start, lo), np.minimum(end, hi)
+        keep = e > s
+        if not keep.any():
+            continue
+        skip, size = (s - start)[keep], (e - s)[keep]
+        ll, ff = local[keep].copy(), far[keep].copy()
+        ll[:, 0] += skip
+        ff[:, 0] += skip
+        ll[:, 1] = ff[:, 1] = size
+        out.append((np.ascontiguousarray(ll), np.ascontiguousarray(ff)))
+    return out
 
 
 def _nbytes(sizes: tuple[int, ...], dtype: torch.dtype) -> int:

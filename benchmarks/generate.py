@@ -48,6 +48,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -147,17 +148,33 @@ def sampler_in_generator(name: str):
         engine.sample = own
 
 
-def run_tidal(
-    model,
-    args,
-    batch: int,
-    mode: str,
-    batch_invariant: bool,
-    sampler: str = "tidal",
-    fuse: bool = False,
-) -> dict:
-    with sampler_in_generator(sampler):
-        return _run_tidal(model, args, batch, mode, batch_invariant, fuse)
+@dataclass(frozen=True)
+class Variant:
+    """One tidal configuration timed at each batch size and mode."""
+
+    name: str
+    """Its key in a result row ("tidal", "plain_sampler", "fused", "batch_invariant")."""
+    batch_invariant: bool = False
+    """GeneratorConfig.batch_invariant."""
+    sampler: str = "tidal"
+    """The Generator's sampler: "tidal" (its own) or "plain" (`sampler_in_generator`)."""
+    fuse: bool = False
+    """GeneratorConfig.fuse_projections."""
+
+
+def variants(args) -> list[Variant]:
+    """The tidal configurations that `args` asks for, in the order they run."""
+    runs = [Variant("tidal")]
+    runs += [Variant("plain_sampler", sampler="plain")] if args.plain_sampler else []
+    # After the unfused runs: fusing lays the model's weights out anew (same values).
+    runs += [Variant("fused", fuse=True)] if args.fuse_projections else []
+    runs += [] if args.no_batch_invariant else [Variant("batch_invariant", batch_invariant=True)]
+    return runs
+
+
+def run_tidal(model, args, batch: int, mode: str, variant: Variant) -> dict:
+    with sampler_in_generator(variant.sampler):
+        return _run_tidal(model, args, batch, mode, variant.batch_invariant, variant.fuse)
 
 
 def _run_tidal(model, args, batch: int, mode: str, batch_invariant: bool, fuse: bool) -> dict:
@@ -436,16 +453,10 @@ def main() -> None:
     for batch in args.batches:
         for mode in args.modes:
             row: dict = {"batch": batch, "mode": mode}
-            runs = [("tidal", False, "tidal", False)]
-            runs += [("plain_sampler", False, "plain", False)] if args.plain_sampler else []
-            # After the unfused runs: fusing lays the model's weights out anew (same values).
-            runs += [("fused", False, "tidal", True)] if args.fuse_projections else []
-            bi_run = ("batch_invariant", True, "tidal", False)
-            runs += [bi_run] if not args.no_batch_invariant else []
-            for name, bi, sampler, fuse in runs:
-                label = f"batch {batch} {mode} {name}"
-                row[name] = attempt(
-                    failures, label, run_tidal, model, args, batch, mode, bi, sampler, fuse
+            for variant in variants(args):
+                label = f"batch {batch} {mode} {variant.name}"
+                row[variant.name] = attempt(
+                    failures, label, run_tidal, model, args, batch, mode, variant
                 )
             if device.type == "cuda":
                 length = args.prompt_len + args.new_tokens / 2

@@ -3,10 +3,10 @@ GEMMs, attention and the rest, from a torch profiler run of tidal's own steps.
 
 `train_throughput.py --profile-moe` runs a few eager steps of the benchmarked model under
 torch.profiler (`profile_steps`) and prints `table(breakdown(...))`. The MoE layer opens a
-named range around each part of its forward while a profiler runs (`moe_span` in
-tidal/models/moe.py: `moe.router`, `moe.dispatch`, `moe.experts`, `moe.combine`,
-`moe.shared_experts`). Each operator's own time (its kernels' time on a GPU, its own CPU time
-on CPU) goes to a category:
+named range around each part of its forward while a profiler runs (`span` in
+tidal/models/profiling.py; `MOE_SPANS` in tidal/models/moe.py: `moe.router`, `moe.dispatch`,
+`moe.experts`, `moe.combine`, `moe.shared_experts`). Each operator's own time (its kernels'
+time on a GPU, its own CPU time on CPU) goes to a category:
 
 - an operator inside a range takes the range's category;
 - a backward operator takes the category of the forward operator that made its autograd

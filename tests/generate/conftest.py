@@ -15,6 +15,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Each test compiles from scratch: graphs of earlier tests' shapes and dtypes would count
+    against dynamo's recompile limit per function, past which it runs eagerly. The CUDA test
+    modules use it for every test (`pytest.mark.usefixtures("fresh_dynamo")`)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def tiny_model(flavor: str = "tiny", seed: int = 0, **kw) -> Transformer:
     """The 4-layer parity flavor (vocab 512), seed-initialized on CPU."""
     with torch.device("meta"):
@@ -36,6 +48,20 @@ def qwen_tiny(seed: int = 0) -> Transformer:
         head_dim=24,
         ffn_dim=128,
         vocab_size=384,
+    )
+
+
+def moe_tiny(seed: int = 0) -> Transformer:
+    """debug_moe shrunk: 2 layers of dim 64, 8 experts, 2 per token."""
+    return tiny_model(
+        "debug_moe",
+        seed,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
     )
 
 

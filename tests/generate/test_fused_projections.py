@@ -8,7 +8,7 @@ combinations. The CUDA graph path: tests/generate/test_gpu_fused_projections.py.
 import pytest
 import torch
 
-from tests.generate.conftest import qwen_tiny, tiny_model
+from tests.generate.conftest import moe_tiny, qwen_tiny, tiny_model
 from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.generate.fused import FusedAttention, FusedFeedForward
 
@@ -40,19 +40,6 @@ def qwen2_tiny(seed: int = 0):
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     return model
-
-
-def moe_tiny(seed: int = 0):
-    return tiny_model(
-        "debug_moe",
-        seed,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        vocab_size=256,
-    )
 
 
 MODELS = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,12 @@ BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "generate.py"
 
 
 @pytest.fixture
-def bench():
+def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("benchmark_generate", BENCHMARK)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered while it runs, as an import would: its dataclasses look their module up.
+    monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module
 
@@ -69,3 +72,17 @@ def test_the_timed_call_compiles_nothing(bench, compiled_generator):
     for p in (params, call_params):
         gen.generate(prompts, p)
     assert bench.compiles() == before
+
+
+def test_variants_follow_the_flags_in_run_order(bench):
+    from argparse import Namespace
+
+    every = Namespace(plain_sampler=True, fuse_projections=True, no_batch_invariant=False)
+    assert bench.variants(every) == [
+        bench.Variant("tidal"),
+        bench.Variant("plain_sampler", sampler="plain"),
+        bench.Variant("fused", fuse=True),
+        bench.Variant("batch_invariant", batch_invariant=True),
+    ]
+    fewest = Namespace(plain_sampler=False, fuse_projections=False, no_batch_invariant=True)
+    assert [v.name for v in bench.variants(fewest)] == ["tidal"]

@@ -4,9 +4,17 @@ bf16 parity. Skipped without CUDA (`pytest -m gpu tests/generate/test_gpu.py`)."
 
 import pytest
 import torch
-import torch._dynamo
 from torch._dynamo.utils import counters
 
+from tests.generate._cuda import (
+    MAX_GAP_BF16,
+    MEAN_GAP_BF16,
+    PROMPTS,
+    SCOPES,
+    check_graphs_follow_weight_loads,
+    completion_ids,
+    cuda_model,
+)
 from tidal.generate import (
     Generator,
     GeneratorConfig,
@@ -14,43 +22,18 @@ from tidal.generate import (
     completion_logprobs,
     logprobs,
 )
-from tidal.models import Transformer, get_flavor
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
-PROMPTS = [[1, 5, 7], list(range(2, 60)), [4], [9] * 5, list(range(100, 230))]
 EAGER = dict(compile=False, cuda_graphs=False)
-SCOPES = pytest.mark.parametrize(
-    "scope", ["step", "blocks"], ids=["compiled_step", "compiled_blocks"]
-)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test compiles from scratch: graphs of earlier tests' shapes and dtypes would count
-    against dynamo's recompile limit per function, past which it runs eagerly."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
-
-
-def _model(seed=0, dtype=torch.float32, **kw):
-    with torch.device("meta"):
-        m = Transformer(get_flavor("debug", vocab_size=512, max_seq_len=512, **kw))
-    m.to_empty(device="cuda")
-    m.init_weights(seed=seed)
-    return m.to(dtype)
-
-
-def _ids(groups):
-    return [[s.completion_ids for s in g] for g in groups]
 
 
 @pytest.mark.parametrize(
@@ -59,7 +42,7 @@ def _ids(groups):
     ids=["default", "tune_kernels", "compiled_blocks"],
 )
 def test_compiled_graph_decode_matches_eager(kw):
-    model = _model()
+    model = cuda_model()
     params = SamplingParams(temperature=0, max_new_tokens=40)
     fast = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **kw))
     assert fast.compiles and fast.captures
@@ -68,52 +51,27 @@ def test_compiled_graph_decode_matches_eager(kw):
     assert fast.stats.graphs_captured >= 1
     ref = Generator(model, config=GeneratorConfig(max_batch=8, max_seq_len=256, **EAGER))
     want = ref.generate(PROMPTS, params)
-    assert _ids(got) == _ids(want)
+    assert completion_ids(got) == completion_ids(want)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(
             torch.tensor(g[0].logprobs), torch.tensor(w[0].logprobs), atol=1e-3, rtol=0
         )
     # Sampled with truncation: a second sampler variant, the same seeded tokens as eager.
     sampled = SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=50, max_new_tokens=24)
-    assert _ids(fast.generate(PROMPTS, sampled)) == _ids(ref.generate(PROMPTS, sampled))
+    assert completion_ids(fast.generate(PROMPTS, sampled)) == completion_ids(
+        ref.generate(PROMPTS, sampled)
+    )
 
 
 @SCOPES
 def test_graphs_stay_valid_across_load_weights(scope):
-    gen = Generator(
-        _model(seed=0, dtype=torch.bfloat16),
-        config=GeneratorConfig(max_batch=4, max_seq_len=256, compile_scope=scope),
-    )
-    params = SamplingParams(temperature=0, max_new_tokens=32)
-    first = gen.generate(PROMPTS[:3], params)
-    captured = gen.stats.graphs_captured
-    ptrs = [p.data_ptr() for p in gen.model.parameters()]
-    gen_model_before = _model(seed=0, dtype=torch.bfloat16)  # the weights it had
-    other = _model(seed=1, dtype=torch.bfloat16)
-    gen.load_weights(other.state_dict(), version=5)
-    assert [p.data_ptr() for p in gen.model.parameters()] == ptrs
-    second = gen.generate(PROMPTS[:3], params)
-    assert gen.stats.graphs_captured == captured  # replayed, not re-captured
-    assert second[0][0].weight_version == 5 and _ids(second) != _ids(first)
-    # The replayed graphs computed with the new weights: the log-probs they reported are the
-    # new model's (teacher-forced, eager) within the bf16 gap, and far from the old model's.
-    # (Not compared with a fresh generator's greedy tokens: another compiled graph rounds
-    # differently in bf16 and can flip a near tie; on the H200 one prompt's 14th token did.)
-    samples = [s for g in second for s in g]
-    with torch.no_grad():
-        new = completion_logprobs(other, samples)
-        old = completion_logprobs(gen_model_before, samples)
-    reported = [torch.tensor(s.logprobs) for s in samples]
-    gap_new = torch.cat([r - t.cpu() for r, t in zip(reported, new, strict=True)]).abs()
-    gap_old = torch.cat([r - t.cpu() for r, t in zip(reported, old, strict=True)]).abs()
-    assert gap_new.max() < MAX_GAP_BF16 and gap_new.mean() < MEAN_GAP_BF16, gap_new
-    assert gap_old.mean() > 10 * MEAN_GAP_BF16, gap_old
+    check_graphs_follow_weight_loads(scope)
 
 
 @pytest.mark.parametrize("precision", ["bf16 weights", "fp32 weights + bf16 autocast"])
 def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
     autocast = precision.startswith("fp32")
-    model = _model(dtype=torch.float32 if autocast else torch.bfloat16)
+    model = cuda_model(dtype=torch.float32 if autocast else torch.bfloat16)
     config = GeneratorConfig(
         max_batch=4,
         max_seq_len=256,
@@ -144,17 +102,11 @@ def test_batch_invariant_bf16_logprobs_are_bitwise_the_trainers(precision):
     assert [s.logprobs for s in again] == [s.logprobs for s in samples]
 
 
-# Outside batch-invariant mode, bf16 weights, compiled decode vs the trainer's forward, this
-# test's model and samples: measured max |diff| 0.02971, mean 0.005784 on one H200 (torch
-# 2.11.0+cu130). The bounds are 3x those figures (docs/generate.md).
-MAX_GAP_BF16, MEAN_GAP_BF16 = 0.09, 0.018
-
-
 @SCOPES
 def test_normal_mode_bf16_logprob_gap_is_bounded(record_property, scope):
     """Documented bound outside batch-invariant mode, bf16 on CUDA: max |diff| < 0.09 and
     mean |diff| < 0.018 between generator and trainer log-probs (compiled decode)."""
-    model = _model(dtype=torch.bfloat16)
+    model = cuda_model(dtype=torch.bfloat16)
     gen = Generator(
         model, config=GeneratorConfig(max_batch=8, max_seq_len=256, compile_scope=scope)
     )
@@ -176,7 +128,7 @@ def test_normal_mode_bf16_logprob_gap_is_bounded(record_property, scope):
 
 @SCOPES
 def test_continuous_batching_on_cuda_finishes_everything(scope):
-    model = _model(dtype=torch.bfloat16)
+    model = cuda_model(dtype=torch.bfloat16)
     gen = Generator(
         model, config=GeneratorConfig(max_batch=4, max_seq_len=256, compile_scope=scope)
     )
@@ -213,7 +165,7 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
     afterwards continuous batching through buckets 8, 4, 2, 1, prompts of other counts and
     widths, greedy and sampled, make no dynamo graph and capture no CUDA graph, and give
     eager's tokens (the warm-up leaves the rows as they were)."""
-    model = _model()
+    model = cuda_model()
     gen = Generator(
         model, config=GeneratorConfig(max_batch=8, max_seq_len=256, compile_scope=scope)
     )
@@ -237,7 +189,9 @@ def test_warm_up_leaves_nothing_to_compile_or_capture(scope):
         (PROMPTS[4:], greedy),
         (PROMPTS[:2], sampled[1]),
     ]:
-        assert _ids(gen.generate(prompts, params)) == _ids(ref.generate(prompts, params))
+        assert completion_ids(gen.generate(prompts, params)) == completion_ids(
+            ref.generate(prompts, params)
+        )
     assert (gen.stats.graphs_captured, _graphs()) == (captured, graphs)
 
 
@@ -258,7 +212,7 @@ def _conversation(gen, params):
 def test_conversations_continue_from_the_cache_under_graphs(scope):
     """Continuations prefilled at their rows' offsets (the compiled prefill) and decoded in
     captured graphs give eager's tokens, turn by turn."""
-    model = _model()
+    model = cuda_model()
     params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=())
     fast = Generator(
         model, config=GeneratorConfig(max_batch=4, max_seq_len=256, compile_scope=scope)
@@ -273,7 +227,7 @@ def test_conversations_continue_from_the_cache_under_graphs(scope):
 def test_batch_invariant_bf16_conversation_is_bitwise_the_trainers():
     """Every turn of a conversation continued from the cache (captured decode, bf16) has
     bitwise the log-probs of the whole conversation scored in one trainer forward."""
-    model = _model(dtype=torch.bfloat16)
+    model = cuda_model(dtype=torch.bfloat16)
     gen = Generator(
         model,
         config=GeneratorConfig(max_batch=4, max_seq_len=256, check_every=4, batch_invariant=True),

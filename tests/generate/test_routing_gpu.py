@@ -6,7 +6,6 @@ training forward's bit for bit. Skipped without CUDA (`pytest -m gpu`)."""
 
 import pytest
 import torch
-import torch._dynamo
 
 from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.models import Transformer, get_flavor
@@ -15,16 +14,10 @@ from tidal.models.moe import grouped_mm_available, moe_layers
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
 PROMPTS = [[1, 5, 7], list(range(2, 60)), [4], [9] * 5]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _model(dtype: torch.dtype) -> Transformer:

@@ -9,26 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.generate.conftest import tiny_model
+from tests.generate.conftest import moe_tiny, tiny_model
 from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.generate.steps import moe_host_sync
 from tidal.models.moe import moe_layers
 
 PROMPTS = [[0, 5, 7, 9], list(range(2, 23)), [4], [9] * 6]
-
-
-def moe_model(seed: int = 0):
-    """debug_moe shrunk: 2 layers of dim 64, 8 experts, 2 per token."""
-    return tiny_model(
-        "debug_moe",
-        seed,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        vocab_size=256,
-    )
 
 
 def forward_routing(model, ids: list[int]) -> torch.Tensor:
@@ -57,7 +43,7 @@ PARAMS = [
 
 
 def test_records_are_the_training_forwards_experts():
-    model = moe_model()
+    model = moe_tiny()
     cfg = GeneratorConfig(
         max_batch=4, max_seq_len=64, check_every=3, batch_invariant=True, record_routing=True
     )
@@ -69,7 +55,7 @@ def test_records_are_the_training_forwards_experts():
 def test_compiled_steps_record_as_eager_ones(monkeypatch):
     """The compiled prefill and decode steps (traced by dynamo, run by its eager backend:
     the same kernels) record what the eager steps record."""
-    model = moe_model()
+    model = moe_tiny()
     cfg = GeneratorConfig(max_batch=4, max_seq_len=64, check_every=3, record_routing=True)
     want = Generator(model, config=cfg).generate(PROMPTS, PARAMS)
     compile_ = torch.compile
@@ -86,7 +72,7 @@ def test_compiled_steps_record_as_eager_ones(monkeypatch):
 
 
 def test_continuations_record_the_whole_conversation():
-    model = moe_model()
+    model = moe_tiny()
     cfg = GeneratorConfig(max_batch=2, max_seq_len=64, batch_invariant=True, record_routing=True)
     gen = Generator(model, config=cfg)
     p = SamplingParams(temperature=1.0, max_new_tokens=5, seed=3, stop_token_ids=())
@@ -100,7 +86,7 @@ def test_dense_model_and_no_recording():
     dense = tiny_model()
     with pytest.raises(ValueError, match="record_routing=True .* this model is dense"):
         Generator(dense, config=GeneratorConfig(max_batch=2, record_routing=True))
-    gen = Generator(moe_model(), config=GeneratorConfig(max_batch=2, max_seq_len=32))
+    gen = Generator(moe_tiny(), config=GeneratorConfig(max_batch=2, max_seq_len=32))
     (s,) = gen.generate([[1, 2]], SamplingParams(max_new_tokens=3))[0]
     assert s.routed_experts is None
 
@@ -108,7 +94,7 @@ def test_dense_model_and_no_recording():
 def test_the_experts_loop_reads_counts_on_the_host():
     """Off sm90 bf16 (and in batch-invariant mode) the experts run one matmul per expert and
     read the counts on the host: a CUDA graph cannot capture that step."""
-    model = moe_model()
+    model = moe_tiny()
     assert moe_host_sync(tiny_model(), GeneratorConfig()) is None  # dense
     assert "grouped GEMM" in moe_host_sync(model, GeneratorConfig())
     assert "batch-invariant" in moe_host_sync(model, GeneratorConfig(batch_invariant=True))

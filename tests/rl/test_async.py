@@ -11,7 +11,7 @@ import torch
 
 import tidal.store
 from tests.generate.conftest import tiny_model
-from tests.rl.test_loop import CONFIG, records, tidal_rl
+from tests.rl._cli import NO_PLOT, records, run_rl
 from tidal.generate import Generator, GeneratorConfig, SamplingParams
 from tidal.rl.config import LoopConfig
 from tidal.rl.distributed.prefetch import Stager
@@ -199,11 +199,8 @@ def test_bad_mask_band(kw, message):
 def test_max_staleness_below_zero_errors_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"rl.max_staleness must be >= 0 .* got -1"):
         LoopConfig(mode="async", max_staleness=-1)
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(tmp_path / "run"),
+    r = run_rl(
+        tmp_path / "run",
         "--rl.mode",
         "async",
         "--loss.tis_cap",
@@ -249,11 +246,8 @@ def test_async_without_a_correction_and_a_queue_too_small_for_the_generators():
 
 def test_async_run_reward_rises_and_every_token_is_within_max_staleness(tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.mode",
         "async",
         "--loss.tis_cap",
@@ -262,8 +256,7 @@ def test_async_run_reward_rises_and_every_token_is_within_max_staleness(tmp_path
         "2",
         "--rl.steps",
         "8",
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     assert "async mode (max_staleness 2" in r.stdout
@@ -295,11 +288,8 @@ def test_two_batches_in_flight_keep_every_token_within_max_staleness(tmp_path):
     current one frees): every trained token is still within max_staleness, nothing is lost,
     and generator 0 still evaluates the first and the last version."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.mode",
         "async",
         "--loss.tis_cap",
@@ -314,8 +304,7 @@ def test_two_batches_in_flight_keep_every_token_within_max_staleness(tmp_path):
         "3",
         "--generator.max_batch",
         "64",
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     assert "queue 1 batch(es) per generator, 2 in flight" in r.stdout
@@ -343,11 +332,8 @@ def test_forced_staleness_drops_and_counts_samples(tmp_path):
     (which trains at version 1) must drop samples; they are counted, and none of a too-old
     version is trained on. The correction here is the mask band."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.mode",
         "async",
         "--loss.mask_low",
@@ -360,8 +346,7 @@ def test_forced_staleness_drops_and_counts_samples(tmp_path):
         "2",
         "--rl.steps",
         "4",
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     steps, _ = records(out)
@@ -383,11 +368,8 @@ def test_async_with_two_trainer_ranks_and_two_generators(tmp_path):
     """Two trainer ranks (FSDP over gloo) take the same rollouts each step (rank 0 chooses
     and announces them), from two generators whose batches arrive in any order."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.mode",
         "async",
         "--loss.tis_cap",
@@ -400,8 +382,7 @@ def test_async_with_two_trainer_ranks_and_two_generators(tmp_path):
         "2",
         "--nproc",
         "2",
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
         timeout=180,
     )
     assert r.returncode == 0, r.stdout

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rl.test_loop import CONFIG, records, tidal_rl
+from tests.rl._cli import NO_PLOT, records, run_rl
 
 
 @pytest.mark.parametrize("generator_tp", ["1", "2"], ids=["tp2_vs_tp1", "tp2_vs_tp2"])
@@ -16,19 +16,15 @@ def test_tp_trainer_ratios_are_exactly_one(generator_tp, tmp_path):
     """A trainer with TP 2 (sequence parallel, replicated logits) and a generator with TP 1
     or TP 2 (no sequence parallel). About 30 s each on the shared 2-core machine."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.steps",
         "3",
         "--generator.batch_invariant",
         "true",
         "--generator.tp",
         generator_tp,
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
         "--nproc",
         "2",
         "--parallelism.tp",

@@ -5,13 +5,9 @@ starts."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.rl.test_loop import CONFIG, ROOT, records, tidal_rl
+from tests.rl._cli import CONFIG, NO_PLOT, records, run_module, run_rl, tidal_rl
 from tidal.rl.report import ASYNC_FIELDS
 
 GUESS = [
@@ -31,8 +27,7 @@ GUESS = [
     "2",
     "--rl.eval_every",
     "0",
-    "--metrics.plot",
-    "false",
+    *NO_PLOT,
 ]
 
 
@@ -51,15 +46,7 @@ def test_tidal_rl_and_grpo_train_on_a_multi_turn_environment_alike(tmp_path):
 
     # the loop in one process plays the same trajectories and takes the same steps
     one = tmp_path / "grpo"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [sys.executable, "-m", "tidal.rl.grpo", *GUESS, "--job.output_dir", str(one)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = run_module("tidal.rl.grpo", *GUESS, "--job.output_dir", str(one))
     assert p.returncode == 0, p.stdout + p.stderr
     a, a_evals = records(one)
     for x, y in zip(a, steps, strict=True):
@@ -110,7 +97,7 @@ def test_async_run_on_a_multi_turn_environment(tmp_path):
     ],
 )
 def test_bad_environment_settings_fail_before_any_role_starts(tmp_path, args, message):
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(tmp_path / "run"), *args)
+    r = run_rl(tmp_path / "run", *args)
     assert r.returncode == 2, r.stdout
     assert "tidal rl: error:" in r.stdout and message in r.stdout
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

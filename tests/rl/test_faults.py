@@ -26,13 +26,12 @@ import pytest
 import torch
 
 import tidal.store
-from tests.rl.test_loop import ROOT, assert_session_gone
+from tests.rl._cli import NO_PLOT, ROOT, assert_session_gone, child_env
 
 CONFIG = "tests/rl/fault_configs.py:stall"
 LOST_AFTER_S = 3.0  # rl.lost_after_s (its default)
 DEAD_AFTER_S = 3.0  # rl.dead_after_s of the test config
 SLACK_S = 7.0  # a loaded 2-core machine: process start-up, descheduled threads
-QUIET = ("--metrics.plot", "false")
 
 
 class Role:
@@ -98,9 +97,7 @@ class Job:
         self.out, self.address, self.args = tmp_path / "run", address, list(args)
         self.marker = tmp_path / "stalled"
         self.env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
+            **child_env(),
             "TIDAL_TEST_STALL": stall,
             "TIDAL_TEST_STALL_FILE": str(self.marker),
         }
@@ -120,7 +117,7 @@ class Job:
             CONFIG,
             "--job.output_dir",
             str(self.out),
-            *QUIET,
+            *NO_PLOT,
             *self.args,
             *extra,
         ]
@@ -211,7 +208,7 @@ def test_under_tidal_rl_a_killed_generator_does_not_stop_the_run(tmp_path):
         CONFIG,
         "--job.output_dir",
         str(job.out),
-        *QUIET,
+        *NO_PLOT,
         "--generator.count",
         "2",
         "--rl.steps",

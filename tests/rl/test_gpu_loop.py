@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rl.test_loop import records, tidal_rl
+from tests.rl._cli import NO_PLOT, records, run_rl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,17 +33,14 @@ def test_the_generator_holds_the_trainers_weights_bitwise_on_one_gpu(tmp_path, m
     weights.mkdir()
     monkeypatch.setenv("TIDAL_TEST_WEIGHTS", str(weights))
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CUDA_ASYNC,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.mode",
         mode,
         "--rl.steps",
         str(STEPS),
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
+        config=CUDA_ASYNC,
         timeout=900,
     )
     assert r.returncode == 0, r.stdout

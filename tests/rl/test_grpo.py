@@ -5,13 +5,9 @@ seeds, give the same per-step rewards and losses."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.rl.test_loop import ROOT, records, tidal_rl
+from tests.rl._cli import NO_PLOT, records, run_module, tidal_rl
 
 
 def overrides(cache_dir, out) -> list[str]:
@@ -42,8 +38,7 @@ def overrides(cache_dir, out) -> list[str]:
         "cpu",
         "--checkpoint.enable",
         "false",
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
         "--job.output_dir",
         str(out),
     ]
@@ -51,15 +46,7 @@ def overrides(cache_dir, out) -> list[str]:
 
 def test_grpo_in_one_process_matches_tidal_rl_step_by_step(tmp_path, cache_dir):
     one = tmp_path / "grpo"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [sys.executable, "-m", "tidal.rl.grpo", *overrides(cache_dir, one)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = run_module("tidal.rl.grpo", *overrides(cache_dir, one))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "step    3/3 reward" in p.stdout
     procs = tmp_path / "tidal_rl"

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from tests.rl._cli import NO_PLOT, records, run_rl
 from tests.rl.loop_configs import tiny
-from tests.rl.test_loop import records, tidal_rl
 from tidal.models import get_flavor
 from tidal.parallel.launch import DistInfo
 from tidal.rl.distributed.generator_ranks import (
@@ -97,15 +97,7 @@ def test_each_generator_starts_in_its_layout_and_refuses_another_world_size():
 
 
 def test_tidal_rl_refuses_a_generator_layout_before_any_role_starts(tmp_path):
-    r = tidal_rl(
-        "--config",
-        LAYOUTS,
-        "--job.output_dir",
-        str(tmp_path / "run"),
-        "--generator.tp",
-        "3,1",
-        timeout=60,
-    )
+    r = run_rl(tmp_path / "run", "--generator.tp", "3,1", config=LAYOUTS, timeout=60)
     assert r.returncode == 2, r.stdout
     assert "tidal rl: error: generator.tp=3 (generator 0) cannot hold the policy's" in r.stdout
     assert "Degrees that fit: 1, 2" in r.stdout
@@ -129,18 +121,15 @@ def test_three_layouts_hold_the_trainers_full_weights_bitwise_at_every_version(
     out = tmp_path / "run"
     steps = 2 if mode == "sync" else 3
     extra = ["--rl.mode", "async", "--loss.tis_cap", "2"] if mode == "async" else []
-    r = tidal_rl(
-        "--config",
-        LAYOUTS,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--nproc",
         "2",
         "--rl.steps",
         str(steps),
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
         *extra,
+        config=LAYOUTS,
         timeout=400,
     )
     assert r.returncode == 0, r.stdout

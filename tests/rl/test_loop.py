@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,69 +17,22 @@ import pytest
 
 import tidal.store
 from tests._signals import default_sigint
+from tests.rl._cli import (
+    CONFIG,
+    NO_PLOT,
+    assert_session_gone,
+    records,
+    run_module,
+    run_rl,
+    start_tidal,
+)
 from tidal.rl.report import STEP_FIELDS
-
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = "tests/rl/loop_configs.py:tiny"
-
-
-def tidal_rl(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    """`python -m tidal rl ARGS` from the repository root; its processes in a session of
-    their own, checked to be all gone when it returns."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "tidal", "rl", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        **kw,
-    )
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    assert_session_gone(p.pid)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, "")
-
-
-def assert_session_gone(pgid: int, within: float = 30.0) -> None:
-    """No process of the session `pgid` is left (every role ended)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)  # waiting for exits, bounded
-    os.killpg(pgid, signal.SIGKILL)
-    raise AssertionError(f"processes of session {pgid} were still running {within:g} s on")
-
-
-def records(out_dir: Path) -> tuple[list[dict], list[dict]]:
-    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in lines if "reward_mean" in r]
-    evals = [r for r in lines if "eval_pass1" in r]
-    return steps, evals
 
 
 def test_reward_rises_and_the_run_reports_everything(tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
-        "--checkpoint.enable",
-        "true",
-        "--rl.steps",
-        "8",
-        "--metrics.tensorboard",
-        "true",
+    r = run_rl(
+        out, "--checkpoint.enable", "true", "--rl.steps", "8", "--metrics.tensorboard", "true"
     )
     assert r.returncode == 0, r.stdout
     steps, evals = records(out)
@@ -112,17 +64,13 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
     rewards = []
     for nproc in (1, 2):
         out = tmp_path / f"run{nproc}"
-        r = tidal_rl(
-            "--config",
-            CONFIG,
-            "--job.output_dir",
-            str(out),
+        r = run_rl(
+            out,
             "--rl.steps",
             "3",
             "--generator.batch_invariant",
             "true",
-            "--metrics.plot",
-            "false",
+            *NO_PLOT,
             "--nproc",
             str(nproc),
         )
@@ -161,16 +109,7 @@ def test_batch_invariant_ratios_are_exactly_one_through_the_loop(tmp_path):
 )
 def test_bad_input_fails_before_any_role_starts(tmp_path, args, message):
     start = time.monotonic()
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(tmp_path / "run"),
-        *args,
-        "--store.connect_timeout_s",
-        "2",
-        timeout=60,
-    )
+    r = run_rl(tmp_path / "run", *args, "--store.connect_timeout_s", "2", timeout=60)
     assert r.returncode == 2, r.stdout
     assert message in r.stdout
     assert "tidal rl: error:" in r.stdout
@@ -181,18 +120,7 @@ def test_bad_input_fails_before_any_role_starts(tmp_path, args, message):
 
 def test_a_grader_that_raises_is_counted_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
-        "--rl.steps",
-        "2",
-        "--task.params",
-        '{"raises": true}',
-        "--metrics.plot",
-        "false",
-    )
+    r = run_rl(out, "--rl.steps", "2", "--task.params", '{"raises": true}', *NO_PLOT)
     assert r.returncode == 0, r.stdout
     steps, _ = records(out)
     assert len(steps) == 2 and all(s["grader_errors"] > 0 for s in steps)
@@ -200,34 +128,13 @@ def test_a_grader_that_raises_is_counted_and_the_run_goes_on(tmp_path):
     assert "grader raised" in r.stdout and "the grader raised" in r.stdout
 
 
+def _endless(out: Path) -> tuple[str, ...]:
+    """A `tidal rl` run (or role) in `out` that goes on until it is stopped."""
+    return ("--config", CONFIG, "--job.output_dir", str(out), "--rl.steps", "10000", *NO_PLOT)
+
+
 def _role(role: str, store: str, out: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidal",
-            "rl",
-            role,
-            "--store",
-            store,
-            "--config",
-            CONFIG,
-            "--job.output_dir",
-            str(out),
-            "--rl.steps",
-            "10000",
-            "--metrics.plot",
-            "false",
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_tidal("rl", role, "--store", store, *_endless(out), *extra)
 
 
 @pytest.mark.parametrize("victim", ["generator", "trainer"])
@@ -265,31 +172,7 @@ def test_when_a_role_dies_the_other_exits_with_a_clear_message(tmp_path, victim)
 
 
 def test_ctrl_c_stops_every_role(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "run"
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidal",
-            "rl",
-            "--config",
-            CONFIG,
-            "--job.output_dir",
-            str(out),
-            "--rl.steps",
-            "10000",
-            "--metrics.plot",
-            "false",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=default_sigint,
-    )
+    p = start_tidal("rl", *_endless(tmp_path / "run"), preexec_fn=default_sigint)
     try:
         assert p.stdout is not None
         for line in p.stdout:  # the loop runs once a step is logged
@@ -344,36 +227,27 @@ def test_the_warm_start_weights_reach_the_trainer(tmp_path):
     from tidal.train.trainer import Trainer
 
     seed_run = tmp_path / "seed"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tidal",
-            "train",
-            "--config",
-            "sft_addition",
-            "--model.flavor",
-            "tiny",
-            "--training.seed",
-            "7",
-            "--job.device",
-            "cpu",
-            "--job.output_dir",
-            str(seed_run),
-            "--checkpoint.enable",
-            "true",
-            "--checkpoint.create_seed_checkpoint",
-            "true",
-            "--data.num_problems",
-            "2000",
-            "--metrics.val_every",
-            "0",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
+    p = run_module(
+        "tidal",
+        "train",
+        "--config",
+        "sft_addition",
+        "--model.flavor",
+        "tiny",
+        "--training.seed",
+        "7",
+        "--job.device",
+        "cpu",
+        "--job.output_dir",
+        str(seed_run),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.create_seed_checkpoint",
+        "true",
+        "--data.num_problems",
+        "2000",
+        "--metrics.val_every",
+        "0",
         timeout=120,
     )
     assert p.returncode == 0, p.stdout + p.stderr

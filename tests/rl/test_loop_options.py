@@ -4,7 +4,7 @@ checkpoint, the KL term's frozen reference (1 and 2 FSDP ranks), truncated impor
 sampling, two generators, the trainer under tensor and pipeline parallelism (2 CPU ranks,
 gloo), and a policy publish that fails.
 
-The config is tests/rl/loop_configs.py:tiny, as in test_loop.py (whose launcher is reused).
+The config is tests/rl/loop_configs.py:tiny, launched as in test_loop.py (tests/rl/_cli.py).
 The real SmolLM2-135M-Instruct folder runs in a `slow` test when it has been fetched."""
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import pytest
 import torch
 
 from tests.conftest import USER_CACHE_DIR
+from tests.rl._cli import NO_PLOT, records, run_rl
 from tests.rl.loop_configs import tiny
-from tests.rl.test_loop import CONFIG, records, tidal_rl
 from tidal.models import Transformer, get_flavor, load_hf, save_hf
 from tidal.train.checkpoint.hf import read_model
 from tidal.train.data.chat import BUILTIN_TEMPLATE
-
-QUIET = ("--metrics.plot", "false")
 
 
 def _model(seed: int) -> Transformer:
@@ -76,7 +74,7 @@ def test_the_policy_starts_from_a_hugging_face_folder_and_from_a_checkpoint(tmp_
 
     one_step = ("--rl.steps", "1", "--optimizer.lr", "1e-7", "--checkpoint.enable", "true")
     first = tmp_path / "from_hf"
-    r = tidal_rl("--config", CONFIG, "--job.output_dir", str(first), *hf, *one_step, *QUIET)
+    r = run_rl(first, *hf, *one_step, *NO_PLOT)
     assert r.returncode == 0, r.stdout
     assert f"trainer: Hugging Face folder {hf_folder}" in r.stdout
     steps, evals = records(first)
@@ -87,17 +85,14 @@ def test_the_policy_starts_from_a_hugging_face_folder_and_from_a_checkpoint(tmp_
     assert not torch.allclose(from_hf["output.weight"], seed["output.weight"], atol=1e-3)
 
     second = tmp_path / "from_checkpoint"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(second),
+    r = run_rl(
+        second,
         "--policy.init",
         f"checkpoint:{first / 'checkpoint'}",
         "--policy.tokenizer",
         str(hf_folder / "tokenizer.json"),
         *one_step,
-        *QUIET,
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     assert f"trainer: checkpoint {first / 'checkpoint' / 'step-1'}" in r.stdout
@@ -111,11 +106,8 @@ def test_a_hugging_face_folder_without_a_tokenizer_fails_before_any_role_starts(
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).symlink_to(hf_folder / name)
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(tmp_path / "run"),
+    r = run_rl(
+        tmp_path / "run",
         "--policy.init",
         f"hf:{bare}",
         "--policy.tokenizer",
@@ -139,13 +131,10 @@ def test_rl_addition_from_smollm2(tmp_path):
     """The issue's example: `tidal rl --config rl_addition --policy.init hf:<SmolLM2 folder>`
     on CPU, at small sizes (two steps of 2 prompts x 4 samples, 24 new tokens)."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        "rl_addition",
+    r = run_rl(
+        out,
         "--policy.init",
         f"hf:{SMOLLM2}",
-        "--job.output_dir",
-        str(out),
         "--rl.steps",
         "2",
         "--rl.eval_every",
@@ -164,7 +153,8 @@ def test_rl_addition_from_smollm2(tmp_path):
         "8",
         "--checkpoint.enable",
         "false",
-        *QUIET,
+        *NO_PLOT,
+        config="rl_addition",
         timeout=600,
     )
     assert r.returncode == 0, r.stdout
@@ -186,11 +176,8 @@ def test_kl_to_the_frozen_reference(tmp_path):
     runs = []
     for nproc in (1, 2):
         out = tmp_path / f"run{nproc}"
-        r = tidal_rl(
-            "--config",
-            CONFIG,
-            "--job.output_dir",
-            str(out),
+        r = run_rl(
+            out,
             "--rl.steps",
             "3",
             "--loss.kl_coef",
@@ -199,7 +186,7 @@ def test_kl_to_the_frozen_reference(tmp_path):
             "true",
             "--nproc",
             str(nproc),
-            *QUIET,
+            *NO_PLOT,
         )
         assert r.returncode == 0, r.stdout
         steps, _ = records(out)
@@ -219,18 +206,15 @@ def test_truncated_importance_sampling(tmp_path):
     min(pi_old / pi_gen, cap). In batch-invariant mode its recomputation equals the
     generator's log-probs bitwise, so every weight is exactly 1 and none is capped."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.steps",
         "2",
         "--loss.tis_cap",
         "2.0",
         "--generator.batch_invariant",
         "true",
-        *QUIET,
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     steps, _ = records(out)
@@ -244,16 +228,13 @@ def test_two_generators_each_contribute_every_step(tmp_path):
     """generator.count 2: each generator samples its share of the prompts (2 of 4) and the
     trainer trains on both shares: 4 groups of 8 samples a step."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.steps",
         "2",
         "--generator.count",
         "2",
-        *QUIET,
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     assert "generator 0: on cpu" in r.stdout and "generator 1: on cpu" in r.stdout
@@ -281,11 +262,8 @@ def test_the_trainer_on_two_ranks_in_another_layout(tmp_path, hf_folder, layout,
     counts real token positions only: under pipeline parallel every sequence is padded to
     the fixed 32 + 8 positions, 32 x 40 a step, of which train_pad_frac is padding."""
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.steps",
         "3",
         "--nproc",
@@ -297,7 +275,7 @@ def test_the_trainer_on_two_ranks_in_another_layout(tmp_path, hf_folder, layout,
         f"hf:{hf_folder}",
         "--policy.tokenizer",
         "",
-        *QUIET,
+        *NO_PLOT,
     )
     assert r.returncode == 0, r.stdout
     assert f"world 2 ({layout})" in r.stdout
@@ -319,14 +297,12 @@ def test_a_failed_publish_stops_every_role_at_once(tmp_path):
     can make without that version: a publish that fails stops every role at once, naming
     the error, instead of each waiting out rl.wait_timeout_s (60 s here) for the other."""
     start = time.monotonic()
-    r = tidal_rl(
-        "--config",
-        "tests/rl/loop_configs.py:publish_fails",
-        "--job.output_dir",
-        str(tmp_path / "run"),
+    r = run_rl(
+        tmp_path / "run",
         "--rl.steps",
         "4",
-        *QUIET,
+        *NO_PLOT,
+        config="tests/rl/loop_configs.py:publish_fails",
     )
     took = time.monotonic() - start
     assert r.returncode != 0, r.stdout

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.rl._cli import CONFIG, run_rl
 from tests.rl.loop_configs import tiny
-from tests.rl.test_loop import tidal_rl
 from tidal.rl.config import GeneratorRoleConfig, TrainerConfig
 from tidal.rl.distributed.launch import run_roles
 from tidal.rl.distributed.mps import mps_daemon, role_env
 from tidal.train.config_parse import apply_overrides
-
-CONFIG = "tests/rl/loop_configs.py:tiny"
 
 
 def test_sm_percent_is_checked_and_needs_mps():
@@ -122,11 +120,8 @@ def test_each_role_gets_the_daemon_and_its_share():
 
 
 def test_tidal_rl_refuses_mps_for_roles_on_cpu(tmp_path):
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(tmp_path / "run"),
+    r = run_rl(
+        tmp_path / "run",
         "--rl.mps",
         "true",
         timeout=60,

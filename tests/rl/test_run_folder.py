@@ -10,16 +10,12 @@ import time
 
 import pytest
 
-from tests.rl.test_loop import CONFIG, records, tidal_rl
+from tests.rl._cli import records, run_rl
 from tidal.rl.config import RLConfig
 from tidal.rl.report import check_resume_step, check_run_folder, summarize, summary_line
 from tidal.train.run_folder import read_records
 
 NO_ROLE = ("generator 0: on", "trainer:")  # what a started role prints first
-
-
-def _run(out, *args: str, timeout: float = 120):
-    return tidal_rl("--config", CONFIG, "--job.output_dir", str(out), *args, timeout=timeout)
 
 
 def _one_error(stdout: str, expected: str) -> None:
@@ -31,7 +27,7 @@ def _one_error(stdout: str, expected: str) -> None:
 def test_an_output_dir_that_is_a_file_is_one_line_and_status_2(tmp_path):
     """The same check, and the same line, as `tidal train`'s (tidal/train/run_folder.py)."""
     (tmp_path / "a_file").write_text("")
-    r = _run(tmp_path / "a_file", timeout=60)
+    r = run_rl(tmp_path / "a_file", timeout=60)
     assert r.returncode == 2, r.stdout
     _one_error(
         r.stdout, f"job.output_dir '{tmp_path / 'a_file'}' is a file; it must be a directory"
@@ -40,7 +36,7 @@ def test_an_output_dir_that_is_a_file_is_one_line_and_status_2(tmp_path):
 
 def test_a_finished_run_is_reported_and_a_resume_to_a_reached_step_refused(tmp_path):
     out = tmp_path / "run"
-    r = _run(out, "--rl.steps", "2", "--rl.eval_every", "2", "--checkpoint.enable", "true")
+    r = run_rl(out, "--rl.steps", "2", "--rl.eval_every", "2", "--checkpoint.enable", "true")
     assert r.returncode == 0, r.stdout
     files = {name: (out / name).read_bytes() for name in ("rl.png", "metrics.jsonl")}
     steps, evals = records(out)
@@ -48,7 +44,7 @@ def test_a_finished_run_is_reported_and_a_resume_to_a_reached_step_refused(tmp_p
     assert "held-out pass@1" in want and want in r.stdout  # the run's own summary line
 
     # Run again: the finished run's figures, from its metrics.jsonl; no role starts.
-    r = _run(out, "--rl.steps", "2", "--rl.eval_every", "2", "--checkpoint.enable", "true")
+    r = run_rl(out, "--rl.steps", "2", "--rl.eval_every", "2", "--checkpoint.enable", "true")
     assert r.returncode == 0, r.stdout
     assert f"tidal rl: the run in {out} is finished (step 2 of rl.steps=2)" in r.stdout
     assert want in r.stdout and f"plot: {out / 'rl.png'}" in r.stdout
@@ -57,7 +53,7 @@ def test_a_finished_run_is_reported_and_a_resume_to_a_reached_step_refused(tmp_p
 
     # A resume to a step already passed: one line, status 2, no wait.
     start = time.monotonic()
-    r = _run(out, "--rl.steps", "1", "--checkpoint.enable", "true", timeout=60)
+    r = run_rl(out, "--rl.steps", "1", "--checkpoint.enable", "true", timeout=60)
     assert r.returncode == 2, r.stdout
     _one_error(r.stdout, "holds a run at step 2, past rl.steps=1")
     assert "--rl.steps above 2" in r.stdout
@@ -65,7 +61,7 @@ def test_a_finished_run_is_reported_and_a_resume_to_a_reached_step_refused(tmp_p
     assert {name: (out / name).read_bytes() for name in files} == files
 
     # A resume with steps left goes on from the checkpoint, appending to metrics.jsonl.
-    r = _run(out, "--rl.steps", "3", "--rl.eval_every", "0", "--checkpoint.enable", "true")
+    r = run_rl(out, "--rl.steps", "3", "--rl.eval_every", "0", "--checkpoint.enable", "true")
     assert r.returncode == 0, r.stdout
     assert "steps 3..3" in r.stdout
     assert [s["step"] for s in records(out)[0]] == [1, 2, 3]
@@ -76,7 +72,7 @@ def test_a_fresh_run_refuses_an_earlier_runs_folder_before_any_role_starts(tmp_p
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n")
-    r = _run(out, "--checkpoint.enable", "false", timeout=60)
+    r = run_rl(out, "--checkpoint.enable", "false", timeout=60)
     assert r.returncode == 2, r.stdout
     _one_error(r.stdout, "holds an earlier run (metrics.jsonl has 1 records)")
     assert not any(x in r.stdout for x in NO_ROLE)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rl.test_loop import CONFIG, tidal_rl
+from tests.rl._cli import NO_PLOT, run_rl
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "rl_timeline.py"
 B1 = 1_790_000_000_000_000_000  # the trainer trace's baseTimeNanoseconds
@@ -132,19 +132,15 @@ def test_find_traces_takes_each_ranks_newest(timeline, tmp_path):
 
 def test_an_async_run_traces_every_role_and_the_timeline_reads_them(timeline, tmp_path):
     out = tmp_path / "run"
-    r = tidal_rl(
-        "--config",
-        CONFIG,
-        "--job.output_dir",
-        str(out),
+    r = run_rl(
+        out,
         "--rl.steps",
         "3",
         "--rl.mode",
         "async",
         "--loss.tis_cap",
         "2",
-        "--metrics.plot",
-        "false",
+        *NO_PLOT,
         "--profiler.enable",
         "true",
         "--profiler.start_step",

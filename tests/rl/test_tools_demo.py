@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from tests.rl._cli import records, tidal_rl
 from tests.rl.test_envs import Script, params
-from tests.rl.test_loop import records, tidal_rl
 from tidal.rl.envs import TurnCodec, get_env, run_trajectories
 from tidal.rl.envs.teacher import parse_teacher_spec, teacher_chats
 from tidal.rl.tasks import Problem

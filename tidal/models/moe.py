@@ -31,8 +31,8 @@ A block of a model whose `ModelArgs.moe` is set replaces its SwiGLU MLP with `Mo
   `collect_moe(model)` gathers them after a forward. The model holds no parallelism code.
 - Profiling: under a running torch profiler, in eager mode, the forward's parts are named
   ranges `moe.router`, `moe.dispatch`, `moe.experts`, `moe.combine`, `moe.shared_experts`
-  (`moe_span`; benchmarks/moe_profile.py sums the time under each, backward included); with
-  no profiler, and always under torch.compile, they are not opened.
+  (`span` in tidal/models/profiling.py; benchmarks/moe_profile.py sums the time under each,
+  backward included); with no profiler, and always under torch.compile, they are not opened.
 - Routing replay (R3, for RL): each layer also keeps the experts its last forward chose
   (`last_experts_NK`: a generator records them per token); inside `replay_routing(model,
   experts)` every layer takes the given experts instead of its top-k, with its own router's
@@ -57,6 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from tidal.models.batch_invariant import BatchInvariantMode
+from tidal.models.profiling import span
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -108,16 +109,7 @@ class MoEArgs:
 
 
 MOE_SPANS = ("moe.router", "moe.dispatch", "moe.experts", "moe.combine", "moe.shared_experts")
-"""The profiler ranges of `MoE.forward`, in order (see `moe_span`)."""
-
-
-def moe_span(name: str) -> contextlib.AbstractContextManager:
-    """A `record_function` range `name` while a torch profiler runs in eager mode, for the
-    time breakdown of a step; otherwise a no-op (no range is opened, and torch.compile never
-    sees one: a range in a compiled graph would split its fusions)."""
-    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
-        return contextlib.nullcontext()
-    return torch.profiler.record_function(name)
+"""The profiler ranges of `MoE.forward`, in order (see `span` in tidal/models/profiling.py)."""
 
 
 def route(
@@ -323,12 +315,12 @@ class MoE(nn.Module):
                     f"forward of [B, T] = [{B}, {T}] tokens, top_k={K}: expected {(B, T, K)}"
                 )
             replay_NK = self.replay_BTK.reshape(B * T, K).to(x_ND.device)
-        with moe_span("moe.router"):
+        with span("moe.router"):
             weights_NK, experts_NK, probs_NE = route(
                 x_ND, self.router.weight, self.expert_bias, K, self.args.norm_topk_prob, replay_NK
             )
         self.last_experts_NK = experts_NK.detach()
-        with moe_span("moe.dispatch"):
+        with span("moe.dispatch"):
             # Sort the N x K token copies by expert (stable: by token within an expert).
             flat_M = experts_NK.flatten()
             order_M = flat_M.argsort(stable=True)
@@ -336,16 +328,16 @@ class MoE(nn.Module):
             counts_E = torch.histc(flat_M.float(), bins=E, min=0, max=E).to(torch.int64)
             x_MD = x_ND[order_M // K]
         self.last_counts_E = counts_E.detach()
-        with moe_span("moe.router"):
+        with span("moe.router"):
             self.last_aux_loss = aux_loss(probs_NE, counts_E)
-        with moe_span("moe.experts"):
+        with span("moe.experts"):
             y_MD = self.experts(x_MD, counts_E)
-        with moe_span("moe.combine"):
+        with span("moe.combine"):
             # Back to (token, slot) order, weighted and summed over the K slots.
             y_NKD = torch.empty_like(y_MD).index_copy(0, order_M, y_MD).view(B * T, K, D)
             out_ND = (y_NKD * weights_NK.to(y_NKD.dtype)[..., None]).sum(dim=1)
         if self.shared_experts is not None:
-            with moe_span("moe.shared_experts"):
+            with span("moe.shared_experts"):
                 out_ND = out_ND + self.shared_experts(x_ND)
         return out_ND.view(B, T, D)
 

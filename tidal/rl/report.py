@@ -20,8 +20,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-import torch
-
+from tidal.models.profiling import span
 from tidal.rl.config import RLConfig
 from tidal.rl.loss import Advantages
 from tidal.rl.rollout import RolloutBatch
@@ -459,16 +458,9 @@ SPANS = {
     "gen_s": "rl/generate",
     "eval_s": "rl/eval",
 }
-"""The profiler range of each `Timer` name (`span`); a name not listed gets rl/<name>. The
-waits' ranges start with rl/wait (benchmarks/rl_timeline.py counts them as idle)."""
-
-
-def span(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A torch.profiler range `name` while a profiler records (the roles' traces of
-    `--profiler.enable`: tidal/rl/distributed/profile.py), else nothing: no cost."""
-    if torch.autograd._profiler_enabled():
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+"""The profiler range of each `Timer` name (`span`: tidal/models/profiling.py); a name not
+listed gets rl/<name>. The waits' ranges start with rl/wait (benchmarks/rl_timeline.py counts
+them as idle)."""
 
 
 class Timer:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tidal.models.profiling import span
 from tidal.rl.build import (
     build_generator,
     describe_model,
@@ -63,7 +64,7 @@ from tidal.rl.distributed.generator_ranks import (
 )
 from tidal.rl.distributed.membership import share_of
 from tidal.rl.experience import Grader, Policy, eval_versions, evaluate, sample_batch
-from tidal.rl.report import Timer, span
+from tidal.rl.report import Timer
 from tidal.rl.tasks.base import Task
 from tidal.rl.warmstart import PolicySource, resolve_policy
 from tidal.store.errors import KeyNotFoundError, StoreError, VersionNotFoundError

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tidal.rl.report import span
+from tidal.models.profiling import span
 from tidal.store.errors import (
     KeyNotFoundError,
     StoreError,

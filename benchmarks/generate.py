@@ -133,7 +133,7 @@ def ragged(params, prompts: list[list[int]], new_tokens: int):
 def sampler_in_generator(name: str):
     """The Generator's sampler for a run: tidal's, or ("plain") benchmarks/sampler.py's
     baseline, the formulation before `row_stats` (a [B, V] log-softmax, whole-row argmax)."""
-    import tidal.generate.generator as engine
+    import tidal.generate.steps as engine  # where the decode step looks `sample` up
 
     if name == "tidal":
         yield

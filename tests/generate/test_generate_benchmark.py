@@ -86,3 +86,26 @@ def test_variants_follow_the_flags_in_run_order(bench):
     ]
     fewest = Namespace(plain_sampler=False, fuse_projections=False, no_batch_invariant=True)
     assert [v.name for v in bench.variants(fewest)] == ["tidal"]
+
+
+def test_the_plain_sampler_is_the_one_decode_steps_call(bench, monkeypatch):
+    """`--plain-sampler` swaps the sampler where the decode steps look it up (it once patched
+    a module that no longer used it, and the run failed)."""
+    monkeypatch.syspath_prepend(str(BENCHMARK.parent))
+    import sampler as baseline  # benchmarks/sampler.py
+
+    calls = []
+    real = baseline.plain_sample
+    monkeypatch.setattr(baseline, "plain_sample", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.device("meta"):
+        model = Transformer(get_flavor("tiny"))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    gen = Generator(model, config=GeneratorConfig(max_batch=2, max_seq_len=48))
+    import tidal.generate.steps as steps
+
+    own = steps.sample
+    with bench.sampler_in_generator("plain"):
+        ((s,),) = gen.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+    assert s.completion_ids and len(calls) >= len(s.completion_ids)
+    assert steps.sample is own  # put back after the block

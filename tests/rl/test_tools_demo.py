@@ -29,11 +29,25 @@ def encoder(tmp_path_factory: pytest.TempPathFactory):
     return build_encoder(tok, "builtin", None)
 
 
-def test_teacher_chats_are_the_environment_trajectories_token_for_token(encoder):
-    env = get_env("calculator", terms=2, digits=(1, 3), brief_tool=True)
+@pytest.mark.parametrize("listed", [True, False])
+def test_teacher_chats_are_the_environment_trajectories_token_for_token(encoder, listed):
+    # Unlisted: the demo's form (no tool block, the hint before the question).
+    env = get_env(
+        "calculator",
+        terms=2,
+        digits=(1, 3),
+        brief_tool=True,
+        list_tools=listed,
+        hint_first=not listed,
+    )
     tools = [t.spec() for t in env.tools()]
     assert tools[0]["function"]["description"] == "Exact arithmetic."
-    chats = teacher_chats(SPEC, 40, split="train")
+    spec = SPEC if listed else SPEC + ":list_tools=false:hint_first=true"
+    chats = teacher_chats(spec, 40, split="train")
+    # Unlisted tools: no system turn (no tool block); the calls are written as when listed.
+    assert (chats[0][0]["role"] == "system") == listed
+    user = next(m["content"] for m in chats[0] if m["role"] == "user")
+    assert user.startswith("What is") == listed and user.endswith("?") != listed
     with_tool = [c for c in chats if any(m["role"] == "tool" for m in c)]
     assert 8 < len(with_tool) < 32, len(with_tool)  # about half call the tool
     for chat in chats[:12]:
@@ -44,7 +58,12 @@ def test_teacher_chats_are_the_environment_trajectories_token_for_token(encoder)
         turns = iter(replies)  # the teacher's turns, one per round
         script = Script(encoder, lambda request, k, turns=turns: next(turns))
         (group,), counts = run_trajectories(
-            env, [problem], TurnCodec(encoder, tools), script, [params(n=1)], max_context=512
+            env,
+            [problem],
+            TurnCodec(encoder, tools, list_tools=listed),
+            script,
+            [params(n=1)],
+            max_context=512,
         )
         (t,) = group
         sft_ids, sft_mask = encoder.encode(chat)
@@ -65,7 +84,8 @@ def test_teacher_chats_are_the_environment_trajectories_token_for_token(encoder)
     for chat in chats:
         final = int(chat[-1]["content"].removeprefix("#### "))
         a, b, sign, c, d = re.search(
-            r"What is (\d+) \* (\d+) ([+-]) (\d+) \* (\d+)\?", chat[1]["content"]
+            r"What is (\d+) \* (\d+) ([+-]) (\d+) \* (\d+)\?",
+            next(m["content"] for m in chat if m["role"] == "user"),
         ).groups()
         right = final == int(a) * int(b) + (1 if sign == "+" else -1) * int(c) * int(d)
         assert right == any(m["role"] == "tool" for m in chat)

@@ -60,7 +60,8 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
     Raises:
         ValueError: naming the text, the ids and the vocabulary size.
     """
-    from tidal.rl.envs import Env, TurnCodec
+    from tidal.rl.envs import Env
+    from tidal.rl.envs.trajectory import env_codec
 
     vocab = src.args.vocab_size
     tok = src.tokenizer
@@ -73,7 +74,7 @@ def check_task_text(cfg: RLConfig, src: PolicySource, task) -> None:
     problems += task.eval_set(min(16, cfg.task.eval_problems), seed=cfg.task.eval_seed)
     codec = None
     if isinstance(task, Env):  # its openings, tools listed: a template without them fails here
-        codec = TurnCodec(src.encoder, [t.spec() for t in task.tools()])
+        codec = env_codec(src.encoder, task)
     for p in problems:
         if codec is not None:
             ids = codec.opening(task.episode().reset(p))

@@ -150,11 +150,11 @@ def rl_addition_135m() -> RLConfig:
 
 @register
 def rl_calculator() -> RLConfig:
-    """`make demo-tools`: GRPO on the `calculator` environment (two products of 1-3 digit
-    operands, the `calc` tool), on CPU, from an SFT warm start whose teacher called the tool
-    on 30% of the problems and guessed the rest. The reward checks the true answer, so
-    trajectories that call the tool are reinforced. Not yet sized: with this 150-step warm
-    start no trajectory is right and GRPO has nothing to reinforce (docs/rl.md, "Tools
+    """`make demo-tools`: GRPO on the `calculator` environment (one product of two 3-digit
+    operands, the `calc` tool, no tool block in the opening: the 1M warm start does not learn
+    to copy the question's numbers from behind one), on CPU, from an SFT warm start whose
+    teacher called the tool on half the problems and guessed the rest. The reward checks the
+    true answer, so trajectories that call the tool are reinforced (docs/rl.md, "Tools
     demo")."""
     return RLConfig(
         job=JobConfig(
@@ -165,24 +165,31 @@ def rl_calculator() -> RLConfig:
         # environment's eval split, which the SFT never trained on.
         task=TaskConfig(
             name="calculator",
-            params={"terms": 2, "digits": [1, 3], "max_turns": 3, "max_tool_calls": 2},
+            params={
+                "terms": 1,
+                "digits": 3,
+                "list_tools": False,
+                "hint_first": True,
+                "max_turns": 3,
+                "max_tool_calls": 2,
+            },
             eval_problems=100,
         ),
-        # The opening (tool list and question) is ~245 tokens; a turn ~40; a whole
-        # trajectory with one call ~310.
+        # The opening (the question, no tool block) is ~45 tokens; a turn ~30; a whole
+        # trajectory with one call ~110.
         rollout=RolloutConfig(
             prompts_per_step=8,
             group_size=8,
             temperature=1.0,
             max_new_tokens=48,
-            max_prompt_tokens=256,
-            max_context=352,
+            max_prompt_tokens=96,
+            max_context=224,
         ),
         loss=LossConfig(),
-        optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.0),
+        optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.0),
         lr_scheduler=SchedulerConfig(warmup_steps=3, decay_fraction=1.0, decay_type="cosine"),
         trainer=TrainerConfig(micro_batch_size=32),
         generator=GeneratorRoleConfig(count=1, max_batch=64),
-        rl=LoopConfig(steps=20, eval_every=10),
+        rl=LoopConfig(steps=30, eval_every=10),
         checkpoint=RLCheckpointConfig(enable=False),
     )

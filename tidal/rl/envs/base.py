@@ -119,6 +119,10 @@ class Env:
     """Tool calls per trajectory; calls past it get a tool error."""
     eval_fraction: float = 0.1
     """Share of the problem space held out for evaluation (as `Task.eval_fraction`)."""
+    list_tools: bool = True
+    """List the tools' specs in the opening (the template's tool block, e.g. Hermes' ~150
+    tokens in the system turn). False: the opening has no tool block, the tools are still
+    parsed and run; for a small model taught its tool by SFT (`make demo-tools`)."""
 
     reference: Any = field(default=None, init=False, repr=False)
     """The current problem's reference, set by the default `reset`."""

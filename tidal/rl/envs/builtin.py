@@ -49,6 +49,9 @@ class Calculator(Env):
     """Credit only an answer on a "#### N" line, not a bare last number."""
     brief_tool: bool = False
     """List `calc` with a two-word description (calc_tool's `brief`): a shorter opening."""
+    hint_first: bool = False
+    """Put the hint ("Use the calc tool ...") before the question, so the question ends the
+    prompt, next to the model's call: a small model learns to copy it sooner."""
     max_turns: int = 4
     max_tool_calls: int = 6
 
@@ -73,7 +76,9 @@ class Calculator(Env):
             parts.append(("" if k == 0 else " + " if sign > 0 else " - ") + f"{a} * {b}")
             value += sign * a * b
         expression = "".join(parts)
-        return Problem(f"What is {expression}? " + _TOOL_HINT.format(tool="calc"), str(value))
+        hint, question = _TOOL_HINT.format(tool="calc"), f"What is {expression}?"
+        prompt = f"{hint} {question}" if self.hint_first else f"{question} {hint}"
+        return Problem(prompt, str(value))
 
     def grade(self, turn: Turn) -> Step:
         return _final(turn, self.reference, self.strict)

@@ -14,10 +14,11 @@ SFT on it gives a model that sometimes calls the tool; an RL reward on the true 
 the two apart, so GRPO raises the tool-call rate and the success (docs/rl.md, "Tools demo").
 
 The conversations are written in the Hermes tool format (tool_calls.py `prepare_messages`):
-the tool block in the system turn, ``<tool_call>`` text in the assistant turn,
-``<tool_response>`` around the result, so a template that renders a system and a ``tool``
-turn (the built-in ChatML) encodes them into the ids the environment's trajectories have
-(tests/rl/test_tools_demo.py checks it token by token).
+the tool block in the system turn (none with the environment's `list_tools=false`),
+``<tool_call>`` text in the assistant turn, ``<tool_response>`` around the result, so a
+template that renders a system and a ``tool`` turn (the built-in ChatML) encodes them into the
+ids the environment's trajectories have (tests/rl/test_tools_demo.py checks it token by
+token).
 
 Splits: the environment's own (`Env.problems("train")` for training, its held-out split for
 validation), so the SFT never sees a problem the RL run is scored on.
@@ -129,7 +130,7 @@ def teacher_chats(spec: str, n: int, *, split: str, seed: int = 0) -> list[Messa
     trajectories are rendered. Deterministic in (spec, n, split, seed)."""
     name, tool_rate, params = parse_teacher_spec(spec, where="teacher")
     env = get_env(name, **params)
-    specs = [t.spec() for t in env.tools()]
+    specs = [t.spec() for t in env.tools()] if env.list_tools else None
     rng = random.Random(f"tidal-teacher|{spec}|{split}|{seed}")
     stream = env.problems("train" if split == "train" else "eval", seed=seed)
     out = []

@@ -175,6 +175,11 @@ class Trajectory:
         self.versions += [-1] * n
 
 
+def env_codec(encoder: ChatEncoder, env: Env) -> TurnCodec:
+    """The `TurnCodec` of `env`'s conversations: its tools, listed or not (`Env.list_tools`)."""
+    return TurnCodec(encoder, [t.spec() for t in env.tools()], list_tools=env.list_tools)
+
+
 class TurnCodec:
     """Messages to token ids for one environment's conversations: the opening prompt, and each
     observation alone with the template's turn markers around it.
@@ -185,16 +190,24 @@ class TurnCodec:
             not be appended as tokens).
     """
 
-    def __init__(self, encoder: ChatEncoder, tools: list[dict[str, Any]] | None = None) -> None:
-        self.encoder, self.tools = encoder, tools or None
-        if self.tools:
+    def __init__(
+        self,
+        encoder: ChatEncoder,
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        list_tools: bool = True,
+    ) -> None:
+        if tools:
             tool_format(encoder.template)  # a template without tool support fails here
+        # Unlisted tools (Env.list_tools False): no tool block in the opening; calls and tool
+        # turns are still written in the template's tool format.
+        self.encoder, self.tools = encoder, (tools or None) if list_tools else None
         tok = encoder.tokenizer
         stop = encoder.stop_text
         ids = tok.encode(stop, special_tokens=True) if stop else []
         self._stop_id = ids[0] if len(ids) == 1 else None
         # A template that rewrites the assistant's text fails here, before any work.
-        reply = {"role": "tool" if self.tools else "user", "content": "Probe."}
+        reply = {"role": "tool" if tools else "user", "content": "Probe."}
         self.observation([{"role": "user", "content": "Hi"}, {}], [reply], None)
 
     def _render(self, messages: Messages, generation_prompt: bool) -> str:
@@ -523,7 +536,7 @@ def sample_env_batch(
     """
     from tidal.rl.rollout import RolloutBatch
 
-    codec = TurnCodec(policy.encoder, [t.spec() for t in env.tools()])
+    codec = env_codec(policy.encoder, env)
     problems, params = _requests(env, cfg, seeds, n_prompts, policy.stop)
     t0 = time.perf_counter()
     if generate_turn is None:
@@ -629,7 +642,7 @@ def evaluate_env(
     also the means of reward, turns and tool calls per trajectory, and the driver's counts
     (summed). A one-turn `TaskEnv` scores what `evaluate` scores."""
     start = time.perf_counter()
-    codec = TurnCodec(policy.encoder, [t.spec() for t in env.tools()])
+    codec = env_codec(policy.encoder, env)
     params = SamplingParams(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=policy.stop
     )

@@ -9,11 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.rl.loop_configs import tiny
 from tidal.rl.distributed.launch import run_roles
 from tidal.rl.distributed.lifeline import LAUNCHER_ENV
 from tidal.train.config_parse import apply_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Role:
@@ -136,23 +141,17 @@ print("alive")
 """
 
 
-def test_a_role_ends_with_its_launcher():
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+@pytest.mark.parametrize(
+    ("launcher", "role"),
+    [(_LAUNCHER, _ROLE), (_START_ROLE_LAUNCHER, _PLAIN_ROLE)],
+    ids=["the_role_asks", "start_role_asks_for_it"],
+)
+def test_a_role_ends_with_its_launcher(launcher, role):
+    """Killed outright, the launcher takes its role along: a role that asks for the signal
+    itself (`die_with_launcher`), or any process `start_role` started (a torchrun)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     watch = subprocess.run(
-        [sys.executable, "-c", _WATCH, _LAUNCHER, _ROLE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert watch.returncode == 0, watch.stderr
-    assert watch.stdout.split() == ["ended", str(-signal.SIGTERM)]
-
-
-def test_a_process_the_launcher_starts_ends_with_it_without_asking():
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    watch = subprocess.run(
-        [sys.executable, "-c", _WATCH, _START_ROLE_LAUNCHER, _PLAIN_ROLE],
+        [sys.executable, "-c", _WATCH, launcher, role],
         env=env,
         capture_output=True,
         text=True,
@@ -165,7 +164,7 @@ def test_a_process_the_launcher_starts_ends_with_it_without_asking():
 def test_a_role_whose_launcher_is_already_gone_stops_at_once():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), LAUNCHER_ENV: str(dead.pid)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), LAUNCHER_ENV: str(dead.pid)}
     role = subprocess.run(
         [sys.executable, "-c", _ROLE], env=env, capture_output=True, text=True, timeout=60
     )

@@ -76,9 +76,9 @@ demo-async: setup  # the demo's config in async mode, then both runs side by sid
 		--job.output_dir outputs/rl_addition_async
 	$(BIN)/python -m tidal.rl.compare outputs/rl_addition outputs/rl_addition_async
 
-demo-tools: setup  # GRPO with the calc tool: an SFT warm start that sometimes calls it, then RL
+demo-tools: setup  # GRPO with the calc tool: an SFT warm start that calls it 40% of the time, then RL
 	rm -rf outputs/rl_calculator  # a fresh run refuses a folder holding an earlier run's metrics
-	$(BIN)/tidal rl --config rl_calculator
+	OMP_NUM_THREADS=1 $(BIN)/tidal rl --config rl_calculator  # one thread, as measured (docs/rl.md)
 
 demo-pretrain: setup
 	$(BIN)/tidal fetch shakespeare

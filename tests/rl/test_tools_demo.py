@@ -127,7 +127,8 @@ def test_a_few_steps_of_the_tools_demo(tmp_path, cache_dir):
         "rl_calculator",
         "--policy.sft_overrides",
         "model.flavor=tiny training.steps=30 training.batch_size=4 data.num_problems=500 "
-        "data.vocab_size=600 metrics.val_every=0",
+        # 4% held out: 20 conversations, enough windows of 256 tokens for a batch of 4.
+        "data.vocab_size=600 data.val_fraction=0.04 metrics.val_every=0",
         "--policy.cache_dir",
         str(cache_dir),
         "--task.eval_problems",

@@ -153,9 +153,9 @@ def rl_calculator() -> RLConfig:
     """`make demo-tools`: GRPO on the `calculator` environment (one product of two 3-digit
     operands, the `calc` tool, no tool block in the opening: the 1M warm start does not learn
     to copy the question's numbers from behind one), on CPU, from an SFT warm start whose
-    teacher called the tool on half the problems and guessed the rest. The reward checks the
-    true answer, so trajectories that call the tool are reinforced (docs/rl.md, "Tools
-    demo")."""
+    teacher called the tool on 40% of the problems and guessed the rest. The reward checks the
+    true answer, so trajectories that call the tool are reinforced and greedy decoding comes
+    to call it (held-out 0 -> 80 of 100 as measured; docs/rl.md, "Tools demo")."""
     return RLConfig(
         job=JobConfig(
             name="rl_calculator", output_dir="outputs/rl_calculator", cpu_kernels="portable"

@@ -193,3 +193,21 @@ def rl_calculator() -> RLConfig:
         rl=LoopConfig(steps=30, eval_every=10),
         checkpoint=RLCheckpointConfig(enable=False),
     )
+
+
+@register
+def rl_calculator_135m() -> RLConfig:
+    """The tools demo on one GPU (issue 34's benchmark): `rl_calculator`'s environment, batch
+    and steps on a SmolLM2-135M-shaped model, warm-started by the same 40%-calling teacher's
+    SFT at that size, compiled as `rl_addition_135m`. Not yet measured (docs/rl.md, "Tools
+    demo")."""
+    cfg = rl_calculator()
+    cfg.job = JobConfig(name="rl_calculator_135m", output_dir="outputs/rl_calculator_135m")
+    cfg.policy = PolicyConfig(
+        init="sft:sft_calculator_tools",
+        sft_overrides="model.flavor=smollm2_135m optimizer.lr=1e-3",
+    )
+    cfg.optimizer = OptimizerConfig(lr=3e-5, weight_decay=0.0)
+    cfg.trainer = TrainerConfig(micro_batch_size=64, compile=True)
+    cfg.generator.compile_scope = "blocks"
+    return cfg

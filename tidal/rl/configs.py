@@ -132,19 +132,25 @@ def rl_addition_135m() -> RLConfig:
     """The RL peer benchmark (benchmarks/rl_peer.py, one GPU): `rl_addition`'s task and batch
     (16 prompts x 8 samples x up to 128 new tokens) on a SmolLM2-135M-shaped model, warm-started
     by the same sloppy-teacher SFT at that size, so TRL's GRPOTrainer can run the same model."""
-    cfg = rl_addition()
-    cfg.job = JobConfig(name="rl_addition_135m", output_dir="outputs/rl_addition_135m")
+    cfg = _at_135m(rl_addition(), "rl_addition_135m", "training.steps=400", micro_batch=128)
+    cfg.rl = LoopConfig(steps=30, eval_every=10)
+    cfg.checkpoint = RLCheckpointConfig(enable=False)
+    return cfg
+
+
+def _at_135m(cfg: RLConfig, name: str, sft_extra: str, micro_batch: int) -> RLConfig:
+    """`cfg` on a SmolLM2-135M-shaped model: its SFT warm start at that size (lr 1e-3, plus
+    `sft_extra`), GRPO at lr 3e-5, the trainer and the generator's blocks compiled."""
+    cfg.job = JobConfig(name=name, output_dir=f"outputs/{name}")
     cfg.policy = PolicyConfig(
-        init="sft:sft_addition_slips",
-        sft_overrides="model.flavor=smollm2_135m optimizer.lr=1e-3 training.steps=400",
+        init=cfg.policy.init,
+        sft_overrides=f"model.flavor=smollm2_135m optimizer.lr=1e-3 {sft_extra}".strip(),
     )
     cfg.optimizer = OptimizerConfig(lr=3e-5, weight_decay=0.0)
     # Compiled blocks: 0.301 s a sync step against 0.389 eager on an H200 (benchmarks/rl.md).
-    cfg.trainer = TrainerConfig(micro_batch_size=128, compile=True)
+    cfg.trainer = TrainerConfig(micro_batch_size=micro_batch, compile=True)
     # The generator compiles one block for every layer: seconds to warm up, not minutes.
     cfg.generator.compile_scope = "blocks"
-    cfg.rl = LoopConfig(steps=30, eval_every=10)
-    cfg.checkpoint = RLCheckpointConfig(enable=False)
     return cfg
 
 
@@ -201,13 +207,4 @@ def rl_calculator_135m() -> RLConfig:
     and steps on a SmolLM2-135M-shaped model, warm-started by the same 40%-calling teacher's
     SFT at that size, compiled as `rl_addition_135m`. Not yet measured (docs/rl.md, "Tools
     demo")."""
-    cfg = rl_calculator()
-    cfg.job = JobConfig(name="rl_calculator_135m", output_dir="outputs/rl_calculator_135m")
-    cfg.policy = PolicyConfig(
-        init="sft:sft_calculator_tools",
-        sft_overrides="model.flavor=smollm2_135m optimizer.lr=1e-3",
-    )
-    cfg.optimizer = OptimizerConfig(lr=3e-5, weight_decay=0.0)
-    cfg.trainer = TrainerConfig(micro_batch_size=64, compile=True)
-    cfg.generator.compile_scope = "blocks"
-    return cfg
+    return _at_135m(rl_calculator(), "rl_calculator_135m", "", micro_batch=64)

@@ -479,15 +479,22 @@ class NixlTransport(Transport):
             raise NixlSetupError(f"{what}: cannot prepare the read: {e}") from None
         return out
 
+    def _lane_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that poll lanes 1.. (made on the first split read)."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self._lanes - 1, thread_name_prefix="tidal-nixl"
+            )
+        return self._pool
+
     def _post(self, handles: list[tuple[Any, Any]], key: tuple[Any, ...], what: str) -> None:
         """Post each lane's request and poll them to completion (lane 0 on this thread, the
         others on the pool's); a failure drops the request (and the volume's agent, so that
         the next read asks the volume again)."""
-        if len(handles) > 1 and self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self._lanes - 1, thread_name_prefix="tidal-nixl"
-            )
-        others = [self._pool.submit(self._wait, a, h, key, what) for a, h in handles[1:]]  # type: ignore[union-attr]
+        others = []
+        if len(handles) > 1:
+            pool = self._lane_pool()
+            others = [pool.submit(self._wait, a, h, key, what) for a, h in handles[1:]]
         errors: list[BaseException] = []
         try:
             self._wait(*handles[0], key, what)

@@ -4,6 +4,7 @@ forced with ``transport="nixl"`` (UCX over shared memory or TCP; ``tidal[nixl]``
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import time
 
@@ -195,6 +196,28 @@ def test_reads_into_fresh_tensors_keep_a_bounded_number_of_registrations():
             assert t.cached_layouts == nixl.MAX_LAYOUTS
             assert t.registrations == 2 * nixl.MAX_LAYOUTS
             assert t.messages == 1  # the volume was asked once
+
+
+@needs_nixl
+def test_a_store_that_served_nixl_reads_idles_at_no_cpu():
+    """NIXL's own progress thread polls without a pause, a core per agent for the agent's
+    life; tidal's agents run without it (the volume's is progressed by a thread that
+    sleeps), so after reads on two lanes the volume and the reader idle, and closing them
+    ends the threads they started."""
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    with tidal.store.connect() as store:
+        store.put("w", torch.ones(1 << 21))  # 8 MiB: split across the lanes
+        with tidal.store.connect(store.address, transport="nixl") as reader:
+            assert torch.equal(reader.get("w"), torch.ones(1 << 21))
+            assert len(reader.session.nixl().agents()) == nixl.lanes() >= 2
+            busy = tasks()
+            cpu = time.process_time()
+            time.sleep(1.0)
+            assert time.process_time() - cpu < 0.25  # NIXL's thread: about 1 s per agent
+    deadline = time.monotonic() + 5
+    while tasks() >= busy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tasks() < busy
 
 
 @needs_nixl

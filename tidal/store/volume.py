@@ -704,7 +704,7 @@ class Volume:
 
         with self._lock:
             if self._nixl is None:
-                agent = nixl.VolumeAgent(self.volume_id, self.nixl_loopback)
+                agent = nixl.VolumeAgent(self.volume_id, self.nixl_loopback, self._lock)
                 for slot, (_, seg) in self._segments.items():
                     agent.register(slot, seg)
                 self._nixl = agent
@@ -732,5 +732,6 @@ class Volume:
         self.destroy(list(self._segments))
         with self._lock:
             self._reserve.close()
-            if self._nixl is not None:
-                self._nixl.close()
+            agent, self._nixl = self._nixl, None
+        if agent is not None:  # outside the lock: its progress thread takes it
+            agent.close()

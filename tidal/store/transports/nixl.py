@@ -152,11 +152,18 @@ def has_rdma(root: str = "/sys/class/infiniband") -> bool:
 
 
 def _agent(name: str, loopback: bool, what: str) -> Any:
+    """A NIXL agent on UCX, without NIXL's progress thread: that thread polls with no delay
+    (the Python API fixes ``pthrDelay`` at 0) and so burns a whole core for as long as the
+    agent lives (2-core VM, 2026-12-07: 101 of 100 ticks a second, idle); the suite ran 35
+    minutes with the agents of the NIXL tests spinning behind every later test. Readers
+    progress their requests by polling them (``NixlTransport._wait``); a volume's agent is
+    progressed by :class:`VolumeAgent`'s own thread, which sleeps between calls."""
     mod = load()
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     try:
-        agent = mod.nixl_agent(name, mod.nixl_agent_config(backends=["UCX"]))
+        config = mod.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        agent = mod.nixl_agent(name, config)
     except Exception as e:  # NIXL raises its own exception types
         raise NixlSetupError(f"{what}: cannot make a NIXL agent with UCX: {e}") from None
     if "UCX" not in agent.backends:
@@ -166,13 +173,33 @@ def _agent(name: str, loopback: bool, what: str) -> Any:
 
 class VolumeAgent:
     """A volume's NIXL agent and the registrations of its slots (called under the volume's
-    lock)."""
+    ``lock``), and the thread that progresses the agent (what a peer's connection set-up and
+    disconnect need from it: one-sided READs themselves need nothing of the volume) every
+    ``PROGRESS_S``, through ``get_new_notifs`` (which progresses the UCX workers of an agent
+    without a progress thread), under the same lock: the agent is not thread-safe."""
 
-    def __init__(self, volume_id: str, loopback: bool) -> None:
+    PROGRESS_S = 0.002
+
+    def __init__(self, volume_id: str, loopback: bool, lock: threading.Lock) -> None:
         self.what = f"volume {volume_id!r}, transport nixl"
+        self._lock = lock
         self.name = f"tidal-vol-{volume_id}-{os.getpid()}-{secrets.token_hex(4)}"
         self.agent = _agent(self.name, loopback, self.what)
         self._regs: dict[int, tuple[Any, int, int]] = {}  # slot -> (registration, addr, n)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._progress, name=f"tidal-nixl-{volume_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _progress(self) -> None:
+        while not self._stop.wait(self.PROGRESS_S):
+            try:
+                with self._lock:
+                    self.agent.get_new_notifs()
+            except Exception as e:  # the agent is unusable: readers see their reads fail
+                log.warning("%s: progress stopped: %s", self.what, e)
+                return
 
     def register(self, slot: int, seg: torch.Tensor) -> None:
         if slot in self._regs or not seg.numel():
@@ -208,6 +235,8 @@ class VolumeAgent:
         return self.name, metadata, where
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
         for slot in list(self._regs):
             self.deregister(slot)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -218,6 +220,32 @@ def test_a_store_that_served_nixl_reads_idles_at_no_cpu():
     while tasks() >= busy and time.monotonic() < deadline:
         time.sleep(0.05)
     assert tasks() < busy
+
+
+@needs_nixl
+def test_a_volume_progresses_its_agent_for_reads_that_need_it():
+    """Over UCX's TCP (the volume's process restricted to it) a READ needs the volume's agent
+    to make progress; NIXL's progress thread is off, and the volume's own thread gives it
+    (with that thread idle, this read did not finish within 20 s)."""
+    with tidal.store.connect() as store:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tidal.store", "volume", "--controller", store.address]
+            + ["--id", "vt", "--pool-gb", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "UCX_TLS": "tcp"},
+        )
+        try:
+            line = proc.stdout.readline()  # printed once it serves ("" if it exits)
+            assert "joined" in line, line + proc.stderr.read()
+            with tidal.store.connect(store.address, volume="vt") as writer:
+                writer.put("w", torch.ones(1 << 21))
+            with tidal.store.connect(store.address, transport="nixl", timeout=15) as reader:
+                assert torch.equal(reader.get("w"), torch.ones(1 << 21))
+        finally:
+            proc.kill()
+            proc.wait(30)
 
 
 @needs_nixl

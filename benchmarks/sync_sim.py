@@ -95,11 +95,12 @@ STREAM_CHUNKS = 8  # a writer reports progress at most 8 times a put (tidal/stor
 MIN_CHUNK = 64e6  # ... and only every 64 MB
 TCP_PIECE = 16 << 20  # bytes per vol_read request (tidal/store/transports/tcp.py)
 TCP_CONNECTIONS = 2  # connect(connections=2): requests in flight per volume
-# NIXL one-sided reads, one reader process from one volume process: the only NIXL figure
-# measured (benchmarks/store_transports.py, 2-core VM, 2026-12-07: 0.54 GB in 16 tensors,
-# 0.124 s, UCX over CMA on one host; no RDMA NIC there). Across hosts over RDMA a link is
-# assumed to run at least this fast, up to the NIC (--nixl-gbps plugs in a measured figure).
-NIXL_LINK_GBPS = 0.537 / 0.1243
+# NIXL one-sided reads, one reader process (two lanes) from one volume process: the only
+# NIXL figure measured (benchmarks/store_transports.py, 2-core VM, quiet, 2026-12-07: 0.54 GB
+# in 16 tensors, 0.070 and 0.075 s in two runs, UCX over CMA on one host; no RDMA NIC there).
+# Across hosts over RDMA a link is assumed to run at least this fast, up to the NIC
+# (--nixl-gbps plugs in a measured figure).
+NIXL_LINK_GBPS = 0.537 / 0.0727
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -226,7 +226,7 @@ def test_a_store_that_served_nixl_reads_idles_at_no_cpu():
 def test_a_volume_progresses_its_agent_for_reads_that_need_it():
     """Over UCX's TCP (the volume's process restricted to it) a READ needs the volume's agent
     to make progress; NIXL's progress thread is off, and the volume's own thread gives it
-    (with that thread idle, this read did not finish within 20 s)."""
+    (with that thread idle, this read did not finish within its 15 s)."""
     with tidal.store.connect() as store:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tidal.store", "volume", "--controller", store.address]

@@ -699,10 +699,12 @@ class Volume:
     def nixl_describe(self, slots: list[int]) -> tuple[str, bytes, list[tuple[int, int, int]]]:
         """This volume's NIXL agent name, its metadata for ``slots`` and (slot, address,
         bytes) of each that exists; the agent is made, and every slot registered with it,
-        at the first call. StoreError if NIXL is not installed here."""
+        at the first call. StoreError if NIXL is not installed here or the volume is closing."""
         from tidal.store.transports import nixl
 
         with self._lock:
+            if self._closed:  # close() is releasing the agent: make none again
+                raise StoreError(f"volume {self.volume_id!r} is closing")
             if self._nixl is None:
                 agent = nixl.VolumeAgent(self.volume_id, self.nixl_loopback, self._lock)
                 for slot, (_, seg) in self._segments.items():

@@ -154,10 +154,9 @@ def has_rdma(root: str = "/sys/class/infiniband") -> bool:
 def _agent(name: str, loopback: bool, what: str) -> Any:
     """A NIXL agent on UCX, without NIXL's progress thread: that thread polls with no delay
     (the Python API fixes ``pthrDelay`` at 0) and so burns a whole core for as long as the
-    agent lives (2-core VM, 2026-12-07: 101 of 100 ticks a second, idle); the suite ran 35
-    minutes with the agents of the NIXL tests spinning behind every later test. Readers
-    progress their requests by polling them (``NixlTransport._wait``); a volume's agent is
-    progressed by :class:`VolumeAgent`'s own thread, which sleeps between calls."""
+    agent lives (2-core VM, 2026-12-07: 101 of 100 ticks a second, idle). Readers progress
+    their requests by polling them (``NixlTransport._wait``); a volume's agent is progressed
+    by :class:`VolumeAgent`'s own thread, which sleeps between calls."""
     mod = load()
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -235,6 +234,8 @@ class VolumeAgent:
         return self.name, metadata, where
 
     def close(self) -> None:
+        """Stop the progress thread (call without the volume's lock: the thread takes it)
+        and drop every registration."""
         self._stop.set()
         self._thread.join(5)
         for slot in list(self._regs):

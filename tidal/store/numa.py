@@ -19,7 +19,7 @@ A device whose ``numa_node`` is -1 (the firmware does not say) does not count.
 How pages are bound: ``mbind(MPOL_PREFERRED)`` on a shared mapping of each part file (the
 raw system call through ctypes, no libnuma). On tmpfs that sets the file's *shared* policy,
 kept with the file, so every page of it later allocated lands on the node whichever process
-or thread faults it in: the writer's ``MADV_POPULATE_WRITE`` in another process, the put's
+or thread faults it in: the writer's ``MADV_POPULATE_READ`` in another process, the put's
 ``pwrite``, the pool thread's fill (checked here: a second mapping of a bound file reads
 ``prefer:0`` in ``/proc/self/numa_maps``). Chosen over first-touching from a thread pinned to
 the node's CPUs because the first touch of a slot is not the volume's: the writer that maps

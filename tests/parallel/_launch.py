@@ -12,6 +12,7 @@ spawned one would.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import socket
@@ -71,6 +72,7 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
         WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # a rank that crashes prints where, in the test's captured stderr
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))

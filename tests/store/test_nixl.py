@@ -206,7 +206,10 @@ def test_a_store_that_served_nixl_reads_idles_at_no_cpu():
     life; tidal's agents run without it (the volume's is progressed by a thread that
     sleeps), so after reads on two lanes the volume and the reader idle, and closing them
     ends the threads they started."""
-    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
     with tidal.store.connect() as store:
         store.put("w", torch.ones(1 << 21))  # 8 MiB: split across the lanes
         with tidal.store.connect(store.address, transport="nixl") as reader:

@@ -171,11 +171,13 @@ def _agent(name: str, loopback: bool, what: str) -> Any:
 
 
 class VolumeAgent:
-    """A volume's NIXL agent and the registrations of its slots (called under the volume's
-    ``lock``), and the thread that progresses the agent (what a peer's connection set-up and
-    disconnect need from it: one-sided READs themselves need nothing of the volume) every
-    ``PROGRESS_S``, through ``get_new_notifs`` (which progresses the UCX workers of an agent
-    without a progress thread), under the same lock: the agent is not thread-safe."""
+    """A volume's NIXL agent and the registrations of its slots, and the thread that
+    progresses the agent (what a peer's connection set-up and disconnect need from it:
+    one-sided READs themselves need nothing of the volume) every ``PROGRESS_S``, through
+    ``get_new_notifs`` (which progresses the UCX workers of an agent without a progress
+    thread). The agent is not thread-safe: the volume calls every method but ``close`` under
+    its ``lock``, and the thread takes the same lock; ``close`` joins the thread, so it is
+    called without the lock."""
 
     PROGRESS_S = 0.002
 

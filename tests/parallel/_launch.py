@@ -8,6 +8,11 @@ launches processes some 50 times). A fork server's child is a fresh fork of that
 single-threaded server (not of the test process, whose threads and process groups it does not
 inherit); it gets the test's environment as it is at the launch (`_in_env` sets it), as a
 spawned one would.
+
+The ranks rendezvous through a TCPStore that `run_ranks` holds in the test process on a port
+the kernel picked (port 0), as torchrun's agent does (`TORCHELASTIC_USE_AGENT_STORE`: every
+rank connects as a client). Picking a free port, closing it and letting rank 0 bind it later
+raced with any other process on the machine (CI saw `EADDRINUSE` on rank 0's store once).
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import os
-import socket
+import tempfile
 import traceback
+from datetime import timedelta
 from multiprocessing.process import BaseProcess
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tidal.parallel.launch import destroy_process_group
@@ -27,12 +34,6 @@ from tidal.parallel.launch import destroy_process_group
 PRELOAD = ["torch", "torch.distributed", "tidal.train.trainer"]
 """Imported once by the fork server before its first fork (its children share them)."""
 multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server has started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _in_env(rank: int, env: dict, fn, *args) -> None:
@@ -67,6 +68,7 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the store is run_ranks': connect to it
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -87,17 +89,24 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
 
 def run_ranks(world: int, fn, *args, tmp_path) -> list:
     """fn(rank, world, *args) on `world` processes; returns the list of results by rank."""
-    out_dir = tmp_path / f"ranks_{fn.__name__}_{free_port()}"
-    out_dir.mkdir()
+    out_dir = tempfile.mkdtemp(prefix=f"ranks_{fn.__name__}_", dir=tmp_path)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5)
+    )
     try:
-        spawn(_entry, (world, free_port(), fn, args, str(out_dir)), world)
+        spawn(_entry, (world, store.port, fn, args, out_dir), world)
     except Exception as e:
         errors = []
         for r in range(world):
-            path = out_dir / f"rank{r}.pt"
-            if path.exists():
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if os.path.exists(path):
                 res = torch.load(path, weights_only=False)
                 if "error" in res:
                     errors.append(f"rank {r}:\n{res['error']}")
         raise AssertionError("\n".join(errors) or str(e)) from None
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False)["ok"] for r in range(world)]
+    finally:
+        del store  # the server stops with its last reference
+    return [
+        torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)["ok"]
+        for r in range(world)
+    ]

@@ -575,14 +575,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = _dispatch(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # the last buffered lines meet a closed pipe here, inside the try
-        return code
     except BrokenPipeError:
         # Point stdout at /dev/null so that the interpreter's final flush of what is still
         # buffered does not fail again ("Exception ignored ... BrokenPipeError").
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-        return 141
+        code = 141
+    _forget_caught_interrupts()
+    return code
+
+
+def _forget_caught_interrupts() -> None:
+    """Every Ctrl-C has been handled once a command returns; make CPython agree.
+
+    CPython marks a KeyboardInterrupt "unhandled" when it leaves the `exec` or `eval` of a
+    source string, even if a caller catches it later, and at exit a `python -m` run with the
+    mark kills itself with SIGINT instead of exiting with the status it returned (130 after a
+    Ctrl-C). A Ctrl-C often lands in such an `exec`: `dataclasses` builds each class's methods
+    from source text, so any lazy import of a module that defines dataclasses is one. Every
+    string `exec` clears the mark as it starts, so a trivial one clears it here.
+    """
+    exec("pass", {})
 
 
 def _dispatch(argv: list[str]) -> int:

@@ -280,3 +280,21 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> No
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert err == "", err
+
+
+def test_an_interrupt_inside_a_string_exec_still_exits_130(tmp_path: Path) -> None:
+    """A Ctrl-C often lands in a lazy import, inside the `exec` of source text that
+    `dataclasses` runs to build a class's methods. CPython (3.8-3.14) then marks the
+    KeyboardInterrupt unhandled even once tidal has caught it, and a `python -m` run (as
+    torchrun starts ranks) would end killed by SIGINT instead of with 130. A config file whose
+    function is interrupted in such an `exec` plays that Ctrl-C, deterministically."""
+    config = tmp_path / "interrupted_config.py"
+    config.write_text('def config():\n    exec("raise KeyboardInterrupt", {})\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "tidal", "train", "--config", f"{config}:config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "tidal train: interrupted\n", proc.stderr

@@ -2,6 +2,7 @@
 batching, weights and the store, bad input."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -212,6 +213,31 @@ def test_stream_asks_again_until_fed_and_checks_each_batch(model, tokenizer):
     bad = iter([([PROMPTS[0]], GREEDY), ([[]], GREEDY)])
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         list(gen.stream(lambda idle: next(bad, Generator.END)))
+
+
+def test_stream_reports_the_tokens_of_streamed_prompts_as_they_decode(model):
+    """`on_tokens` hears each sample of a prompt with `stream` set at every host check while
+    it runs, in order and from its first token, and never a prompt without it; the tokens
+    sampled are those of the same request unstreamed."""
+    config = GeneratorConfig(max_batch=8, max_seq_len=64, check_every=3)
+    streamed = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=5, stop_token_ids=())
+    quiet = SamplingParams(temperature=0, max_new_tokens=9, stop_token_ids=())
+    prompts, params = [PROMPTS[0], PROMPTS[2]], [replace(streamed, stream=True), quiet]
+    expected = ids(Generator(model, config=config).generate(prompts, [streamed, quiet]))
+    gen, heard, calls = Generator(model, config=config), {}, []
+
+    def on_tokens(batch, index, sample_index, new):
+        assert new and (batch, index) == (0, 0)
+        calls.append(sample_index)
+        heard.setdefault(sample_index, []).extend(new)
+
+    feed = iter([(prompts, params)])
+    (groups,) = gen.stream(lambda idle: next(feed, Generator.END), on_tokens=on_tokens)
+    assert ids(groups) == expected
+    for j, done in enumerate(groups[0]):
+        # every check but the one the sample finished at: all tokens but the last few
+        assert 20 - 3 <= len(heard[j]) < 20 and calls.count(j) >= 5
+        assert done.completion_ids[: len(heard[j])] == heard[j]
 
 
 def test_rows_move_down_to_smaller_buckets(model):

@@ -133,7 +133,7 @@ class ScriptedEngine:
     def check(self, prompts, params):
         pass
 
-    def submit(self, prompts, params):
+    def submit(self, prompts, params, on_tokens=None):
         self.prompt = prompts[0]
         ids = self.generator.tokenizer.encode(self.text)
         sample = Sample(
@@ -262,19 +262,23 @@ def test_api_key(served):
 
 
 def test_an_engine_failure_is_a_500_body(served):
+    """Also for a streamed request that fails before its first token: no stream begins."""
+
     class Failing(ScriptedEngine):
-        def submit(self, prompts, params):
+        def submit(self, prompts, params, on_tokens=None):
             future: Future = Future()
             future.set_exception(RuntimeError("device lost"))
             return future
 
     served.engine = Failing(served.engine.generator, "")
     with TestClient(create_app(served)) as client:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "1 +"})
-    assert r.status_code == 500
-    assert r.json()["error"] == {
-        "message": "the engine failed: RuntimeError: device lost",
-        "type": "server_error",
-        "param": None,
-        "code": None,
-    }
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "1 +", "stream": stream}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 500
+            assert r.json()["error"] == {
+                "message": "the engine failed: RuntimeError: device lost",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }

@@ -53,13 +53,13 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_serves_on(
     engine = Engine(gen)
     real_stream, calls = gen.stream, []
 
-    def stream(feed):
+    def stream(feed, **kwargs):
         calls.append(1)
         if len(calls) == 1:  # the first stream dies once it has taken a batch
             while feed(True) is None:
                 pass
             raise RuntimeError("device lost")
-        return real_stream(feed)
+        return real_stream(feed, **kwargs)
 
     monkeypatch.setattr(gen, "stream", stream)
     first = engine.submit([[0, 5]], [SamplingParams(max_new_tokens=3)])

@@ -57,6 +57,10 @@ from tidal.models.transformer import Transformer
 END = object()
 """What a `Generator.stream` feed returns to end the stream (also `Generator.END`)."""
 
+TokenListener = Callable[[int, int, int, list[int]], None]
+"""`on_tokens(batch, index, sample_index, ids)` of `Generator.stream`: new tokens of a sample
+whose prompt asked for them (`SamplingParams.stream`)."""
+
 
 class Generator:
     """Generate completions with a tidal Transformer (see the module docstring).
@@ -375,6 +379,7 @@ class Generator:
         feed: Callable[[bool], tuple[Sequence[Sequence[int] | Continuation], Any] | None | object],
         *,
         keep: bool = False,
+        on_tokens: TokenListener | None = None,
     ) -> Iterator[list[list[Sample]]]:
         """Generate batch after batch without draining the slots in between: while the
         last rows of one batch finish, the next batch's groups take the slots freed.
@@ -392,6 +397,14 @@ class Generator:
         runs between decode steps as in `generate`. Raises what `generate` raises, when
         the batch is fed.
 
+        `on_tokens(batch, index, sample_index, ids)` hears the new tokens of every running
+        sample whose prompt's `SamplingParams.stream` is set, at each host check (every
+        `check_every` decode steps), on this iterator's thread: `batch` counts the batches
+        fed (from 0), `index` is the prompt's position in its batch, `ids` the tokens decoded
+        since the last call. A sample that finishes at a check is not reported there: its
+        whole `Sample` comes with its batch (its tokens may stop short of those reported,
+        where a stop string ends inside them).
+
         Example::
 
             batches = iter([(prompts_a, params), (prompts_b, params)])
@@ -406,10 +419,12 @@ class Generator:
             prompts, params = cast(tuple[Sequence[Sequence[int] | Continuation], Any], item)
             return self._requests(prompts, params, keep)
 
-        return self._run(requests)
+        return self._run(requests, on_tokens)
 
     @torch.no_grad()
-    def _run(self, next_requests: Callable[[bool], Any]) -> Iterator[list[list[Sample]]]:
+    def _run(
+        self, next_requests: Callable[[bool], Any], on_tokens: TokenListener | None = None
+    ) -> Iterator[list[list[Sample]]]:
         """The continuous batcher under `generate` and `stream` (see `stream`)."""
         results: dict[int, list[list[Sample | None]]] = {}  # batch -> its groups, as they fill
         pending: deque[Request] = deque()
@@ -446,7 +461,7 @@ class Generator:
                             "held by kept conversations: release them (Generator.release)"
                         )
                     with self.steps.autocast():
-                        self._decode_and_check(results)
+                        self._decode_and_check(results, on_tokens)
                         self._maybe_swap()
                 while done in results and all(s is not None for g in results[done] for s in g):
                     yield [list(g) for g in results.pop(done)]  # type: ignore[arg-type]
@@ -517,7 +532,9 @@ class Generator:
 
     # -- decoding -------------------------------------------------------------------------
 
-    def _decode_and_check(self, results: dict[int, list[list[Sample | None]]]) -> None:
+    def _decode_and_check(
+        self, results: dict[int, list[list[Sample | None]]], on_tokens: TokenListener | None
+    ) -> None:
         """Run up to `check_every` decode steps on the smallest bucket holding every active
         row, then collect the finished rows."""
         if not self._table.active():
@@ -539,7 +556,7 @@ class Generator:
             for _ in range(steps):
                 step()
             self.stats.decode_steps += steps
-        self._check(active, steps, results)
+        self._check(active, steps, results, on_tokens)
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _compact(self) -> None:
@@ -553,9 +570,12 @@ class Generator:
         self._rows.move(src_t, dst_t)
         self._rows.done[torch.tensor(left, device=self.device)] = True
 
-    def _check(self, active: list[int], steps: int, results) -> None:
+    def _check(
+        self, active: list[int], steps: int, results, on_tokens: TokenListener | None
+    ) -> None:
         """One device-to-host copy of the done flags and counts; finish rows that hit a stop
-        token, a stop string or their length; free their slots."""
+        token, a stop string or their length; free their slots; give `on_tokens` the new
+        tokens of the streamed rows still running."""
         rows = self._rows
         idx = torch.tensor(active, device=self.device)
         done_count = torch.stack([rows.done[idx].long(), rows.count[idx]]).cpu()
@@ -572,8 +592,15 @@ class Generator:
                 to_search.append(slot_id)
             elif done:
                 finished[slot_id] = (count, "")
-        if to_search or finished:
-            fetch = sorted(set(to_search) | finished.keys())
+        report = []
+        if on_tokens is not None:
+            for slot_id in active:
+                slot = self._table.slots[slot_id]
+                assert slot is not None
+                if slot.request.params.stream and slot.count > slot.reported:
+                    report.append(slot_id)
+        if to_search or finished or report:
+            fetch = sorted(set(to_search) | finished.keys() | set(report))
             fidx = torch.tensor(fetch, device=self.device)
             width = 1 + max(self._table.slots[s].count for s in fetch)  # type: ignore[union-attr]
             toks, lps, slps = (
@@ -604,6 +631,14 @@ class Generator:
                 results[slot.request.batch][slot.request.index][slot.sample_index] = sample
                 self._end_turn(slot_id, sample)
             rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True
+            for slot_id in report:
+                slot = self._table.slots[slot_id]
+                if slot_id in finished or slot is None:
+                    continue
+                new = host[slot_id][0][slot.reported : slot.count].tolist()
+                slot.reported = slot.count
+                req = slot.request
+                on_tokens(req.batch, req.index, slot.sample_index, new)  # type: ignore[misc]
 
     def _end_turn(self, row: int, sample: Sample) -> None:
         """Free a finished row, or hold it for its conversation's next turn."""

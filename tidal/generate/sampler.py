@@ -64,6 +64,10 @@ class SamplingParams:
     `text` is cut before it. Each must round-trip through the tokenizer (see Generator)."""
     seed: int = 0
     """Seed of this request; sample j of the group draws from (seed, j)."""
+    stream: bool = False
+    """Report this prompt's tokens as they are decoded, at each host check, to the
+    `on_tokens` listener of `Generator.stream` (the server's token streaming). Changes no
+    token sampled."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -178,6 +178,7 @@ class Slot:
     sample_index: int
     count: int  # tokens generated if the row is still running (exact until it finishes)
     checked: int = 0  # tokens already searched for stop strings
+    reported: int = 0  # tokens already given to the stream's on_tokens (params.stream)
     marks: list[tuple[int, int | None]] = field(default_factory=list)
     """(first token index, policy version) each time the weights changed under this row:
     tokens from that index on were produced by that version."""

@@ -12,16 +12,13 @@ driven from outside can be trained on token-exactly:
   distribution sampled (temperature, top-p);
 - `policy_versions`: each token's policy version (-1: unversioned weights).
 
-`"stream": true` is answered as server-sent events once the completion is done
-(`stream_events`): OpenAI's chunks (a role, the content, the tool calls, the finish reason, and
-the usage with `stream_options.include_usage`), then `data: [DONE]`. The text is the same as
-without streaming; it is not sent token by token. Clients that only speak streaming (agent
-programs such as verifiers' chat harness) work unchanged.
+`"stream": true` is answered as OpenAI's server-sent events, the text sent as it decodes
+(`Prepared.events`, tidal/serve/streaming.py); the deltas add up to the text without
+streaming.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -36,6 +33,7 @@ from tidal.serve import schema
 from tidal.serve.chat import ChatFormat, split_tool_calls
 from tidal.serve.engine import Engine
 from tidal.serve.schema import ApiError
+from tidal.serve.streaming import EventStream
 
 DEFAULT_COMPLETION_TOKENS = 16
 """`max_tokens` of /v1/completions when the request gives none (OpenAI's default); chat
@@ -49,10 +47,8 @@ class Prepared:
     prompts: list[list[int]]
     params: list[SamplingParams]
     respond: Callable[[list[list[Sample]]], dict[str, Any]]
-    stream: bool = False
-    """Answer as server-sent events (`stream_events`)."""
-    include_usage: bool = False
-    """`stream_options.include_usage`: a last chunk with the usage."""
+    events: EventStream | None = None
+    """How to answer as server-sent events (`"stream": true`); None: one JSON body."""
 
 
 @dataclass
@@ -147,7 +143,13 @@ class Served:
                 self._remember(session, msgs, tools, prompt, groups[0][0], choices[0])
             return out
 
-        return Prepared([prompt], params, respond, *_streaming(body))
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created}
+        head["model"] = self.name
+        if token_ids:
+            head["prompt_token_ids"] = prompt
+        # With tools the content is what the calls leave, known once the turn is whole.
+        events = self._events(body, head, params, choices=params[0].n, live=not tools)
+        return Prepared([prompt], params, respond, events)
 
     def _continued(
         self, session: str | None, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -224,9 +226,37 @@ class Served:
                 "usage": _usage(groups),
             }
 
-        return Prepared(prompts, params, respond, *_streaming(body))
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
+        events = self._events(body, head, params, choices=len(prompts) * params[0].n, live=True)
+        return Prepared(prompts, params, respond, events)
 
     # -- shared ---------------------------------------------------------------------------
+
+    def _events(
+        self,
+        body: dict[str, Any],
+        head: dict[str, Any],
+        params: list[SamplingParams],
+        *,
+        choices: int,
+        live: bool,
+    ) -> EventStream | None:
+        """The request's EventStream if it streams (`live`: its text as it decodes)."""
+        stream = schema.flag(body, "stream")
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise ApiError("stream_options must be an object", param="stream_options")
+        if not stream:
+            return None
+        tokenizer = self.engine.generator.tokenizer
+        return EventStream(
+            head,
+            n=params[0].n,
+            choices=choices,
+            decode=tokenizer.decode if live and tokenizer is not None else None,
+            stop=params[0].stop,
+            include_usage=bool(options and options.get("include_usage")),
+        )
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -396,63 +426,6 @@ def _extension(s: Sample) -> dict[str, Any]:
         "sampling_logprobs": list(s.sampling_logprobs),
         "policy_versions": versions,
     }
-
-
-def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(stream, include_usage) of a request."""
-    stream = schema.flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise ApiError("stream_options must be an object", param="stream_options")
-    return stream, bool(stream and options and options.get("include_usage"))
-
-
-def stream_events(response: dict[str, Any], include_usage: bool = False) -> list[bytes]:
-    """A finished `chat.completion` or `text_completion` body as OpenAI's server-sent events:
-    per choice, a chunk with its role (chat), one with its content, tool calls (with their
-    `index`) and extension fields, and one with its finish reason; then the usage chunk (with
-    `include_usage`) and `[DONE]`."""
-    chat = response["object"] == "chat.completion"
-    head = {k: response[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-    if chat and "prompt_token_ids" in response:
-        head["prompt_token_ids"] = response["prompt_token_ids"]
-    chunks: list[dict[str, Any]] = []
-    for choice in response["choices"]:
-        i, extra = choice["index"], {k: v for k, v in choice.items() if k in _EXTENSION}
-        if chat:
-            message = choice["message"]
-            chunks.append({"index": i, "delta": {"role": "assistant", "content": ""}})
-            delta: dict[str, Any] = {}
-            if message.get("content"):
-                delta["content"] = message["content"]
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [
-                    {"index": k, **call} for k, call in enumerate(message["tool_calls"])
-                ]
-            chunks.append({"index": i, "delta": delta, "logprobs": choice["logprobs"], **extra})
-            chunks.append({"index": i, "delta": {}, "finish_reason": choice["finish_reason"]})
-        else:
-            body = {"index": i, "text": choice["text"], "logprobs": choice["logprobs"], **extra}
-            chunks.append(body)
-            chunks.append({"index": i, "text": "", "finish_reason": choice["finish_reason"]})
-    events = []
-    for c in chunks:
-        c.setdefault("finish_reason", None)
-        events.append({**head, "choices": [c]})
-    if include_usage:
-        events.append({**head, "choices": [], "usage": response["usage"]})
-    out = [f"data: {json.dumps(e, ensure_ascii=False)}\n\n".encode() for e in events]
-    return [*out, b"data: [DONE]\n\n"]
-
-
-_EXTENSION = (
-    "prompt_token_ids",
-    "token_ids",
-    "token_logprobs",
-    "sampling_logprobs",
-    "policy_versions",
-)
 
 
 def _usage(groups: list[list[Sample]]) -> dict[str, int]:

@@ -16,7 +16,8 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,8 +25,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal.serve.api import Prepared, Served, stream_events
+from tidal.serve.api import Prepared, Served
 from tidal.serve.schema import ApiError
+from tidal.serve.streaming import EventStream
 
 Record = Callable[[Mapping[str, str], dict[str, Any]], None]
 """`record(headers, response)`: sees every completion served, with its request's headers."""
@@ -83,33 +85,71 @@ def create_app(
                 )
         return await call_next(request)
 
+    def engine_failed(e: BaseException) -> ApiError:
+        message = f"the engine failed: {type(e).__name__}: {e}"
+        return ApiError(message, status=500, type="server_error")
+
     async def run(request: Request, prepare) -> Response:
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(ApiError(f"the request body is not JSON: {e}"))
+        heard: asyncio.Queue[tuple[int, int, list[int]] | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         try:
             prepared: Prepared = prepare(body)
-            future = served.engine.submit(prepared.prompts, prepared.params)
+            live = prepared.events is not None and prepared.events.live
+            future = served.engine.submit(
+                prepared.prompts,
+                prepared.params,
+                (lambda i, j, ids: _post(loop, heard, (i, j, ids))) if live else None,
+            )
         except ApiError as e:
             return error(e)
         except ValueError as e:  # the Generator's own checks, if ours missed one
             return error(ApiError(str(e)))
+        if prepared.events is not None:
+            future.add_done_callback(lambda _: _post(loop, heard, None))
+            first = await heard.get()  # the status goes out with the first event
+            if first is None and future.exception() is not None:
+                return error(engine_failed(future.exception()))  # type: ignore[arg-type]
+            stream = sse(prepared, prepared.events, first, heard, future, request)
+            return StreamingResponse(stream, media_type="text/event-stream")
         try:
             groups = await asyncio.wrap_future(future)
         except Exception as e:  # the engine failed (it serves on): this request gets a 500
-            return error(
-                ApiError(
-                    f"the engine failed: {type(e).__name__}: {e}", status=500, type="server_error"
-                )
-            )
+            return error(engine_failed(e))
+        return JSONResponse(finish(prepared, groups, request))
+
+    def finish(prepared: Prepared, groups, request: Request) -> dict[str, Any]:
         body = prepared.respond(groups)
         if record is not None:
             record(request.headers, body)
-        if prepared.stream:
-            events = stream_events(body, prepared.include_usage)
-            return StreamingResponse(iter(events), media_type="text/event-stream")
-        return JSONResponse(body)
+        return body
+
+    async def sse(
+        prepared: Prepared,
+        events: EventStream,
+        first: tuple[int, int, list[int]] | None,
+        heard: asyncio.Queue,
+        future: Future,
+        request: Request,
+    ) -> AsyncIterator[bytes]:
+        """A streamed request's events: its text as the Engine reports tokens (`first`, then
+        `heard` until the None that says the future is done), then the closing."""
+        for event in events.opening():
+            yield event
+        item = first
+        while item is not None:
+            for event in events.tokens(*item):
+                yield event
+            item = await heard.get()
+        if future.exception() is not None:
+            for event in events.error(engine_failed(future.exception()).body()):  # type: ignore[arg-type]
+                yield event
+            return
+        for event in events.closing(finish(prepared, future.result(), request)):
+            yield event
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -125,6 +165,13 @@ def create_app(
         return JSONResponse(served.models())
 
     return app
+
+
+def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
+    """Put `item` in `queue` from any thread (the Engine's); nothing once the loop is closed
+    (the server shut down while a request ran)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(queue.put_nowait, item)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ hands them over as one batch. Their groups take the free cache rows at once and 
 alongside the rows already running (continuous batching), so requests from many clients
 share every decode step. A request's future completes when its batch does: `stream` yields
 batches in the order they were fed, so a short request fed after a long one waits for it.
+A request submitted with `on_tokens` hears its samples' new tokens at each host check
+(`SamplingParams.stream`), before its future completes: the server's token streaming.
 
 A `Generator.swap_hook` (tidal/serve/follow.py: the newest policy of an RL run's store) runs
 between decode steps as in RL, and while the engine is idle.
@@ -22,9 +24,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tidal.generate import Generator, Sample, SamplingParams
@@ -51,11 +53,17 @@ class EngineStats:
     """Streams started again after an error."""
 
 
+Listener = Callable[[int, int, list[int]], None]
+"""`on_tokens(prompt_index, sample_index, ids)` of `Engine.submit`: a running sample's new
+tokens."""
+
+
 @dataclass(slots=True)
 class _Job:
     prompts: list[list[int]]
     params: list[SamplingParams]
     future: Future[list[list[Sample]]]
+    on_tokens: Listener | None = None
 
 
 class Engine:
@@ -74,6 +82,7 @@ class Engine:
         self.stats = EngineStats()
         self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._fed: deque[list[_Job]] = deque()
+        self._yielded = 0  # batches of the current stream already yielded (left _fed)
         self._in_flight = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -95,15 +104,25 @@ class Engine:
         )
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[SamplingParams],
+        on_tokens: Listener | None = None,
     ) -> Future[list[list[Sample]]]:
         """Queue one request (checked first: ValueError here, not in the engine); the future
-        gives one list of n samples per prompt, as `Generator.generate` returns them."""
+        gives one list of n samples per prompt, as `Generator.generate` returns them.
+
+        `on_tokens(prompt_index, sample_index, ids)` is called on the engine's thread with
+        each running sample's new tokens at every host check (see `Generator.stream`), all
+        before the future completes. A listener that raises is not called again; its request
+        completes all the same."""
         if self._stopping.is_set():
             raise RuntimeError("the engine is stopped")
         self.check(prompts, params)
+        if on_tokens is not None:
+            params = [replace(p, stream=True) for p in params]
         future: Future[list[list[Sample]]] = Future()
-        self._queue.put(_Job([list(p) for p in prompts], list(params), future))
+        self._queue.put(_Job([list(p) for p in prompts], list(params), future, on_tokens))
         return future
 
     # -- the thread -----------------------------------------------------------------------
@@ -165,14 +184,29 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
+            self._yielded = 0
             try:
-                for groups in self.generator.stream(self._feed):
+                for groups in self.generator.stream(self._feed, on_tokens=self._report):
                     self._finish(self._fed.popleft(), groups)
+                    self._yielded += 1
             except Exception as e:  # fail the requests in flight, serve on
                 self.stats.restarts += 1
                 while self._fed:
                     for job in self._fed.popleft():
                         self._done(job, error=e)
+
+    def _report(self, batch: int, index: int, sample_index: int, ids: list[int]) -> None:
+        """The Generator's `on_tokens`: hand a streamed sample's new tokens to its job."""
+        for job in self._fed[batch - self._yielded]:
+            if index < len(job.prompts):
+                break
+            index -= len(job.prompts)
+        if job.on_tokens is None:
+            return
+        try:
+            job.on_tokens(index, sample_index, ids)
+        except Exception:  # e.g. a client gone; the request still completes
+            job.on_tokens = None
 
     def _finish(self, jobs: list[_Job], groups: list[list[Sample]]) -> None:
         at = 0

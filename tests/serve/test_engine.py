@@ -30,6 +30,33 @@ def test_requests_waiting_together_run_as_one_batch(tiny_model, chat_tokenizer):
         assert [s.completion_ids for s in got] == [s.completion_ids for s in want]
 
 
+def test_requests_fed_together_are_numbered_and_heard_each_as_its_own(tiny_model, chat_tokenizer):
+    """Two clients' requests in one fed batch, one of two prompts: each result's prompts are
+    numbered from 0 in its own request, and each listener hears only its own samples, under
+    its own prompt numbers, as a prefix of the tokens it gets."""
+    config = GeneratorConfig(max_batch=16, check_every=2)
+    engine = Engine(Generator(tiny_model, tokenizer=chat_tokenizer, config=config))
+    heard: list[dict] = [{}, {}]
+
+    def listener(k):
+        return lambda i, j, ids: heard[k].setdefault((i, j), []).extend(ids)
+
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=())
+    first = engine.submit([[0, 40, 41]], [params], listener(0))
+    second = engine.submit([[0, 50], [0, 51, 52]], [params, params], listener(1))
+    engine.start()
+    try:
+        results = [first.result(timeout=60), second.result(timeout=60)]
+    finally:
+        engine.stop()
+    assert engine.stats.batches_fed == 1
+    for k, groups in enumerate(results):
+        assert [g[0].prompt_index for g in groups] == list(range(len(groups)))
+        assert sorted(heard[k]) == [(i, 0) for i in range(len(groups))]
+        for (i, j), ids in heard[k].items():
+            assert ids and groups[i][j].completion_ids[: len(ids)] == ids
+
+
 def test_bad_requests_fail_at_submit_and_stop_refuses_more(tiny_model, chat_tokenizer):
     gen = Generator(tiny_model, tokenizer=chat_tokenizer, config=GeneratorConfig(max_batch=4))
     engine = Engine(gen)

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import random
+import time
 
+import httpx
 import pytest
+from tokenizers import Tokenizer, decoders, models
 
 from tests.serve.conftest import MODEL, make_served, uvicorn_server
 from tests.serve.test_api import CALC, USER
 from tidal.serve.app import create_app
 from tidal.serve.streaming import TextDeltas
+from tidal.train.data.tokenizer import Tokenizer as TidalTokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -107,5 +111,81 @@ def test_hold_back_rules():
     assert texts.add([ord("x")]) == "STx"  # not a stop after all
     assert texts.add([ord(c) for c in " STOP and on"]) == " "
     assert texts.rest("hello STx ") == ""
-    partial = TextDeltas(lambda ids: "caf" + "\ufffd" * ids[0])
-    assert partial.add([2]) == "caf" and partial.rest("café") == "é"
+    partial = TextDeltas(lambda ids: bytes(ids).decode("utf-8", "replace"))
+    assert partial.add(list(b"caf")) == "caf"
+    assert partial.add([0xC3]) == ""  # the first of the two bytes of "é"
+    assert partial.add([0xA9]) == "é"
+
+
+def sentencepiece_like() -> TidalTokenizer:
+    """A Llama-2-style vocabulary: byte-fallback tokens, `▁` for spaces, a decoder that drops
+    the text's leading space and decodes a run of byte tokens as one (an invalid byte makes
+    every byte of the run a U+FFFD)."""
+    vocab = {"<unk>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    vocab |= {"▁a": 258, "▁b": 259, "▁": 260, "c": 261}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return TidalTokenizer(tok, bos_id=1, eos_id=1)
+
+
+def test_byte_fallback_runs_and_leading_spaces_stream_as_decoded_whole():
+    """'a', then a euro sign's three byte tokens and an invalid byte (the run decodes as four
+    U+FFFD once the invalid byte is in it), then ' b': nothing of the run goes out until it
+    ends, and the stretch decoded apart keeps its space."""
+    tok = sentencepiece_like()
+    assert tok.byte_fallback_ids() == frozenset(range(2, 258))
+    euro = [2 + 0xE2, 2 + 0x82, 2 + 0xAC]
+    for ids in ([258, *euro, 2 + 0xFF, 259], [258, *euro, 259, 261, 258]):
+        final = tok.decode(ids)
+        for run in (1, 2, 3):
+            texts, sent = TextDeltas(tok.decode, (), tok.byte_fallback_ids()), ""
+            for at in range(0, len(ids), run):
+                sent += texts.add(ids[at : at + run])
+                assert final.startswith(sent), (sent, final)
+            assert sent + texts.rest(final) == final
+
+
+def test_a_decoder_that_changes_its_mind_never_gets_text_twice():
+    texts = TextDeltas(lambda ids: "".join(map(chr, ids)))
+    assert texts.add([ord(c) for c in "abc"]) == "abc"
+    assert texts.rest("abXYZ") == "XYZ"
+
+
+def test_streamed_chat_sends_the_prompt_ids_once(url):
+    """`return_token_ids` streamed: `prompt_token_ids` with the opening and closing chunks,
+    not with every text delta."""
+    c = client(url)
+    args = dict(model=MODEL, messages=USER, max_tokens=40, seed=7, temperature=1.0)
+    chunks = list(
+        c.chat.completions.create(**args, stream=True, extra_body={"return_token_ids": True})
+    )
+    with_ids = [ch for ch in chunks if "prompt_token_ids" in (ch.model_extra or {})]
+    deltas = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(with_ids) == 3 and len(deltas) >= 3  # role, last delta, finish
+    assert (
+        with_ids[0].model_extra["prompt_token_ids"] == with_ids[-1].model_extra["prompt_token_ids"]
+    )
+
+
+def test_a_client_that_leaves_early_still_has_its_response_recorded(tiny_model, chat_tokenizer):
+    """The response is settled when the engine is done, whether or not the client reads on:
+    the record hook (and a chat session's memory) sees it."""
+    seen = []
+    served = make_served(tiny_model, chat_tokenizer, check_every=2)
+    app = create_app(served, record=lambda headers, body: seen.append(body))
+    with uvicorn_server(app) as url:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the opening, then the client goes
+        deadline = time.monotonic() + 60
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(seen) == 1 and seen[0]["object"] == "chat.completion"

@@ -402,8 +402,8 @@ class Generator:
         `check_every` decode steps), on this iterator's thread: `batch` counts the batches
         fed (from 0), `index` is the prompt's position in its batch, `ids` the tokens decoded
         since the last call. A sample that finishes at a check is not reported there: its
-        whole `Sample` comes with its batch (its tokens may stop short of those reported,
-        where a stop string ends inside them).
+        whole `Sample` comes with its batch (its tokens begin with every token reported; its
+        text, cut before a stop string, may end inside their text).
 
         Example::
 
@@ -599,8 +599,8 @@ class Generator:
                 assert slot is not None
                 if slot.request.params.stream and slot.count > slot.reported:
                     report.append(slot_id)
-        if to_search or finished or report:
-            fetch = sorted(set(to_search) | finished.keys() | set(report))
+        if to_search or finished:
+            fetch = sorted(set(to_search) | finished.keys())
             fidx = torch.tensor(fetch, device=self.device)
             width = 1 + max(self._table.slots[s].count for s in fetch)  # type: ignore[union-attr]
             toks, lps, slps = (
@@ -631,14 +631,19 @@ class Generator:
                 results[slot.request.batch][slot.request.index][slot.sample_index] = sample
                 self._end_turn(slot_id, sample)
             rows.done[torch.tensor(list(finished), device=self.device, dtype=torch.long)] = True
-            for slot_id in report:
-                slot = self._table.slots[slot_id]
-                if slot_id in finished or slot is None:
-                    continue
-                new = host[slot_id][0][slot.reported : slot.count].tolist()
+        report = [s for s in report if s not in finished]
+        if report:  # one more copy: the new tokens alone
+            assert on_tokens is not None
+            slots = [self._table.slots[s] for s in report]
+            lo = min(s.reported for s in slots)  # type: ignore[union-attr]
+            hi = max(s.count for s in slots)  # type: ignore[union-attr]
+            ridx = torch.tensor(report, device=self.device)
+            new = rows.out_tok[ridx, lo:hi].cpu()
+            for k, slot in enumerate(slots):
+                assert slot is not None
+                ids = new[k, slot.reported - lo : slot.count - lo].tolist()
                 slot.reported = slot.count
-                req = slot.request
-                on_tokens(req.batch, req.index, slot.sample_index, new)  # type: ignore[misc]
+                on_tokens(slot.request.batch, slot.request.index, slot.sample_index, ids)
 
     def _end_turn(self, row: int, sample: Sample) -> None:
         """Free a finished row, or hold it for its conversation's next turn."""

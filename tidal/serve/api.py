@@ -78,6 +78,7 @@ class Served:
 
     def __post_init__(self) -> None:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._bytes: frozenset[int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -145,10 +146,10 @@ class Served:
 
         head = {"id": rid, "object": "chat.completion.chunk", "created": created}
         head["model"] = self.name
-        if token_ids:
-            head["prompt_token_ids"] = prompt
         # With tools the content is what the calls leave, known once the turn is whole.
         events = self._events(body, head, params, choices=params[0].n, live=not tools)
+        if events is not None and token_ids:
+            events.framing["prompt_token_ids"] = prompt
         return Prepared([prompt], params, respond, events)
 
     def _continued(
@@ -249,14 +250,22 @@ class Served:
         if not stream:
             return None
         tokenizer = self.engine.generator.tokenizer
+        live = live and tokenizer is not None
         return EventStream(
             head,
             n=params[0].n,
             choices=choices,
-            decode=tokenizer.decode if live and tokenizer is not None else None,
+            decode=tokenizer.decode if live else None,
             stop=params[0].stop,
+            byte_tokens=self._byte_tokens() if live else frozenset(),
             include_usage=bool(options and options.get("include_usage")),
         )
+
+    def _byte_tokens(self) -> frozenset[int]:
+        """The tokenizer's byte-fallback tokens (`<0xE2>`), found once."""
+        if self._bytes is None:
+            self._bytes = self.engine.generator.tokenizer.byte_fallback_ids()
+        return self._bytes
 
     def _check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")

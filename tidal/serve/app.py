@@ -85,8 +85,13 @@ def create_app(
                 )
         return await call_next(request)
 
-    def engine_failed(e: BaseException) -> ApiError:
-        message = f"the engine failed: {type(e).__name__}: {e}"
+    def failed(e: BaseException, future: Future) -> ApiError:
+        """The 500 of a request whose engine failed, or whose response failed to build."""
+        if future.exception() is not None:
+            return ApiError(
+                f"the engine failed: {type(e).__name__}: {e}", status=500, type="server_error"
+            )
+        message = f"internal error: {type(e).__name__}: {e}"
         return ApiError(message, status=500, type="server_error")
 
     async def run(request: Request, prepare) -> Response:
@@ -102,24 +107,35 @@ def create_app(
             future = served.engine.submit(
                 prepared.prompts,
                 prepared.params,
-                (lambda i, j, ids: _post(loop, heard, (i, j, ids))) if live else None,
+                (lambda i, j, ids: _post(loop, heard.put_nowait, (i, j, ids))) if live else None,
             )
         except ApiError as e:
             return error(e)
         except ValueError as e:  # the Generator's own checks, if ours missed one
             return error(ApiError(str(e)))
-        if prepared.events is not None:
-            future.add_done_callback(lambda _: _post(loop, heard, None))
-            first = await heard.get()  # the status goes out with the first event
-            if first is None and future.exception() is not None:
-                return error(engine_failed(future.exception()))  # type: ignore[arg-type]
-            stream = sse(prepared, prepared.events, first, heard, future, request)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        try:
-            groups = await asyncio.wrap_future(future)
-        except Exception as e:  # the engine failed (it serves on): this request gets a 500
-            return error(engine_failed(e))
-        return JSONResponse(finish(prepared, groups, request))
+        if prepared.events is None:
+            try:
+                groups = await asyncio.wrap_future(future)
+            except Exception as e:  # the engine failed (it serves on): this request gets a 500
+                return error(failed(e, future))
+            return JSONResponse(finish(prepared, groups, request))
+        outcome: dict[str, Any] = {}
+
+        def settle(done: Future) -> None:
+            """On the loop once the engine is done: the response (recorded, its session
+            remembered) whether or not the client still reads the stream."""
+            try:
+                outcome["body"] = finish(prepared, done.result(), request)
+            except Exception as e:
+                outcome["error"] = failed(e, done)
+            heard.put_nowait(None)
+
+        future.add_done_callback(lambda done: _post(loop, settle, done))
+        first = await heard.get()  # the status goes out with the first event
+        if first is None and "error" in outcome:
+            return error(outcome["error"])
+        stream = sse(prepared.events, first, heard, outcome)
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     def finish(prepared: Prepared, groups, request: Request) -> dict[str, Any]:
         body = prepared.respond(groups)
@@ -128,15 +144,14 @@ def create_app(
         return body
 
     async def sse(
-        prepared: Prepared,
         events: EventStream,
         first: tuple[int, int, list[int]] | None,
         heard: asyncio.Queue,
-        future: Future,
-        request: Request,
+        outcome: dict[str, Any],
     ) -> AsyncIterator[bytes]:
         """A streamed request's events: its text as the Engine reports tokens (`first`, then
-        `heard` until the None that says the future is done), then the closing."""
+        `heard` until the None that says the response is settled), then the closing, or an
+        error event (the status went out with the first event)."""
         for event in events.opening():
             yield event
         item = first
@@ -144,11 +159,11 @@ def create_app(
             for event in events.tokens(*item):
                 yield event
             item = await heard.get()
-        if future.exception() is not None:
-            for event in events.error(engine_failed(future.exception()).body()):  # type: ignore[arg-type]
+        if "error" in outcome:
+            for event in events.error(outcome["error"].body()):
                 yield event
             return
-        for event in events.closing(finish(prepared, future.result(), request)):
+        for event in events.closing(outcome["body"]):
             yield event
 
     @app.post("/v1/chat/completions")
@@ -167,11 +182,11 @@ def create_app(
     return app
 
 
-def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: Any) -> None:
-    """Put `item` in `queue` from any thread (the Engine's); nothing once the loop is closed
-    (the server shut down while a request ran)."""
+def _post(loop: asyncio.AbstractEventLoop, call: Callable[..., Any], *args: Any) -> None:
+    """`call(*args)` on the event loop, from any thread (the Engine's); nothing once the loop
+    is closed (the server shut down while a request ran)."""
     with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        loop.call_soon_threadsafe(call, *args)
 
 
 @contextlib.contextmanager

@@ -211,7 +211,11 @@ class Engine:
     def _finish(self, jobs: list[_Job], groups: list[list[Sample]]) -> None:
         at = 0
         for job in jobs:
-            self._done(job, result=groups[at : at + len(job.prompts)])
+            mine = groups[at : at + len(job.prompts)]
+            for k, group in enumerate(mine):  # numbered in the job, not in the fed batch
+                for sample in group:
+                    sample.prompt_index = k
+            self._done(job, result=mine)
             at += len(job.prompts)
 
     def _done(self, job: _Job, *, result: Any = None, error: BaseException | None = None) -> None:

@@ -30,43 +30,78 @@ _EXTENSION = (
 class TextDeltas:
     """One sample's text as its tokens arrive: `add` returns the text that can be sent now.
 
-    Text is held back while it could still change or be cut: a last character whose bytes
-    are not all decoded yet, and an end that could begin one of the `stop` strings (the
-    completion's text ends before a stop string). What `add` returned is therefore a prefix
-    of the finished sample's text (`Sample.text`, decoded the same way), and `rest(text)` is
-    what remains of it.
+    The text is decoded incrementally, as vLLM and TGI do: each new stretch of tokens is
+    decoded together with the stretch before it and only the difference is taken, so a
+    decoder that treats the first token of a call apart (SentencePiece's leading space) gives
+    the same text as decoding the whole. Held back: a stretch whose last character's bytes
+    are not all decoded yet (it ends in U+FFFD), trailing byte tokens (`byte_tokens`:
+    SentencePiece's `<0xE2>` fallback, whose runs are decoded as one), and an end that could
+    begin one of the `stop` strings (the completion's text ends before a stop string).
+    What `add` returned is therefore a prefix of the finished sample's text (`Sample.text`,
+    decoded the same way), and `rest(text)` is what remains of it.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: tuple[str, ...] = (),
+        byte_tokens: frozenset[int] = frozenset(),
+    ):
         self.decode = decode
         self.stop = stop
+        self.byte_tokens = byte_tokens
         self.ids: list[int] = []
+        self.text = ""
+        """The decoded text of ids[: self._read]."""
         self.sent = ""
+        self._prefix = self._read = 0  # ids[_prefix:_read]: the stretch decoded last
+        self._longest_stop = max(map(len, stop), default=0)
 
     def add(self, ids: list[int]) -> str:
         self.ids += ids
-        safe = self._safe(self.decode(self.ids))
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+        end = len(self.ids)
+        while end > self._read and self.ids[end - 1] in self.byte_tokens:
+            end -= 1
+        if end > self._read:
+            before = self.decode(self.ids[self._prefix : self._read])
+            after = self.decode(self.ids[self._prefix : end])
+            if len(after) > len(before) and after.startswith(before) and after[-1] != "\ufffd":
+                self.text += after[len(before) :]
+                self._prefix, self._read = self._read, end
+        safe = self._safe()
+        if safe <= len(self.sent):
             return ""
-        delta, self.sent = safe[len(self.sent) :], safe
+        delta = self.text[len(self.sent) : safe]
+        self.sent += delta
         return delta
 
     def rest(self, text: str) -> str:
-        """What is left to send of the finished text."""
-        return text[len(self.sent) :] if text.startswith(self.sent) else text
+        """What is left to send of the finished text (past what was sent, or past the part
+        of it the finished text agrees with, for a decoder that changed its mind: the
+        client then has sent text the finished text lacks, never text twice)."""
+        if text.startswith(self.sent):
+            return text[len(self.sent) :]
+        same = 0
+        while same < min(len(text), len(self.sent)) and text[same] == self.sent[same]:
+            same += 1
+        return text[same:]
 
-    def _safe(self, text: str) -> str:
-        text = text.rstrip("\ufffd")  # bytes of a character still to come
-        cuts = [text.find(s) for s in self.stop if s in text]
+    def _safe(self) -> int:
+        """How much of `text` can be out: up to the first stop string, and short of an end
+        that could begin one. Only text that is not out yet, and the stop strings' length
+        before it, is searched (what is out holds no stop string)."""
+        text = self.text
+        start = max(0, len(self.sent) - self._longest_stop)
+        cuts = [k for k in (text.find(s, start) for s in self.stop) if k >= 0]
         if cuts:
-            return text[: min(cuts)]
+            return min(cuts)
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
                 if text.endswith(s[:k]):
                     hold = k
                     break
-        return text[: len(text) - hold]
+        return len(text) - hold
 
 
 class EventStream:
@@ -74,14 +109,16 @@ class EventStream:
 
     Args:
         head: the fields every chunk starts with: `id`, `object` (`chat.completion.chunk` or
-            `text_completion`), `created`, `model` (and `prompt_token_ids` of a chat with
-            `return_token_ids`).
+            `text_completion`), `created`, `model`.
         n: samples per prompt (a completion choice's index is prompt index * n + sample).
         choices: choices in all.
         decode: token ids to text as the samples' text is decoded; None: no text before the
             closing.
         stop: the request's stop strings.
+        byte_tokens: the tokenizer's byte-fallback tokens (see `TextDeltas`).
         include_usage: a last chunk with the usage.
+        framing: fields of the opening and closing chunks only (a chat's `prompt_token_ids`
+            with `return_token_ids`: once, not with every delta).
     """
 
     def __init__(
@@ -92,9 +129,13 @@ class EventStream:
         choices: int,
         decode: Callable[[list[int]], str] | None,
         stop: tuple[str, ...] = (),
+        byte_tokens: frozenset[int] = frozenset(),
         include_usage: bool = False,
+        framing: dict[str, Any] | None = None,
     ):
         self.head = head
+        self.framing = framing or {}
+        self.byte_tokens = byte_tokens
         self.chat = head["object"] == "chat.completion.chunk"
         self.n = n
         self.choices = choices
@@ -113,7 +154,7 @@ class EventStream:
         if not self.chat:
             return []
         return [
-            self._event({"index": i, "delta": {"role": "assistant", "content": ""}})
+            self._event({"index": i, "delta": {"role": "assistant", "content": ""}}, framed=True)
             for i in range(self.choices)
         ]
 
@@ -124,7 +165,7 @@ class EventStream:
         i = prompt_index * self.n + sample_index
         texts = self._texts.get(i)
         if texts is None:
-            texts = self._texts[i] = TextDeltas(self.decode, self.stop)
+            texts = self._texts[i] = TextDeltas(self.decode, self.stop, self.byte_tokens)
         delta = texts.add(ids)
         if not delta:
             return []
@@ -158,7 +199,7 @@ class EventStream:
                 rest = texts.rest(text) if texts else text
                 last = {"index": i, "text": rest, "logprobs": choice["logprobs"], **extra}
                 done = {"index": i, "text": "", "finish_reason": choice["finish_reason"]}
-            out += [self._event(last), self._event(done)]
+            out += [self._event(last, framed=True), self._event(done, framed=True)]
         if self.include_usage:
             out.append(_sse({**self.head, "choices": [], "usage": response["usage"]}))
         return [*out, b"data: [DONE]\n\n"]
@@ -167,9 +208,10 @@ class EventStream:
         """An error after the stream began (an OpenAI error body), as the last event."""
         return [_sse(body), b"data: [DONE]\n\n"]
 
-    def _event(self, choice: dict[str, Any]) -> bytes:
+    def _event(self, choice: dict[str, Any], framed: bool = False) -> bytes:
         choice.setdefault("finish_reason", None)
-        return _sse({**self.head, "choices": [choice]})
+        head = {**self.head, **self.framing} if framed else self.head
+        return _sse({**head, "choices": [choice]})
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -41,6 +42,7 @@ EOS_CANDIDATES: tuple[str, ...] = (
     "<eos>",
 )
 
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _ENCODE_CHUNK = 1024  # documents per encode_batch call, bounds peak memory of Encodings
 
 
@@ -141,6 +143,13 @@ class Tokenizer:
         text = self._tok.id_to_token(token_id)
         assert text is not None, f"token id {token_id} is not in the vocabulary"
         return text
+
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """The ids of byte-fallback tokens (`<0x00>` to `<0xFF>`, SentencePiece-style
+        vocabularies: runs of them decode together into characters); none in a byte-level
+        BPE."""
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        return frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`; BOS/EOS and other special tokens are dropped unless asked for."""

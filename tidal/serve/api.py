@@ -144,12 +144,14 @@ class Served:
                 self._remember(session, msgs, tools, prompt, groups[0][0], choices[0])
             return out
 
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created}
-        head["model"] = self.name
-        # With tools the content is what the calls leave, known once the turn is whole.
-        events = self._events(body, head, params, choices=params[0].n, live=not tools)
-        if events is not None and token_ids:
-            events.framing["prompt_token_ids"] = prompt
+        events = self._events(
+            body,
+            {"id": rid, "object": "chat.completion.chunk", "created": created},
+            params,
+            choices=params[0].n,
+            live=not tools,  # with tools the content is what the calls leave: known at the end
+            framing={"prompt_token_ids": prompt} if token_ids else None,
+        )
         return Prepared([prompt], params, respond, events)
 
     def _continued(
@@ -227,8 +229,13 @@ class Served:
                 "usage": _usage(groups),
             }
 
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
-        events = self._events(body, head, params, choices=len(prompts) * params[0].n, live=True)
+        events = self._events(
+            body,
+            {"id": rid, "object": "text_completion", "created": created},
+            params,
+            choices=len(prompts) * params[0].n,
+            live=True,
+        )
         return Prepared(prompts, params, respond, events)
 
     # -- shared ---------------------------------------------------------------------------
@@ -241,8 +248,10 @@ class Served:
         *,
         choices: int,
         live: bool,
+        framing: dict[str, Any] | None = None,
     ) -> EventStream | None:
-        """The request's EventStream if it streams (`live`: its text as it decodes)."""
+        """The request's EventStream if it streams (`live`: its text as it decodes; `head`
+        without the model, `framing`: see EventStream)."""
         stream = schema.flag(body, "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -252,13 +261,14 @@ class Served:
         tokenizer = self.engine.generator.tokenizer
         live = live and tokenizer is not None
         return EventStream(
-            head,
+            {**head, "model": self.name},
             n=params[0].n,
             choices=choices,
             decode=tokenizer.decode if live else None,
             stop=params[0].stop,
             byte_tokens=self._byte_tokens() if live else frozenset(),
             include_usage=bool(options and options.get("include_usage")),
+            framing=framing,
         )
 
     def _byte_tokens(self) -> frozenset[int]:
